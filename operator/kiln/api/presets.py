@@ -1,0 +1,64 @@
+"""Model size presets and the resolution of a ModelSpec into concrete dimensions."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from kiln.api.spec import ModelSpec
+
+
+class ModelDims(BaseModel):
+    """Concrete model dimensions, every field set (what the trainer builds)."""
+
+    model_config = ConfigDict(frozen=True)
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    seq_len: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+def llama_ffn_dim(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int:
+    """Llama's SwiGLU hidden size: 2/3 of 4*dim, scaled, rounded up to a multiple."""
+    hidden = int(multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+PRESETS: dict[str, dict] = {
+    # CPU-sized: trains in minutes on two cores with the byte tokenizer.
+    "tiny": dict(dim=128, layers=4, heads=4, kv_heads=2, vocab_size=256, seq_len=128, ffn_dim=352),
+    "small": dict(dim=512, layers=8, heads=8, kv_heads=4, vocab_size=32000, seq_len=1024, ffn_dim=1408),
+    # Llama 3.2 1B shape (tied embeddings not used here).
+    "llama-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, vocab_size=128256, seq_len=2048, ffn_dim=8192,
+                     rope_theta=500000.0),
+    # Llama 3.1 8B shape.
+    "llama-8b": dict(dim=4096, layers=32, heads=32, kv_heads=8, vocab_size=128256, seq_len=4096, ffn_dim=14336,
+                     rope_theta=500000.0),
+}
+
+
+def resolve_model(spec: ModelSpec) -> ModelDims:
+    """Preset values, overridden by every explicit field; raises ValueError naming what is missing."""
+    values: dict = {}
+    if spec.preset is not None:
+        if spec.preset not in PRESETS:
+            raise ValueError(f"model.preset {spec.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        values.update(PRESETS[spec.preset])
+    explicit = spec.model_dump(exclude={"preset"}, exclude_none=True)
+    values.update(explicit)
+    if "dim" in values and "ffn_dim" not in values:
+        values["ffn_dim"] = llama_ffn_dim(values["dim"])
+    if "heads" in values and "kv_heads" not in values:
+        values["kv_heads"] = values["heads"]
+    missing = [f for f in ("dim", "layers", "heads", "vocab_size", "seq_len") if f not in values]
+    if missing:
+        raise ValueError(f"model: set a preset or all of dim, layers, heads, vocabSize, seqLen (missing: {', '.join(missing)})")
+    return ModelDims(**values)
