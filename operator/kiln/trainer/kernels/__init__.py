@@ -1,19 +1,29 @@
 """Fused kernels behind one switch: Triton on CUDA, the reference (under torch.compile) elsewhere.
 
-Public ops: rms_norm, swiglu, apply_rope, fused_linear_cross_entropy. `set_mode("reference")` forces the
-plain PyTorch ops everywhere (the `parallelism.kernels` field of the spec).
+Public ops: rms_norm, swiglu, apply_rope, fused_linear_cross_entropy. In mode "fused" (the default) an op
+runs its Triton kernel when every tensor argument is a plain CUDA tensor and Triton imports; DTensors
+(tensor parallel), CPU tensors and shapes the kernels do not cover take the plain PyTorch reference,
+which the model's per-block `torch.compile` fuses. `set_mode("reference")` forces the reference
+everywhere (the `parallelism.kernels` field of the spec).
 """
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
+import torch
+
+from kiln.errors import KilnError
 from kiln.trainer.kernels import reference
 
+MODES = ("fused", "reference")
 _MODE = "fused"
 
 
 def set_mode(mode: str) -> None:
-    if mode not in ("fused", "reference"):
-        raise ValueError(f"kernels must be 'fused' or 'reference', not {mode!r}")
+    if mode not in MODES:
+        raise KilnError(f"parallelism.kernels must be one of {', '.join(MODES)}, not {mode!r}")
     global _MODE
     _MODE = mode
 
@@ -22,11 +32,57 @@ def get_mode() -> str:
     return _MODE
 
 
-# The dispatch to Triton on CUDA tensors is added by the kernels work (issue 8); until then every op is the
-# reference implementation.
-rms_norm = reference.rms_norm
-swiglu = reference.swiglu
-apply_rope = reference.apply_rope
-fused_linear_cross_entropy = reference.fused_linear_cross_entropy
+@functools.lru_cache(maxsize=1)
+def _triton_ops() -> ModuleType | None:
+    try:
+        from kiln.trainer.kernels import triton as triton_ops
+    except ImportError:  # no triton in this environment: the reference is the only implementation
+        return None
+    return triton_ops
 
-__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "reference"]
+
+def _fused(*tensors: torch.Tensor) -> ModuleType | None:
+    """The Triton ops if this call should use them, else None."""
+    if _MODE != "fused":
+        return None
+    # Exact types: tensor subclasses (DTensor, other wrappers) are handled only by the reference.
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors):
+        return None
+    return _triton_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    ops = _fused(x, weight)
+    if ops is not None and x.shape[-1] <= ops.MAX_FUSED_COLS:
+        return ops.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    ops = _fused(gate, up)
+    if ops is not None:
+        return ops.swiglu(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = _fused(q, k, cos, sin)
+    if ops is not None:
+        return ops.apply_rope(q, k, cos, sin)
+    return reference.apply_rope(q, k, cos, sin)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    ops = _fused(hidden, weight, targets)
+    if ops is not None:
+        return ops.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
+    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
+
+
+__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "reference", "MODES"]

@@ -1,0 +1,14 @@
+"""Triton implementations of the fused ops, each a registered custom op with its own backward.
+
+Import this module directly to run the kernels whatever the device switch would pick (the tests run them
+on CPU tensors under TRITON_INTERPRET=1). Being `torch.library.custom_op`s, `torch.compile` treats them
+as opaque calls and traces around them.
+"""
+
+from kiln.trainer.kernels.triton._common import MAX_FUSED_COLS
+from kiln.trainer.kernels.triton.cross_entropy import fused_linear_cross_entropy
+from kiln.trainer.kernels.triton.rms_norm import rms_norm
+from kiln.trainer.kernels.triton.rope import apply_rope
+from kiln.trainer.kernels.triton.swiglu import swiglu
+
+__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "MAX_FUSED_COLS"]
