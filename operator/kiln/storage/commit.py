@@ -1,0 +1,207 @@
+"""The checkpoint commit protocol (DESIGN.md §4): what a committed step is, and how it is written and checked.
+
+    <root>/step-00001000/*.distcp, .metadata   DCP shards, written by every rank
+    <root>/step-00001000/trainer.json          step, data cursor, RNG, scheduler, layout (rank 0)
+    <root>/step-00001000/COMMIT                size and sha256 of every file above; written last
+    <root>/latest                              "step-00001000", rewritten after COMMIT
+
+A reader trusts only a step whose COMMIT exists and whose files all match it. The pure helpers (names,
+manifests, retention) come first; the functions taking an ObjectStore do the I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+from kiln.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+
+log = logging.getLogger("kiln.storage")
+
+COMMIT = "COMMIT"
+TRAINER_STATE = "trainer.json"
+LATEST = "latest"
+COMMIT_VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+HASH_CHUNK = 8 << 20
+
+
+# -- pure -----------------------------------------------------------------------------------------------------
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name.strip().strip("/"))
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Commit:
+    step: int
+    files: dict[str, FileEntry]  # name inside the step directory → size, sha256
+    time: float = field(default_factory=time.time)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "version": COMMIT_VERSION,
+            "step": self.step,
+            "time": self.time,
+            "files": {n: {"size": e.size, "sha256": e.sha256} for n, e in sorted(self.files.items())},
+        }
+        return (json.dumps(body, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str) -> Commit:
+        try:
+            body = json.loads(data)
+            files = {n: FileEntry(int(e["size"]), str(e["sha256"])) for n, e in body["files"].items()}
+            return cls(step=int(body["step"]), files=files, time=float(body.get("time", 0.0)))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise KilnError(f"{where} is not a valid COMMIT file ({err})") from None
+
+
+def steps_from_listing(objects: list[ObjectInfo]) -> tuple[set[int], set[int]]:
+    """(every step with any file, the steps with a COMMIT) from a listing of the checkpoint root."""
+    seen, committed = set(), set()
+    for obj in objects:
+        head, _, name = obj.key.partition("/")
+        step = parse_step(head)
+        if step is None:
+            continue
+        seen.add(step)
+        if name == COMMIT:
+            committed.add(step)
+    return seen, committed
+
+
+def retention_plan(seen: set[int], committed: set[int], keep: int) -> list[int]:
+    """Steps to delete: committed ones beyond the newest `keep`, and uncommitted leftovers older than the newest
+    commit (crashed saves). The newest committed step is never deleted; uncommitted steps newer than it are
+    left alone (they may be a save in flight)."""
+    if not committed:
+        return []
+    keep = max(1, keep)
+    kept = sorted(committed, reverse=True)[:keep]
+    newest = kept[0]
+    return sorted(s for s in seen if s not in kept and (s in committed or s < newest))
+
+
+def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly optimal time between checkpoints: sqrt(2 x cost x MTBF), in seconds."""
+    return (2.0 * max(save_cost_s, 0.0) * max(mtbf_s, 0.0)) ** 0.5
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- I/O through an ObjectStore ------------------------------------------------------------------------------
+
+
+def hash_object(store: ObjectStore, key: str, size: int, parallelism: int = 8) -> str:
+    """sha256 of a stored object: read in place when local, else parallel ranged GETs hashed in order."""
+    local = store.local_path(key)
+    if local is not None:
+        return sha256_file(local)
+    h = hashlib.sha256()
+    ranges = [(off, min(HASH_CHUNK, size - off)) for off in range(0, size, HASH_CHUNK)]
+    with ThreadPoolExecutor(parallelism) as pool:
+        # pool.map keeps order and runs ahead by up to `parallelism` chunks
+        for data in pool.map(lambda r: store.get_bytes(key, r[0], r[1]), ranges):
+            h.update(data)
+    return h.hexdigest()
+
+
+def committed_steps(store: ObjectStore) -> list[int]:
+    """Committed steps, newest first (a COMMIT exists; its files are checked by verify_files)."""
+    _, committed = steps_from_listing(store.list("step-"))
+    return sorted(committed, reverse=True)
+
+
+def read_commit(store: ObjectStore, step: int) -> Commit:
+    key = f"{step_dir(step)}/{COMMIT}"
+    commit = Commit.from_bytes(store.get_bytes(key), where=store.url(key))
+    if commit.step != step:
+        raise KilnError(f"{store.url(key)} says step {commit.step}, not {step}")
+    return commit
+
+
+def verify_files(store: ObjectStore, step: int, commit: Commit, names: list[str]) -> list[str]:
+    """Problems (empty if none) with the named files of a commit: missing, wrong size, wrong sha256."""
+    problems = []
+    prefix = step_dir(step)
+    for name in names:
+        entry = commit.files[name]
+        key = f"{prefix}/{name}"
+        try:
+            size = store.size(key)
+        except ObjectNotFound:
+            problems.append(f"{name} is missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{name} has {size} bytes, COMMIT says {entry.size}")
+            continue
+        digest = hash_object(store, key, size)
+        if digest != entry.sha256:
+            problems.append(f"{name} sha256 {digest[:12]}… does not match COMMIT {entry.sha256[:12]}…")
+    return problems
+
+
+def write_commit(store: ObjectStore, step: int, shard_files: dict[str, FileEntry], trainer_state: dict) -> Commit:
+    """Rank 0, after every rank's shards are stored: trainer.json, then COMMIT, then latest (in that order)."""
+    prefix = step_dir(step)
+    state_bytes = (json.dumps(trainer_state, indent=1, sort_keys=True) + "\n").encode()
+    store.put_bytes(f"{prefix}/{TRAINER_STATE}", state_bytes)
+    files = dict(shard_files)
+    files[TRAINER_STATE] = FileEntry(len(state_bytes), hashlib.sha256(state_bytes).hexdigest())
+    commit = Commit(step=step, files=files)
+    store.put_bytes(f"{prefix}/{COMMIT}", commit.to_bytes())
+    store.put_bytes(LATEST, (prefix + "\n").encode())
+    return commit
+
+
+def read_trainer_state(store: ObjectStore, step: int) -> dict:
+    key = f"{step_dir(step)}/{TRAINER_STATE}"
+    try:
+        return json.loads(store.get_bytes(key))
+    except ValueError as err:
+        raise KilnError(f"{store.url(key)} is not valid JSON ({err})") from None
+
+
+def read_latest(store: ObjectStore) -> int | None:
+    """The step `latest` names (a hint for people and tools; readers still check COMMIT)."""
+    try:
+        return parse_step(store.get_bytes(LATEST).decode(errors="replace"))
+    except ObjectNotFound:
+        return None
+
+
+def apply_retention(store: ObjectStore, keep: int) -> list[int]:
+    """Delete what retention_plan says; returns the deleted steps."""
+    seen, committed = steps_from_listing(store.list("step-"))
+    doomed = retention_plan(seen, committed, keep)
+    for step in doomed:
+        # COMMIT goes first, so a half-deleted step is never mistaken for a committed one.
+        store.delete(f"{step_dir(step)}/{COMMIT}")
+        store.delete_prefix(f"{step_dir(step)}/")
+    return doomed

@@ -1,0 +1,585 @@
+"""Asynchronous, atomic checkpoints that any world size can resume (DESIGN.md §4, docs/checkpoints.md).
+
+Model and optimizer state go through `torch.distributed.checkpoint` (DCP) as sharded, FQN-keyed state dicts
+from `get_state_dict`, so a checkpoint saved with one parallel layout loads into any other (DCP reshards).
+DCP's FileSystemWriter/Reader do the (de)serialisation; their file system is swapped for one over a kiln
+ObjectStore (`StoreFS`): each shard file is written to local disk and, once complete, hashed and uploaded as a
+parallel multipart PUT by the same writer thread — so serialising shard k+1 overlaps uploading shard k, memory
+stays bounded by the staged state, and a transient S3 failure re-reads the local file instead of re-serialising.
+On file:// the shard is written in place and only hashed. Reads use parallel ranged GETs with a block cache.
+
+A save blocks the training loop only to copy the state off the accelerator (into reused pinned host buffers on
+GPU, a CPU copy on CPU); the upload, the COMMIT (rank 0, after every rank's file list with sizes and sha256s
+is gathered) and retention run in one background thread on a separate gloo process group. At most one save
+is in flight; the next one waits for it and says how long it waited.
+
+Preemption: call `install_sigterm_handler()` once, and in the loop `if ckpt.stop_requested(step):
+ckpt.save(step, ..., final=True); break` — every rank agrees on the same step before saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, _FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from kiln.api.spec import CheckpointSpec
+from kiln.errors import KilnError
+from kiln.storage import ObjectStore, open_store
+from kiln.storage.commit import (
+    FileEntry,
+    apply_retention,
+    committed_steps,
+    read_commit,
+    read_latest,
+    read_trainer_state,
+    sha256_file,
+    step_dir,
+    verify_files,
+    write_commit,
+    young_daly_interval,
+)
+
+log = logging.getLogger("kiln.checkpoint")
+
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # FQN keys: mergeable over pipeline stages
+
+# intervalSteps: auto — bounds and priors (Young/Daly needs a cost and an MTBF before it has measured either).
+AUTO_MIN_STEPS = 10
+AUTO_MAX_STEPS = 10_000
+AUTO_FIRST_STEPS = 10  # first save early, to measure its cost
+MTBF_PRIOR_S = float(os.environ.get("KILN_MTBF_PRIOR_SECONDS", 6 * 3600))  # one failure per this, before evidence
+
+
+# -- DCP over an ObjectStore ------------------------------------------------------------------------------------
+
+
+class StoreFS(FileSystemBase):
+    """DCP's file-system interface over an ObjectStore. Paths are '/'-joined keys relative to the store root.
+
+    A written file is published (hashed; uploaded unless the store is local) when its stream closes; a `*.tmp`
+    file is published under its new name by `rename` (DCP writes `.metadata.tmp` then renames it).
+    """
+
+    def __init__(self, store: ObjectStore, staging_dir: Path, read_block: int = 8 << 20):
+        self.store = store
+        self.staging_dir = staging_dir
+        self.read_block = read_block
+        self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
+        self._pending: dict[str, Path] = {}  # *.tmp key → local file
+        self._lock = threading.Lock()
+
+    def _local_for_write(self, key: str) -> tuple[Path, bool]:
+        local = self.store.local_path(key)
+        if local is not None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            return local, False
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.staging_dir, prefix=key.replace("/", "_") + ".")
+        os.close(fd)
+        return Path(name), True
+
+    def _publish(self, key: str, path: Path, staged: bool) -> None:
+        entry = FileEntry(path.stat().st_size, sha256_file(path))  # hashed from the page cache
+        if staged:
+            try:
+                self.store.put_file(key, path)
+            finally:
+                path.unlink(missing_ok=True)
+        with self._lock:
+            self.written[key] = entry
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Generator[io.IOBase, None, None]:
+        key = str(path)
+        if "r" in mode:
+            local = self.store.local_path(key)
+            if local is not None:
+                with open(local, "rb") as f:
+                    yield f
+            else:
+                yield RangedReader(self.store, key, self.read_block)
+            return
+        local, staged = self._local_for_write(key)
+        with open(local, "wb") as f:
+            yield f
+        if key.endswith(".tmp"):
+            with self._lock:
+                self._pending[key] = local
+            return
+        self._publish(key, local, staged)
+
+    def rename(self, path, new_path) -> None:
+        src, dst = str(path), str(new_path)
+        with self._lock:
+            local = self._pending.pop(src)
+        if self.store.local_path(dst) is not None:
+            os.replace(local, self.store.local_path(dst))
+            self._publish(dst, self.store.local_path(dst), staged=False)
+        else:
+            self._publish(dst, local, staged=True)
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def mkdir(self, path) -> None:
+        local = self.store.local_path(str(path))
+        if local is not None:
+            local.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.store.exists(str(path))
+
+    def rm_file(self, path) -> None:
+        self.store.delete(str(path))
+
+
+class RangedReader(io.RawIOBase):
+    """A seekable read-only stream over one stored object: block-aligned ranged GETs, fetched in parallel
+    when one read spans several blocks, with a small LRU cache (torch.load reads in many small pieces)."""
+
+    def __init__(self, store: ObjectStore, key: str, block: int, cache_blocks: int = 16):
+        self.store, self.key, self.block = store, key, block
+        self.length = store.size(key)
+        self.pos = 0
+        self.cache: OrderedDict[int, bytes] = OrderedDict()
+        self.cache_blocks = cache_blocks
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def _blocks(self, first: int, last: int) -> dict[int, bytes]:
+        missing = [b for b in range(first, last + 1) if b not in self.cache]
+        if missing:
+            ranges = [(b * self.block, min(self.block, self.length - b * self.block)) for b in missing]
+            fetch = getattr(self.store, "get_ranges", None)
+            datas = fetch(self.key, ranges) if fetch else [self.store.get_bytes(self.key, o, n) for o, n in ranges]
+            for b, data in zip(missing, datas):
+                self.cache[b] = data
+        out = {b: self.cache[b] for b in range(first, last + 1)}
+        for b in out:
+            self.cache.move_to_end(b)
+        while len(self.cache) > max(self.cache_blocks, last - first + 1):
+            self.cache.popitem(last=False)
+        return out
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.length - self.pos)
+        if n <= 0:
+            return 0
+        first, last = self.pos // self.block, (self.pos + n - 1) // self.block
+        view = memoryview(buf)
+        done = 0
+        for b, data in self._blocks(first, last).items():
+            start = self.pos + done - b * self.block
+            take = min(len(data) - start, n - done)
+            view[done : done + take] = data[start : start + take]
+            done += take
+        self.pos += n
+        return n
+
+
+class StoreWriter(_FileSystemWriter):
+    """DCP's FileSystemWriter with its file system swapped for StoreFS."""
+
+    def __init__(self, fs: StoreFS, step_prefix: str, *, thread_count: int, sync_files: bool):
+        super().__init__(step_prefix, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count)
+        self.fs = fs
+        self.path = step_prefix
+
+
+class StoreReader(FileSystemReader):
+    """DCP's FileSystemReader with its file system swapped for StoreFS."""
+
+    def __init__(self, fs: StoreFS, step_prefix: str):
+        super().__init__(step_prefix)
+        self.fs = fs
+        self.path = step_prefix
+
+
+# -- state dicts of several model parts (pipeline stages) ------------------------------------------------------
+
+
+def _pairs(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> list[tuple[nn.Module, list[Optimizer]]]:
+    if len(model_parts) == 1:
+        return [(model_parts[0], list(optimizers))]
+    if len(optimizers) == len(model_parts):
+        return [(m, [o]) for m, o in zip(model_parts, optimizers)]
+    raise KilnError(
+        f"checkpoint: {len(model_parts)} model parts need one optimizer each (got {len(optimizers)} optimizers)"
+    )
+
+
+def collect_state(model_parts, optimizers) -> tuple[dict[str, Any], list[tuple[set[str], set[str]]]]:
+    """{"model": {...}, "optim": {...}} merged over parts, and each part's key sets (to split on load)."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    keys = []
+    for model, opts in _pairs(model_parts, optimizers):
+        msd, osd = get_state_dict(model, opts, options=STATE_OPTIONS)
+        model_sd.update(msd)
+        optim_sd.update(osd)
+        keys.append((set(msd), set(osd)))
+    return {"model": model_sd, "optim": optim_sd}, keys
+
+
+def _signature(sd: Any) -> Any:
+    """Structure, shapes and dtypes: when it changes, the staging buffers must be re-allocated."""
+    if isinstance(sd, dict):
+        return tuple((k, _signature(v)) for k, v in sd.items())
+    if isinstance(sd, torch.Tensor):
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        return (tuple(sd.shape), tuple(local.shape), sd.dtype)
+    return type(sd).__name__
+
+
+# -- preemption ------------------------------------------------------------------------------------------------
+
+_sigterm = threading.Event()
+
+
+def install_sigterm_handler() -> threading.Event:
+    """Turn SIGTERM (pod eviction, preemption, `kubectl delete`) into a flag instead of an exit.
+
+    Call once from the main thread; the loop then checks `Checkpointer.stop_requested(step)` and, when it says
+    so, saves with final=True and exits normally. Kubernetes sends SIGKILL after terminationGracePeriodSeconds,
+    so that grace period must cover one staging plus one upload.
+    """
+
+    def handler(signum, frame):
+        log.warning("SIGTERM received: will save a checkpoint and stop at the next agreed step")
+        _sigterm.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    return _sigterm
+
+
+# -- the checkpointer ------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Save/restore model, optimizer and trainer state under `spec.uri` (or `default_uri`)."""
+
+    def __init__(
+        self,
+        spec: CheckpointSpec,
+        *,
+        default_uri: str,
+        rank: int,
+        world_size: int,
+        store: ObjectStore | None = None,
+        staging_dir: str | None = None,
+        thread_count: int = 2,
+        stop_check_every: int = 10,
+    ):
+        self.spec = spec
+        self.uri = spec.uri or default_uri
+        self.rank, self.world_size = rank, world_size
+        self.store = store or open_store(self.uri, endpoint=spec.endpoint)
+        self.thread_count = thread_count
+        self.stop_check_every = max(1, stop_check_every)
+        self._staging_root = Path(staging_dir or tempfile.gettempdir()) / f"kiln-ckpt-stage-{os.getpid()}"
+        self._distributed = dist.is_available() and dist.is_initialized() and world_size > 1
+        # DCP's collectives run in the background thread: give them their own gloo group, so they never
+        # interleave with the training loop's collectives on the default group (and work under NCCL too).
+        self._pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
+        self._future: Future | None = None
+        self._cache: dict | None = None
+        self._cache_sig: Any = None
+        self._pin = torch.cuda.is_available()
+        self.last_saved_step: int | None = None
+        self.last_committed_step: int | None = None
+        self.last_commit_time: float | None = None
+        # measurements for intervalSteps: auto and for metrics
+        self.last_blocking_s = 0.0
+        self.last_wait_s = 0.0
+        self.last_save_s = 0.0  # staging to COMMIT, wall time
+        self.save_failures = 0
+        self._step_time_s: float | None = None
+        self._last_step_seen: tuple[int, float] | None = None
+        self._run_seconds = 0.0  # training wall time over the whole run, carried in trainer.json
+        self._failures = 0  # restarts that did not end in a final save, carried in trainer.json
+        self._started = time.monotonic()
+
+    # -- interval ---------------------------------------------------------------------------------------------
+
+    @property
+    def interval_steps(self) -> int:
+        """The current save interval in steps (the spec's integer, or the Young/Daly choice for "auto")."""
+        if self.spec.interval_steps != "auto":
+            return int(self.spec.interval_steps)
+        if self.last_saved_step is None or self._step_time_s is None or self.last_save_s == 0.0:
+            return AUTO_FIRST_STEPS
+        cost = self.last_blocking_s + self.last_wait_s
+        seconds = young_daly_interval(cost, self.mtbf_s)
+        steps = math.ceil(seconds / max(self._step_time_s, 1e-6))
+        # never closer than one background save takes, or saves would queue up behind each other
+        floor = math.ceil(self.last_save_s / max(self._step_time_s, 1e-6))
+        return int(min(AUTO_MAX_STEPS, max(AUTO_MIN_STEPS, floor, steps)))
+
+    @property
+    def mtbf_s(self) -> float:
+        """Mean time between failures: the prior blended with the observed failures of this run."""
+        return (self._run_seconds + self._elapsed() + MTBF_PRIOR_S) / (self._failures + 1)
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def should_save(self, step: int) -> bool:
+        now = time.monotonic()
+        if self._last_step_seen is not None and step > self._last_step_seen[0]:
+            dt = (now - self._last_step_seen[1]) / (step - self._last_step_seen[0])
+            self._step_time_s = dt if self._step_time_s is None else 0.9 * self._step_time_s + 0.1 * dt
+        self._last_step_seen = (step, now)
+        if step <= 0:
+            return False
+        if self.spec.interval_steps == "auto":
+            return step - (self.last_saved_step or 0) >= self.interval_steps
+        return step % int(self.spec.interval_steps) == 0
+
+    def stop_requested(self, step: int) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM (checked every stop_check_every steps)."""
+        if not self._distributed:
+            return _sigterm.is_set()
+        if step % self.stop_check_every:
+            return False
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1.0 if _sigterm.is_set() else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    # -- save -------------------------------------------------------------------------------------------------
+
+    def _stage(self, state: dict) -> dict:
+        """Copy the state off the accelerator into reused host buffers (pinned on GPU); the loop blocks here."""
+        sig = _signature(state)
+        if self._cache is None or sig != self._cache_sig:
+            self._cache = _create_cpu_state_dict(state, pin_memory=self._pin)
+            self._cache_sig = sig
+        staged = _copy_state_dict(state, self._cache, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def save(self, step: int, model_parts, optimizers, trainer_state: dict, *, final: bool = False) -> None:
+        """Save `step`: blocks to stage, then uploads and commits in the background (inline if final or
+        async_save is off). A failed background save is logged and training continues from the last commit."""
+        self._wait(before_save=True)
+        if step == self.last_saved_step:
+            return
+        t0 = time.perf_counter()
+        state, _ = collect_state(model_parts, optimizers)
+        staged = self._stage(state)
+        self.last_blocking_s = time.perf_counter() - t0
+        self._run_seconds_at_save = self._run_seconds + self._elapsed()
+        meta = {
+            "step": step,
+            "world_size": self.world_size,
+            "final": final,
+            "time": time.time(),
+            "checkpoint": {"run_seconds": self._run_seconds_at_save, "failures": self._failures},
+        }
+        payload = dict(trainer_state)
+        payload["kiln"] = meta
+        self.last_saved_step = step
+        if final or not self.spec.async_save:
+            self._write(step, staged, payload, t0, raise_errors=True)
+        else:
+            self._future = self._executor.submit(self._write, step, staged, payload, t0, False)
+        log.info("checkpoint step %d: staged in %.3fs%s", step, self.last_blocking_s, "" if final else ", uploading")
+
+    def _write(self, step: int, staged: dict, payload: dict, t0: float, raise_errors: bool) -> None:
+        prefix = step_dir(step)
+        fs = StoreFS(self.store, self._staging_root / prefix)
+        try:
+            if self.rank == 0:
+                self.store.delete(f"{prefix}/COMMIT")  # a stale COMMIT from an older attempt at this step
+            writer = StoreWriter(fs, prefix, thread_count=self.thread_count, sync_files=self.store.local_path(prefix) is not None)
+            dcp.save(staged, storage_writer=writer, process_group=self._pg)
+            mine = {key.split("/", 1)[1]: entry for key, entry in fs.written.items()}
+            everyone = [mine]
+            if self._distributed:
+                everyone = [None] * self.world_size
+                dist.all_gather_object(everyone, mine, group=self._pg)
+            if self.rank == 0:
+                files: dict[str, FileEntry] = {}
+                for part in everyone:
+                    files.update(part)
+                write_commit(self.store, step, files, payload)
+                deleted = apply_retention(self.store, self.spec.keep)
+                if deleted:
+                    log.info("checkpoint retention (keep %d): deleted steps %s", self.spec.keep, deleted)
+            if self._distributed:
+                dist.barrier(group=self._pg)  # every rank knows the step is committed
+            self.last_committed_step = step
+            self.last_commit_time = time.time()
+            self.last_save_s = time.perf_counter() - t0
+            if self.rank == 0:
+                log.info("checkpoint step %d committed to %s in %.2fs", step, self.store.url(prefix), self.last_save_s)
+        except Exception as err:
+            self.save_failures += 1
+            msg = (
+                f"checkpoint step {step} to {self.store.url(prefix)} failed: {err}; "
+                f"the last committed step ({self.last_committed_step}) stays the one to resume from"
+            )
+            if raise_errors:
+                raise KilnError(msg) from err
+            log.error(msg)
+        finally:
+            shutil.rmtree(self._staging_root / prefix, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed (or has failed and been logged)."""
+        self._wait(before_save=False)
+
+    def _wait(self, before_save: bool) -> None:
+        if self._future is None:
+            self.last_wait_s = 0.0
+            return
+        t0 = time.perf_counter()
+        done = self._future.done()
+        self._future.result()
+        self._future = None
+        self.last_wait_s = time.perf_counter() - t0 if before_save else 0.0
+        if before_save and not done and self.last_wait_s > 0.01:
+            log.warning(
+                "checkpoint: waited %.2fs for the previous save to finish (the store is slower than the interval)",
+                self.last_wait_s,
+            )
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+        self._cache = None
+        shutil.rmtree(self._staging_root, ignore_errors=True)
+
+    # -- restore ----------------------------------------------------------------------------------------------
+
+    def _bcast(self, obj):
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def restore(self, model_parts, optimizers) -> dict | None:
+        """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
+        Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit."""
+        self.wait()
+        candidates = self._bcast(committed_steps(self.store) if self.rank == 0 else None)
+        if self.rank == 0:
+            latest = read_latest(self.store)
+            if candidates and latest is not None and latest != candidates[0]:
+                log.warning("checkpoint: 'latest' says step %s, but step %s is committed; using the commit", latest, candidates[0])
+        for step in candidates:
+            problems = self._verify(step)
+            if problems:
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint step %d at %s is damaged (%s); falling back to the previous commit",
+                        step, self.store.url(step_dir(step)), "; ".join(problems),
+                    )
+                continue
+            t0 = time.perf_counter()
+            state, keys = collect_state(model_parts, optimizers)
+            fs = StoreFS(self.store, self._staging_root / "restore")
+            dcp.load(state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg)
+            for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
+                set_state_dict(
+                    model,
+                    opts,
+                    model_state_dict={k: state["model"][k] for k in mkeys},
+                    optim_state_dict={k: state["optim"][k] for k in okeys},
+                    options=STATE_OPTIONS,
+                )
+            trainer_state = read_trainer_state(self.store, step)
+            meta = trainer_state.get("kiln", {})
+            book = meta.get("checkpoint", {})
+            self._run_seconds = float(book.get("run_seconds", 0.0))
+            # a restart from a non-final checkpoint means the previous process died: count it for the MTBF
+            self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
+            self.last_saved_step = self.last_committed_step = step
+            if self.rank == 0:
+                log.info("checkpoint: restored step %d from %s in %.2fs", step, self.store.url(step_dir(step)), time.perf_counter() - t0)
+            return trainer_state
+        return None
+
+    def _verify(self, step: int) -> list[str]:
+        """Every rank checks its share of the files (size + sha256); the problems are gathered everywhere."""
+        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        if isinstance(commit, str):
+            return [commit]
+        names = sorted(commit.files)[self.rank :: self.world_size] if self._distributed else sorted(commit.files)
+        mine = verify_files(self.store, step, commit, names)
+        if not self._distributed:
+            return mine
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._pg)
+        return [p for part in everyone for p in part]
+
+    def _read_commit_or_none(self, step: int):
+        try:
+            return read_commit(self.store, step)
+        except (KilnError, OSError) as err:
+            return f"COMMIT unreadable: {err}"
+
+    # -- status ------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """For metrics and the TrainingSpec status (lastCheckpoint)."""
+        out = {
+            "intervalSteps": self.interval_steps,
+            "blockingSeconds": self.last_blocking_s,
+            "waitSeconds": self.last_wait_s,
+            "saveSeconds": self.last_save_s,
+            "saveFailures": self.save_failures,
+        }
+        if self.last_committed_step is not None:
+            out["lastCheckpoint"] = {
+                "step": self.last_committed_step,
+                "uri": self.store.url(step_dir(self.last_committed_step)) + "/",
+                "time": self.last_commit_time,
+            }
+        return out
