@@ -1,0 +1,148 @@
+"""`kiln train` (one rank, under torchrun) and `kiln run` (the local launcher: torchrun on this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from kiln.api import TrainingSpec, resolve_model
+from kiln.api.load import load_file, parse
+from kiln.errors import KilnError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run", help="train a TrainingSpec on this machine (torchrun with N local processes)",
+        description="Train SPEC on this machine: N local processes under torchrun (CPU or GPU). Checkpoints go to "
+        "file://OUTPUT/checkpoints unless the spec names a store; rerunning the same command resumes.",
+    )
+    run.add_argument("spec", help="TrainingSpec YAML file")
+    run.add_argument("--nproc", type=int, default=None, help="local processes (default: resources.processesPerNode, "
+                     "else the GPU count when gpusPerNode > 0, else 1)")
+    run.add_argument("--steps", type=int, default=None, help="override training.steps")
+    run.add_argument("--output", default=None, help="run folder: metrics.jsonl, tensorboard/, checkpoints/ "
+                     "(default: runs/<metadata.name>)")
+    run.set_defaults(func=cmd_run)
+
+    train = subparsers.add_parser(
+        "train", help="run one training rank (started by torchrun; reads RANK/WORLD_SIZE and the PET_* env)",
+    )
+    train.add_argument("--config", required=True, help="TrainingSpec YAML file (resolved spec)")
+    train.add_argument("--output", default=None, help="run folder for metrics (default: runs/<metadata.name>)")
+    train.add_argument("--steps", type=int, default=None, help="override training.steps")
+    train.set_defaults(func=cmd_train)
+
+
+def load_one(path: str) -> TrainingSpec:
+    docs = load_file(path)
+    if len(docs) != 1:
+        raise KilnError(f"{path}: holds {len(docs)} TrainingSpecs; give a file with exactly one")
+    return docs[0]
+
+
+def default_nproc(doc: TrainingSpec) -> int:
+    res = doc.spec.resources
+    if res.processes_per_node:
+        return res.processes_per_node
+    if res.gpus_per_node > 0:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return min(res.gpus_per_node, torch.cuda.device_count())
+        except ImportError:
+            pass
+    return 1
+
+
+def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path) -> TrainingSpec:
+    """The spec as this machine runs it: one node of nproc processes, checkpoints under OUTPUT by default."""
+    data = doc.model_dump(by_alias=True, exclude_none=True, mode="json")
+    spec = data["spec"]
+    spec["resources"].update(nodes=1, processesPerNode=nproc)
+    spec["elastic"] = {}
+    if steps is not None:
+        spec["training"]["steps"] = steps
+    if not doc.spec.checkpoint.uri:
+        spec["checkpoint"]["uri"] = f"file://{(output / 'checkpoints').resolve()}"
+    return parse(data, "kiln run")
+
+
+def check_layout(doc: TrainingSpec, world: int) -> None:
+    """Fail before starting any process when the layout cannot work for `world` processes."""
+    from kiln.trainer.parallel import plan_layout
+
+    try:
+        dims = resolve_model(doc.spec.model)
+    except ValueError as err:
+        raise KilnError(f"spec.{err}") from None
+    plan_layout(doc.spec, dims, world)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    doc = load_one(args.spec)
+    nproc = args.nproc or default_nproc(doc)
+    if nproc < 1:
+        raise KilnError(f"--nproc must be at least 1, not {nproc}")
+    if args.steps is not None and args.steps < 1:
+        raise KilnError(f"--steps must be at least 1, not {args.steps}")
+    output = Path(args.output or f"runs/{doc.metadata.name}")
+    run_doc = local_spec(doc, nproc=nproc, steps=args.steps, output=output)
+    check_layout(run_doc, nproc)
+    output.mkdir(parents=True, exist_ok=True)
+    spec_path = output / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(run_doc.model_dump(by_alias=True, exclude_none=True, mode="json"),
+                                        sort_keys=False))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output)]
+    env = dict(os.environ)
+    # Share the cores between the ranks instead of oversubscribing them (torchrun warns otherwise).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    print(f"kiln: training {doc.metadata.name} with {nproc} process(es); output in {output}", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        _stop(proc)
+        print(f"kiln: interrupted; rerun the same command to resume from the last checkpoint in {output}",
+              file=sys.stderr)
+        return 130
+    if rc != 0:
+        raise KilnError(f"training failed (torchrun exit code {rc}); see the messages above. Rerunning resumes "
+                        f"from the last checkpoint in {output}/checkpoints")
+    print(f"kiln: done; metrics in {output / 'metrics.jsonl'}", flush=True)
+    return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Let torchrun stop its workers (it got the Ctrl-C too, or gets SIGTERM now); kill only as a last resort."""
+    for sig, wait_s in ((None, 15), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        if sig is not None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting politely
+            continue
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from kiln.trainer.loop import train
+
+    doc = load_one(args.config)
+    if args.steps is not None:
+        doc.spec.training.steps = args.steps
+    output = Path(args.output or f"runs/{doc.metadata.name}")
+    try:
+        train(doc, output_dir=output)
+    except KeyboardInterrupt:
+        return 130  # the launcher reports the interruption once
+    return 0

@@ -1,0 +1,233 @@
+"""The training function: mesh -> model -> parallelize -> optimizer -> restore -> steps -> log -> checkpoint.
+
+One call per process (rank); torchrun or the training-operator provides RANK, WORLD_SIZE, LOCAL_RANK and
+the rendezvous. Every rank runs the same code; the mesh decides what each one holds.
+
+Guards and other per-step logic hook in through `StepHooks` (see below) instead of editing this loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.api import TrainingSpec, resolve_model
+from kiln.errors import KilnError
+from kiln.trainer import kernels
+from kiln.trainer.data import GlobalBatchLoader, open_source
+from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, peak_flops, peak_memory_gib
+from kiln.trainer.model import build_model, cross_entropy
+from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
+
+
+@dataclass
+class StepContext:
+    """What a hook sees after backward and clipping, before the optimizer step."""
+
+    step: int
+    loss: float  # global mean loss of this step (identical on every rank)
+    grad_norm: float  # global gradient norm before clipping (identical on every rank)
+    model_parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    mesh: object
+    record: dict  # the metrics record of this step; hooks may add fields
+
+
+@dataclass
+class StepHooks:
+    """Where guards plug in. `before_update` hooks return False to skip this optimizer step (the gradients
+    are dropped, the data is still consumed); `after_update` hooks run after the step (e.g. SDC checks)."""
+
+    before_update: list[Callable[[StepContext], bool]] = field(default_factory=list)
+    after_update: list[Callable[[StepContext], None]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    start_step: int  # the step restored from a checkpoint (0 for a fresh run)
+    final_step: int
+    losses: list[float]  # global loss of every step this call ran
+
+
+def _encode_tensor(t: torch.Tensor) -> str:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _decode_tensor(s: str) -> torch.Tensor:
+    return torch.load(io.BytesIO(base64.b64decode(s)), weights_only=True)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": _encode_tensor(torch.get_rng_state())}
+    if device.type == "cuda":
+        state["cuda"] = _encode_tensor(torch.cuda.get_rng_state(device))
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(_decode_tensor(state["cpu"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(_decode_tensor(state["cuda"]), device)
+
+
+def _init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up (or a world of one without torchrun)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a plain `kiln train` without torchrun
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
+    return rank, world, device
+
+
+def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
+          checkpoint_uri: str | None = None) -> TrainResult:
+    """Train (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0."""
+    spec = spec_doc.spec
+    tr, par = spec.training, spec.parallelism
+    hooks = hooks or StepHooks()
+    rank, world, device = _init_distributed()
+    try:
+        try:
+            dims = resolve_model(spec.model)
+        except ValueError as err:
+            raise KilnError(f"spec.{err}") from None
+        layout = plan_layout(spec, dims, world)
+        kernels.set_mode(par.kernels)
+        torch.manual_seed(tr.seed)
+
+        # Model: shapes on meta, parallelize, then allocate on the device and initialise by parameter name.
+        mesh = build_mesh(layout, device.type)
+        model = parallelize(build_model(dims), mesh, layout, spec)
+        model.to_empty(device=device)
+        model.init_weights(tr.seed)
+        model.train()
+        model_parts = [model]
+        optimizer = build_optimizer(model_parts, tr, device)
+        optimizers = [optimizer]
+
+        pp_rank = mesh["pp"].get_local_rank()
+        is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1
+        schedule = build_pipeline_schedule(model, mesh, layout, device, cross_entropy) if layout.pp > 1 else None
+        pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
+        # Exactly one rank per data-parallel replica reports the loss: the last stage, tensor rank 0.
+        reports_loss = is_last and mesh["tp"].get_local_rank() == 0
+
+        dp_rank, dp_size = dp_coordinates(mesh)
+        source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed)
+        loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
+
+        from kiln.trainer.checkpoint import Checkpointer
+
+        default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
+        checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world)
+        start_step, tokens_seen = 0, 0
+        state = checkpointer.restore(model_parts, optimizers)
+        if state is not None:
+            start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            loader.load_state_dict(state["data"])
+            _set_rng_state(state["rng"], device)
+
+        global_tokens = tr.global_batch_size * dims.seq_len
+        flops_step = flops_per_token(dims) * global_tokens
+        peak = peak_flops(device, tr.precision) * world
+        logger = MetricsLogger(output_dir, rank=rank, total_steps=tr.steps, start_step=start_step)
+        timer = StepTimer(device)
+        losses: list[float] = []
+        try:
+            for step in range(start_step + 1, tr.steps + 1):
+                timer.start()
+                inputs, targets = (t.to(device) for t in loader.next_batch(tr.global_batch_size))
+                timer.mark("data_s")
+                lr = lr_at(step, tr)
+                set_lr(optimizer, lr)
+                if schedule is not None:
+                    local_loss = _pipeline_step(schedule, inputs, targets, is_first, is_last)
+                else:
+                    local_loss = _accumulate_step(model, inputs, targets, layout)
+                timer.mark("fwd_bwd_s")
+                params = [p for part in model_parts for p in part.parameters()]
+                grad_norm = clip_grad_norm_(params, tr.grad_clip, pp_group=pp_group)
+                loss = _global_loss(local_loss if reports_loss else None, layout, device)
+                tokens_seen += global_tokens
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+                ctx = StepContext(step, loss, float(grad_norm), model_parts, optimizers, mesh, record)
+                if all(hook(ctx) for hook in hooks.before_update):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                for hook in hooks.after_update:
+                    hook(ctx)
+                timer.mark("optim_s")
+                losses.append(loss)
+
+                step_s = sum(timer.times.values())
+                record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
+                              mfu=flops_step / step_s / peak, world_size=world, global_batch_tokens=global_tokens,
+                              tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
+                if step % tr.log_every == 0 or step == tr.steps:
+                    logger.log(record)
+                final = step == tr.steps
+                if final or checkpointer.should_save(step):
+                    trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
+                                     "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
+                                     "model": dims.model_dump()}
+                    checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
+            checkpointer.wait()
+        finally:
+            checkpointer.close()
+            logger.close()
+        return TrainResult(start_step, max(start_step, tr.steps), losses)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP)."""
+    total = torch.zeros((), device=inputs.device)
+    m = layout.micro_batch
+    for i in range(layout.grad_accum):
+        # Reduce gradients across data parallel only once, after the last microbatch.
+        model.set_requires_gradient_sync(i == layout.grad_accum - 1)
+        loss = model(inputs[i * m:(i + 1) * m], targets[i * m:(i + 1) * m]) / layout.grad_accum
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _pipeline_step(schedule, inputs, targets, is_first: bool, is_last: bool) -> torch.Tensor | None:
+    """One 1F1B pass over this rank's batch; the last stage returns the mean microbatch loss."""
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if is_first else ()
+    kwargs = {"target": targets, "losses": losses} if is_last else {}
+    schedule.step(*args, **kwargs)
+    return torch.stack([l.detach() for l in losses]).mean() if is_last else None
+
+
+def _global_loss(local: torch.Tensor | None, layout: Layout, device: torch.device) -> float:
+    """The mean loss over data-parallel replicas, the same on every rank."""
+    value = local.detach().float().reshape(()) if local is not None else torch.zeros((), device=device)
+    if layout.world > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return float(value) / layout.dp

@@ -1,0 +1,166 @@
+"""Training metrics: FLOPs and MFU, step-time breakdown, memory; written as JSON lines, TensorBoard, console.
+
+Only rank 0 writes. `DIR/metrics.jsonl` holds one JSON object per logged step with at least: step, loss,
+lr, grad_norm, tokens_per_second, mfu, world_size, global_batch_tokens, tokens_seen, and the step-time
+breakdown (data_s, fwd_bwd_s, optim_s, step_s) and peak_memory_gib.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.api import ModelDims
+from kiln.trainer.model import count_params
+
+# Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
+# without sparsity. The CPU entry is a nominal figure (about one modern core's worth of AVX-512 FMA per
+# process) so MFU stays a comparable number on laptops; it is not a measured peak.
+PEAK_FLOPS = {
+    ("h200", "bf16"): 989e12,
+    ("h100", "bf16"): 989e12,
+    ("a100", "bf16"): 312e12,
+    ("l40s", "bf16"): 362e12,
+    ("h200", "fp32"): 67e12,
+    ("h100", "fp32"): 67e12,
+    ("a100", "fp32"): 19.5e12,
+    ("cpu", "bf16"): 1e11,
+    ("cpu", "fp32"): 1e11,
+}
+
+
+def device_kind(device: torch.device) -> str:
+    """'h200', 'h100', 'a100', ... from the CUDA device name; 'cpu' off-GPU; 'gpu' when unknown."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for kind in ("h200", "h100", "a100", "l40s"):
+        if kind in name:
+            return kind
+    return "gpu"
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    return PEAK_FLOPS.get((device_kind(device), precision), PEAK_FLOPS[("h100", precision)])
+
+
+def flops_per_token(dims: ModelDims) -> float:
+    """Training FLOPs per token: 6N + 12 * layers * dim * seq_len (PaLM, appendix B).
+
+    N counts the parameters that take part in matmuls (all but the input embedding lookup); each does a
+    multiply-add forward (2 FLOPs) and twice that backward (4), hence 6N. Attention scores and the weighted
+    sum add 2 * 2 * seq_len * dim per layer forward, times 3 with backward: 12 * L * dim * seq_len. The
+    causal mask is not subtracted (the usual convention, as in the MFU figures published for Llama/PaLM).
+    """
+    n = count_params(dims, embedding=False)
+    return 6 * n + 12 * dims.layers * dims.dim * dims.seq_len
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class StepTimer:
+    """Wall-clock phases of one step; synchronises CUDA so the phases are real, not launch times."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self._t = device, {}, 0.0
+
+    def start(self) -> None:
+        self.times = {}
+        self._t = self._now()
+
+    def mark(self, phase: str) -> None:
+        now = self._now()
+        self.times[phase] = self.times.get(phase, 0.0) + now - self._t
+        self._t = now
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class MetricsLogger:
+    """JSON lines + TensorBoard + a console display; a no-op on ranks other than 0."""
+
+    def __init__(self, out_dir: Path | None, *, rank: int, total_steps: int, start_step: int, tensorboard: bool = True,
+                 console: bool = True):
+        self.enabled = rank == 0 and out_dir is not None
+        self.total_steps = total_steps
+        self._jsonl = self._tb = self._progress = None
+        if not self.enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "metrics.jsonl"
+        _truncate_after(path, start_step)  # a resumed run rewrites the steps after its checkpoint
+        self._jsonl = path.open("a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=start_step + 1)
+        if console:
+            self._progress = _Console(total_steps, start_step)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        if self._progress is not None:
+            self._progress.update(record)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._progress is not None:
+            self._progress.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class _Console:
+    """A rich progress bar with the latest loss and throughput when attached to a terminal, else plain lines."""
+
+    def __init__(self, total: int, start: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.total = total
+        self.console = Console(file=sys.stdout)
+        self.live = self.console.is_terminal
+        if self.live:
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=total, completed=start, info="")
+            self.progress.start()
+
+    def update(self, r: dict) -> None:
+        info = (f"loss {r['loss']:.4f}  lr {r['lr']:.2e}  {r['tokens_per_second']:,.0f} tok/s  "
+                f"mfu {100 * r['mfu']:.2f}%")
+        if self.live:
+            self.progress.update(self.task, completed=r["step"], info=info)
+        else:
+            print(f"step {r['step']}/{self.total}  {info}", flush=True)
+
+    def close(self) -> None:
+        if self.live:
+            self.progress.stop()

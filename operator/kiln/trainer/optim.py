@@ -1,0 +1,80 @@
+"""AdamW, the learning-rate schedules (pure functions of the step) and gradient clipping for sharded grads."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.api.spec import TrainingConfig
+
+
+def lr_at(step: int, cfg: TrainingConfig) -> float:
+    """Learning rate for optimizer step `step` (1-based): linear warm-up to cfg.lr, then the schedule.
+
+    cosine: half a cosine from lr down to lr*min_lr_ratio at the last step; linear: a straight line to the
+    same floor; constant: lr; wsd (warmup-stable-decay): lr until the last decay_fraction of the steps,
+    then linear to the floor. A pure function, so resuming needs only the step.
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return peak * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, math.ceil(cfg.decay_fraction * cfg.steps))
+        decay_start = max(cfg.warmup_steps, cfg.steps - decay_steps)
+        if step <= decay_start:
+            return peak
+        progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+        return peak - (peak - floor) * progress
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / span))
+    if cfg.schedule == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model_parts: list[nn.Module], cfg: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over every part; no weight decay on 1-D parameters (norm gains). Fused kernels on CUDA."""
+    decay, no_decay = [], []
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=(0.9, 0.95), eps=1e-8, fused=fused,
+                             foreach=None if fused else True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: list[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip the global gradient norm over every shard and pipeline stage; returns the norm before clipping.
+
+    Gradients may be DTensors (FSDP shards, TP shards): their norm is reduced over the mesh by DTensor,
+    then `full_tensor()` makes it a plain number. Pipeline stages hold disjoint parameters, so the squared
+    norms are summed over the pipeline group. max_norm <= 0 only measures.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        total = total**2
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+        total = total.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

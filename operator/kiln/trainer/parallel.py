@@ -1,0 +1,232 @@
+"""Hybrid parallelism on one DeviceMesh, applied to the plain model (TorchTitan style).
+
+Mesh dimensions, outermost first: pp x dp_replicate x dp_shard x tp = world size.
+- tp: tensor parallel with DTensor plans; norms run sequence-parallel (activations sharded on seq).
+- dp_shard: FSDP2 `fully_shard` (params, grads, optimizer state sharded); with dp_replicate > 1 it is
+  HSDP (replicated across groups, sharded within). `fsdp: false` puts the whole dp on dp_replicate:
+  plain replication with all-reduced gradients.
+- pp: `torch.distributed.pipelining`, one stage per rank, 1F1B schedule over microbatches.
+Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.api import ModelDims
+from kiln.api.spec import TrainingSpecSpec
+from kiln.errors import KilnError
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    micro_batch: int
+    grad_accum: int  # microbatches per optimizer step on one data-parallel rank
+    pp_microbatches: int  # microbatches the pipeline schedule splits a rank's batch into (pp > 1)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def as_dict(self) -> dict:
+        return {"world": self.world, "pp": self.pp, "dp_replicate": self.dp_replicate,
+                "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int) -> Layout:
+    """The parallel sizes for `world` processes; KilnError naming the field when they cannot work."""
+    par, tr = spec.parallelism, spec.training
+    tp, pp = par.tensor, par.pipeline
+    if world % (tp * pp):
+        raise KilnError(f"parallelism: tensor x pipeline = {tp * pp} must divide the {world} processes")
+    dp = world // (tp * pp)
+    if dims.heads % tp or dims.kv_heads % tp:
+        raise KilnError(f"parallelism.tensor {tp} must divide model heads {dims.heads} and kvHeads {dims.kv_heads}")
+    if pp > dims.layers:
+        raise KilnError(f"parallelism.pipeline {pp} exceeds model layers {dims.layers}")
+    if par.fsdp:
+        if dp % par.replicate:
+            raise KilnError(f"parallelism.replicate {par.replicate} must divide the data-parallel size {dp}")
+        replicate, shard = par.replicate, dp // par.replicate
+    else:
+        replicate, shard = dp, 1
+    if tr.global_batch_size % (tr.micro_batch_size * dp):
+        raise KilnError(
+            f"training.globalBatchSize {tr.global_batch_size} must be divisible by microBatchSize "
+            f"{tr.micro_batch_size} x data-parallel size {dp} = {tr.micro_batch_size * dp}"
+        )
+    accum = tr.global_batch_size // (tr.micro_batch_size * dp)
+    per_rank = tr.global_batch_size // dp
+    n_mb = par.pipeline_microbatches or min(per_rank, max(2 * pp, accum))
+    if pp > 1 and per_rank % n_mb:
+        raise KilnError(
+            f"parallelism.pipelineMicrobatches {n_mb} must divide the {per_rank} sequences each data-parallel "
+            f"rank gets per step (globalBatchSize / data-parallel size)"
+        )
+    return Layout(world, pp, replicate, shard, tp, tr.micro_batch_size, accum, n_mb if pp > 1 else 1)
+
+
+def build_mesh(layout: Layout, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        device_type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+    )
+
+
+def dp_coordinates(mesh) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of this process: which slice of the global batch it reads."""
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
+
+
+# --- pipeline split -----------------------------------------------------------------------------------
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """Contiguous, balanced block indices owned by pipeline stage `stage`."""
+    return range(stage * n_layers // pp, (stage + 1) * n_layers // pp)
+
+
+def split_for_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
+    """Keep only this stage's blocks (names unchanged); the first stage keeps the embedding, the last the head."""
+    keep = {str(i) for i in stage_layers(len(model.layers), pp, stage)}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != pp - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_pipeline_schedule(stage_module: nn.Module, mesh, layout: Layout, device: torch.device, loss_fn):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    pp_mesh = mesh["pp"]
+    stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), layout.pp, device, group=pp_mesh.get_group())
+    # scale_grads: gradients are averaged over microbatches, as with plain gradient accumulation.
+    return Schedule1F1B(stage, n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+# --- tensor parallel ----------------------------------------------------------------------------------
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style plan: q/k/v and w1/w3 column-wise, wo and w2 row-wise; norms sequence-parallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+        # Full logits on every TP rank: the loss stays a plain tensor op.
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+# --- activation checkpointing and compile ---------------------------------------------------------------
+
+# Selective: keep the matmul and attention outputs, recompute the cheap pointwise ops (norms, SwiGLU, RoPE).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """none | full (recompute each block) | selective (recompute only pointwise ops).
+
+    The block's forward is wrapped in place, so parameter names do not change (checkpoints stay portable).
+    """
+    if mode == "none":
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers.values():
+        kwargs = {"use_reentrant": False}
+        if mode == "selective":
+            kwargs["context_fn"] = _selective_context
+        block.forward = functools.partial(checkpoint, block.forward, **kwargs)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (nn.Module.compile keeps parameter names)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+# --- data parallel ----------------------------------------------------------------------------------------
+
+
+def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str) -> None:
+    """FSDP2 per block and at the root; bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    # Pipeline schedules run several microbatches forward before backward: keep params gathered meanwhile.
+    reshard = layout.pp == 1
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) -> nn.Module:
+    """Split for the pipeline, then TP, activation checkpointing, compile, FSDP: TorchTitan's order."""
+    if layout.pp > 1:
+        split_for_stage(model, layout.pp, mesh["pp"].get_local_rank())
+    if layout.tp > 1 or layout.pp > 1:
+        model.fused_loss = False  # the loss is computed from (replicated) logits, see Transformer
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_activation_checkpointing(model, spec.parallelism.activation_checkpoint)
+    if spec.parallelism.compile:
+        apply_compile(model)
+    apply_fsdp(model, mesh, layout, spec.training.precision)
+    return model
