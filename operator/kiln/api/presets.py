@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict
 
-from kiln.api.spec import ModelSpec
+if TYPE_CHECKING:  # spec.py imports PRESETS (the preset enum); only the type is needed here
+    from kiln.api.spec import ModelSpec
 
 
 class ModelDims(BaseModel):

@@ -7,10 +7,12 @@ Cross-field rules live in `kiln.api.rules` and are enforced by pydantic here and
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from kiln.api.presets import PRESETS
 
 GROUP = "kiln.dev"
 VERSION = "v1alpha1"
@@ -30,11 +32,16 @@ class ApiModel(BaseModel):
     )
 
 
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in kiln.api.presets, one source
+
+
 class ModelSpec(ApiModel):
     """Which model to train: a named preset, optionally with explicit dimensions overriding it."""
 
-    preset: str | None = Field(
-        None, description="Named model size: tiny (CPU tests), small, llama-1b, llama-8b. Explicit fields override it."
+    preset: PresetName | None = Field(
+        None,
+        description="Named model size: tiny (CPU tests), small, llama-1b, llama-8b. Explicit fields override it; "
+        "without a preset set all of dim, layers, heads, vocabSize, seqLen.",
     )
     dim: int | None = Field(None, ge=8, description="Hidden size (model width).")
     layers: int | None = Field(None, ge=1, description="Number of transformer blocks.")
@@ -108,34 +115,43 @@ class ParallelismSpec(ApiModel):
 class Toleration(ApiModel):
     """A Kubernetes toleration, passed through to the pods."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
-    key: str | None = None
-    operator: str | None = None
-    value: str | None = None
-    effect: str | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(None, description="Taint key the toleration applies to; empty matches all keys.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal (default Equal).")
+    value: str | None = Field(None, description="Taint value to match with operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(None, description="For NoExecute: how long the pod stays bound after the taint.")
 
 
 class ResourcesSpec(ApiModel):
     """What each node (one PyTorchJob worker pod) gets."""
 
-    nodes: int = Field(1, ge=1, description="Worker pods (one per node) to start with.")
-    gpus_per_node: int = Field(0, ge=0, description="nvidia.com/gpu per pod; 0 runs on CPU.")
+    nodes: int = Field(1, ge=1, description="Worker pods (one per node) to start with; the scale subresource sets it.")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 runs on CPU.")
     processes_per_node: int | None = Field(
-        None, ge=1, description="Training processes per pod; defaults to gpusPerNode (1 on CPU)."
+        None, ge=1, le=256, description="Training processes per pod; defaults to gpusPerNode (1 on CPU)."
     )
-    gpu_type: str | None = Field(None, description="GPU product, e.g. nvidia-h200; becomes a node selector.")
-    cpu: str | None = Field(None, description="CPU request and limit per pod, e.g. '32'.")
-    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. 512Gi.")
+    gpu_type: str | None = Field(
+        None, max_length=128,
+        description="GPU product, e.g. nvidia-h200; becomes the node selector nvidia.com/gpu.product=<gpuType>.",
+    )
+    cpu: str | None = Field(None, max_length=32, description="CPU request and limit per pod, e.g. '32'.")
+    memory: str | None = Field(None, max_length=32, description="Memory request and limit per pod, e.g. 512Gi.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node selector, passed through.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations, passed through.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Tolerations, passed through to every pod."
+    )
+    affinity: dict[str, Any] | None = Field(
+        None, description="A core/v1 Affinity, passed through to every pod unchanged (not validated by kiln)."
+    )
 
 
 class PhasePlanEntry(ApiModel):
     """One phase of the elastic plan: run with `nodes` until `untilStep` (the last entry has none)."""
 
     until_step: int | None = Field(None, ge=1, description="Last step of this phase; omit on the final phase.")
-    nodes: int = Field(..., ge=1, description="Nodes to use during this phase.")
+    nodes: int = Field(..., ge=1, description="Nodes to use during this phase; within [minNodes, maxNodes].")
 
 
 class ElasticSpec(ApiModel):
@@ -144,21 +160,31 @@ class ElasticSpec(ApiModel):
     min_nodes: int | None = Field(None, ge=1, description="Fewest nodes to keep training with (default: nodes).")
     max_nodes: int | None = Field(None, ge=1, description="Most nodes to grow to (default: nodes).")
     max_restarts: int = Field(10, ge=0, description="Restarts allowed before the run is marked Failed.")
-    plan: list[PhasePlanEntry] = Field(default_factory=list, description="Optional phase plan by training step.")
+    plan: list[PhasePlanEntry] = Field(
+        default_factory=list, max_length=16,
+        description="Optional phase plan by training step, in order: every entry but the last has untilStep.",
+    )
 
 
 class CheckpointSpec(ApiModel):
     """Where and how often to checkpoint; any world size can resume from a checkpoint."""
 
     uri: str | None = Field(
-        None, description="s3://bucket/prefix/ or file:///path/. Default for `kiln run`: file://<output>/checkpoints/."
+        None, max_length=1024,
+        description="s3://bucket/prefix/ or file:///path/. Default for `kiln run`: file://<output>/checkpoints/; "
+        "on Kubernetes an s3:// uri needs endpoint and credentialsSecret.",
     )
-    endpoint: str | None = Field(None, description="S3 endpoint URL, e.g. http://minio.minio.svc:9000.")
+    endpoint: str | None = Field(
+        None, max_length=1024, description="S3 endpoint URL, e.g. http://minio.minio.svc:9000."
+    )
     credentials_secret: str | None = Field(
-        None, description="Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; keys are never inline."
+        None, max_length=253,
+        description="Name of a Secret in the run's namespace with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
+        "the pods read it by reference, keys are never inline.",
     )
     interval_steps: int | Literal["auto"] = Field(
-        100, description="Save every N steps, or 'auto' (Young/Daly from the measured save cost and failure rate)."
+        100,
+        description="Save every N steps (N >= 1), or 'auto' (Young/Daly from the measured save cost and failure rate).",
     )
     keep: int = Field(3, ge=1, description="Committed checkpoints to keep; the newest is never deleted.")
     async_save: bool = Field(True, description="Upload in the background; training blocks only to stage state.")
@@ -167,15 +193,22 @@ class CheckpointSpec(ApiModel):
 class SchedulingSpec(ApiModel):
     """Batch scheduling: queues, gang scheduling, priority."""
 
-    queue: str | None = Field(None, description="Kueue LocalQueue / Volcano queue name.")
-    gang: bool = Field(True, description="Start all pods together or none (gang scheduling).")
-    priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
+    queue: str | None = Field(
+        None, max_length=63,
+        description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and PyTorchJob schedulingPolicy.queue.",
+    )
+    gang: bool = Field(
+        True, description="Start all pods together or none (PyTorchJob schedulingPolicy.minAvailable = nodes)."
+    )
+    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
 
 
 class TrainingSpecSpec(ApiModel):
     """The desired training run."""
 
-    image: str | None = Field(None, description="Trainer image; defaults to the operator's configured image.")
+    image: str | None = Field(
+        None, max_length=512, description="Trainer image; defaults to the operator's configured image."
+    )
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(preset="tiny"), description="The model to train.")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
@@ -186,18 +219,91 @@ class TrainingSpecSpec(ApiModel):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Queues and gang scheduling.")
     suspend: bool = Field(False, description="true: checkpoint, then release every GPU; false again: resume.")
 
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "TrainingSpecSpec":
+        # The rules live in kiln.api.rules (they also generate the CRD's CEL); imported here to avoid a cycle.
+        from kiln.api.rules import check
+
+        problems = check(self, scope="local")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+# ---- status: written by the operator (phase, conditions, nodes, restarts) and trainer rank 0 (step, metrics) ----
+
+Phase = Literal["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+
+class Condition(ApiModel):
+    """A standard metav1.Condition."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    type: str = Field(..., max_length=316, description="Condition type, e.g. Ready, Suspended, SpecAccepted.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str = Field(..., max_length=1024, description="CamelCase reason for the last transition.")
+    message: str = Field("", max_length=32768, description="Human-readable details.")
+    last_transition_time: str = Field(..., description="When the status last changed (RFC 3339).")
+    observed_generation: int | None = Field(None, ge=0, description="The spec generation this condition is about.")
+
+
+class CheckpointRef(ApiModel):
+    """The newest committed checkpoint."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    step: int = Field(..., ge=0, description="Training step the checkpoint holds.")
+    uri: str = Field(..., description="Folder of the checkpoint, e.g. s3://bucket/run/step-00001000/.")
+    time: str | None = Field(None, description="When it was committed (RFC 3339).")
+
+
+class TrainingSpecStatus(ApiModel):
+    """What the run is doing: the operator writes phase, conditions and nodes; trainer rank 0 writes progress."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    phase: Phase | None = Field(
+        None, description="Pending | Running | Scaling | Restarting | Suspended | Succeeded | Failed."
+    )
+    nodes: int | None = Field(None, ge=0, description="Worker pods currently running.")
+    step: int | None = Field(None, ge=0, description="Last completed optimizer step.")
+    progress: str | None = Field(None, description="step / training.steps as a percentage, e.g. '12.3%'.")
+    eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds to the last step at the current rate.")
+    tokens_per_second: float | None = Field(None, ge=0, description="Training throughput, all ranks together.")
+    mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
+    last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
+    goodput: float | None = Field(None, ge=0, le=1, description="Productive step time / wall time since the start.")
+    restarts: int | None = Field(None, ge=0, description="Times the job restarted (from the PyTorchJob's pods).")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Standard conditions: Ready, Suspended, SpecAccepted, Succeeded, Failed."
+    )
+    observed_generation: int | None = Field(
+        None, ge=0, description="The metadata.generation the operator acted on last."
+    )
+
 
 class ObjectMeta(ApiModel):
+    """The parts of metadata kiln reads; the rest is kept as it is."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
     name: str = Field("run", description="Name of the run.")
     namespace: str | None = None
 
 
 class TrainingSpec(ApiModel):
-    """A TrainingSpec document as written in YAML."""
+    """A TrainingSpec document as written in YAML (and as stored by the apiserver)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
     api_version: Literal["kiln.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["TrainingSpec"] = KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: TrainingSpecSpec = Field(default_factory=TrainingSpecSpec)
+    status: TrainingSpecStatus | None = Field(None, description="Observed state; written by kiln, never by users.")
+
+    @model_validator(mode="after")
+    def _document_rules(self) -> "TrainingSpec":
+        from kiln.api.rules import check_metadata
+
+        problems = check_metadata(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self

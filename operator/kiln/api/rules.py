@@ -1,0 +1,398 @@
+"""Cross-field rules of the TrainingSpec, written once and enforced twice.
+
+Each `Rule` carries a CEL expression (the CRD generator puts it into `x-kubernetes-validations` of
+`spec`, so the apiserver refuses the spec) and a Python check (run by pydantic, so `kiln validate`
+and `kiln run` refuse the same spec). Both report the same field path and the same message, which
+says what would be valid; the Python side adds the offending values.
+
+CEL sees the spec after the apiserver applied the CRD defaults, so fields with a default are always
+present; optional fields (no default) are guarded with has(). The helpers below spell the derived
+values (effective processes per node, model dims from a preset) once for each language.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+from kiln.api.presets import PRESETS
+
+if TYPE_CHECKING:
+    from kiln.api.spec import TrainingSpec, TrainingSpecSpec
+
+Scope = Literal["local", "cluster"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cross-field rule: `field` is the path under `spec` (camelCase) that the error points at."""
+
+    name: str
+    field: str
+    message: str  # what would be valid; the CRD's message and the start of the Python error
+    cel: str  # over `self` = the spec object
+    check: Callable[["TrainingSpecSpec"], str | None]  # None when fine, else the offending values
+    scope: Scope = "local"  # "cluster": only where the pods run on Kubernetes (the CRD, kiln validate, plan)
+
+    @property
+    def path(self) -> str:
+        return f"spec.{self.field}"
+
+
+# ---- derived values, Python ----
+
+def processes_per_node(spec: "TrainingSpecSpec") -> int:
+    r = spec.resources
+    return r.processes_per_node or (r.gpus_per_node if r.gpus_per_node > 0 else 1)
+
+
+def model_value(spec: "TrainingSpecSpec", field: str) -> int | None:
+    """The effective model dimension (explicit, else from the preset, kvHeads else heads); None if unknown."""
+    m = spec.model
+    value = getattr(m, field)
+    if value is not None:
+        return value
+    if m.preset is not None:
+        return PRESETS[m.preset].get(field)
+    if field == "kv_heads":
+        return m.heads
+    return None
+
+
+def model_complete(spec: "TrainingSpecSpec") -> bool:
+    return spec.model.preset is not None or all(
+        getattr(spec.model, f) is not None for f in ("dim", "layers", "heads", "vocab_size", "seq_len")
+    )
+
+
+def effective_nodes_bounds(spec: "TrainingSpecSpec") -> tuple[int, int]:
+    e, n = spec.elastic, spec.resources.nodes
+    lo = e.min_nodes if e.min_nodes is not None else n
+    hi = e.max_nodes if e.max_nodes is not None else n
+    return lo, hi
+
+
+def node_counts(spec: "TrainingSpecSpec") -> list[int]:
+    """Node counts the run is planned with: the start count and every phase of the plan."""
+    return [spec.resources.nodes] + [p.nodes for p in spec.elastic.plan]
+
+
+def data_parallel(spec: "TrainingSpecSpec", nodes: int) -> int | None:
+    mp = spec.parallelism.tensor * spec.parallelism.pipeline
+    world = nodes * processes_per_node(spec)
+    return world // mp if world % mp == 0 else None
+
+
+# ---- derived values, CEL ----
+
+PPN = ("(has(self.resources.processesPerNode) ? self.resources.processesPerNode : "
+       "(self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : 1))")
+MP = "(self.parallelism.tensor * self.parallelism.pipeline)"
+MIN_NODES = "(has(self.elastic.minNodes) ? self.elastic.minNodes : self.resources.nodes)"
+MAX_NODES = "(has(self.elastic.maxNodes) ? self.elastic.maxNodes : self.resources.nodes)"
+NODE_COUNTS = "([self.resources.nodes] + self.elastic.plan.map(p, p.nodes))"
+
+
+def _cel_preset_map(field: str) -> str:
+    return "{" + ", ".join(f"'{name}': {dims[field]}" for name, dims in PRESETS.items()) + "}"
+
+
+def cel_model(field: str) -> str:
+    """CEL for the effective model dimension `field` (snake_case); guard it with cel_model_known."""
+    camel = re.sub(r"_(\w)", lambda m: m.group(1).upper(), field)
+    preset = f"{_cel_preset_map(field)}[self.model.preset]"
+    if field == "kv_heads":
+        fallback = f"(has(self.model.preset) ? {preset} : self.model.heads)"
+    else:
+        fallback = preset
+    return f"(has(self.model.{camel}) ? self.model.{camel} : {fallback})"
+
+
+def cel_model_known(*fields: str) -> str:
+    parts = []
+    for field in dict.fromkeys("heads" if f == "kv_heads" else f for f in fields):
+        camel = re.sub(r"_(\w)", lambda m: m.group(1).upper(), field)
+        parts.append(f"(has(self.model.preset) || has(self.model.{camel}))")
+    return "(" + " && ".join(parts) + ")"
+
+
+# ---- the rules ----
+
+def _check_model_complete(s):
+    if not model_complete(s):
+        missing = [f for f in ("dim", "layers", "heads", "vocabSize", "seqLen")
+                   if getattr(s.model, re.sub(r"[A-Z]", lambda m: "_" + m.group(0).lower(), f)) is None]
+        return f"missing: {', '.join(missing)}"
+    return None
+
+
+def _check_kv_heads(s):
+    h, kv = model_value(s, "heads"), model_value(s, "kv_heads")
+    if h is not None and kv is not None and h % kv:
+        return f"got heads={h}, kvHeads={kv}; valid kvHeads: {_divisors(h)}"
+    return None
+
+
+def _check_dim(s):
+    d, h = model_value(s, "dim"), model_value(s, "heads")
+    if d is not None and h is not None and d % (2 * h):
+        return f"got dim={d}, heads={h}; e.g. dim={2 * h * max(1, round(d / (2 * h)))}"
+    return None
+
+
+def _check_tensor_heads(s):
+    t, h, kv = s.parallelism.tensor, model_value(s, "heads"), model_value(s, "kv_heads")
+    if h is not None and kv is not None and (h % t or kv % t):
+        return f"got tensor={t}, heads={h}, kvHeads={kv}; valid tensor: {_divisors(math.gcd(h, kv))}"
+    return None
+
+
+def _check_tensor_node(s):
+    t, ppn = s.parallelism.tensor, processes_per_node(s)
+    if ppn % t:
+        return f"got tensor={t}, processes per node={ppn}; valid tensor: {_divisors(ppn)}"
+    return None
+
+
+def _check_pipeline_layers(s):
+    p, layers = s.parallelism.pipeline, model_value(s, "layers")
+    if layers is not None and p > layers:
+        return f"got pipeline={p}, layers={layers}"
+    return None
+
+
+def _check_world(s):
+    t, p, ppn = s.parallelism.tensor, s.parallelism.pipeline, processes_per_node(s)
+    bad = [n for n in node_counts(s) if (n * ppn) % (t * p)]
+    if bad:
+        return f"got tensor×pipeline={t * p}, processes per node={ppn}, nodes={bad[0]} (world {bad[0] * ppn})"
+    return None
+
+
+def _check_replicate(s):
+    r = s.parallelism.replicate
+    for n in node_counts(s):
+        dp = data_parallel(s, n)
+        if dp is not None and dp % r:
+            return f"got replicate={r}, data-parallel size={dp} at nodes={n}; valid replicate: {_divisors(dp)}"
+    return None
+
+
+def _check_batch(s):
+    g, mb = s.training.global_batch_size, s.training.micro_batch_size
+    for n in node_counts(s):
+        dp = data_parallel(s, n)
+        if dp is not None and g % (mb * dp):
+            return (f"got globalBatchSize={g}, microBatchSize={mb}, data-parallel size={dp} at nodes={n}; "
+                    f"e.g. globalBatchSize={mb * dp * max(1, round(g / (mb * dp)))}")
+    return None
+
+
+def _check_warmup(s):
+    if s.training.warmup_steps > s.training.steps:
+        return f"got warmupSteps={s.training.warmup_steps}, steps={s.training.steps}"
+    return None
+
+
+def _check_gpu_type(s):
+    if s.resources.gpu_type and s.resources.gpus_per_node == 0:
+        return f"got gpuType={s.resources.gpu_type!r} with gpusPerNode=0"
+    return None
+
+
+def _check_min_nodes(s):
+    e = s.elastic
+    if e.min_nodes is not None and e.min_nodes > s.resources.nodes:
+        return f"got minNodes={e.min_nodes}, nodes={s.resources.nodes}"
+    return None
+
+
+def _check_max_nodes(s):
+    e = s.elastic
+    if e.max_nodes is not None and e.max_nodes < s.resources.nodes:
+        return f"got maxNodes={e.max_nodes}, nodes={s.resources.nodes}"
+    return None
+
+
+def _check_plan_shape(s):
+    plan = s.elastic.plan
+    if plan and (plan[-1].until_step is not None or any(p.until_step is None for p in plan[:-1])):
+        return "got untilStep on entries " + ", ".join(
+            f"{i}:{'set' if p.until_step is not None else 'unset'}" for i, p in enumerate(plan))
+    return None
+
+
+def _check_plan_order(s):
+    steps = [p.until_step for p in s.elastic.plan if p.until_step is not None]
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        return f"got untilStep {steps}"
+    return None
+
+
+def _check_plan_nodes(s):
+    lo, hi = effective_nodes_bounds(s)
+    bad = [p.nodes for p in s.elastic.plan if not lo <= p.nodes <= hi]
+    if bad:
+        return f"got nodes={bad[0]}, allowed [{lo}, {hi}]"
+    return None
+
+
+def _check_ckpt_uri(s):
+    uri = s.checkpoint.uri
+    if uri is not None and not uri.startswith(("s3://", "file://")):
+        return f"got {uri!r}"
+    return None
+
+
+def _check_interval(s):
+    v = s.checkpoint.interval_steps
+    if not isinstance(v, str) and v < 1:
+        return f"got {v}"
+    return None
+
+
+def _check_data_uri(s):
+    uri = s.data.uri
+    if not (uri == "synthetic" or uri.startswith(("builtin:", "file://", "s3://"))):
+        return f"got {uri!r}"
+    return None
+
+
+def _check_s3_cluster(s):
+    c = s.checkpoint
+    if c.uri is not None and c.uri.startswith("s3://") and (not c.endpoint or not c.credentials_secret):
+        missing = [n for n, v in (("endpoint", c.endpoint), ("credentialsSecret", c.credentials_secret)) if not v]
+        return f"missing: {', '.join(missing)}"
+    return None
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+RULES: list[Rule] = [
+    Rule("model-complete", "model",
+         "set model.preset, or all of model.dim, layers, heads, vocabSize and seqLen",
+         "has(self.model.preset) || (has(self.model.dim) && has(self.model.layers) && has(self.model.heads)"
+         " && has(self.model.vocabSize) && has(self.model.seqLen))",
+         _check_model_complete),
+    Rule("kv-heads-divide-heads", "model.kvHeads",
+         "model.kvHeads must divide model.heads (grouped-query attention)",
+         f"!{cel_model_known('heads', 'kv_heads')} || {cel_model('heads')} % {cel_model('kv_heads')} == 0",
+         _check_kv_heads),
+    Rule("dim-multiple-of-heads", "model.dim",
+         "model.dim must be a multiple of 2 × model.heads (an even head size for rotary embeddings)",
+         f"!{cel_model_known('dim', 'heads')} || {cel_model('dim')} % (2 * {cel_model('heads')}) == 0",
+         _check_dim),
+    Rule("tensor-divides-heads", "parallelism.tensor",
+         "parallelism.tensor must divide model.heads and model.kvHeads",
+         f"!{cel_model_known('heads', 'kv_heads')} || ({cel_model('heads')} % self.parallelism.tensor == 0"
+         f" && {cel_model('kv_heads')} % self.parallelism.tensor == 0)",
+         _check_tensor_heads),
+    Rule("tensor-within-node", "parallelism.tensor",
+         "parallelism.tensor must divide the processes per node (resources.processesPerNode, default "
+         "gpusPerNode): tensor parallelism stays inside a node",
+         f"{PPN} % self.parallelism.tensor == 0",
+         _check_tensor_node),
+    Rule("pipeline-within-layers", "parallelism.pipeline",
+         "parallelism.pipeline must not exceed model.layers",
+         f"!{cel_model_known('layers')} || self.parallelism.pipeline <= {cel_model('layers')}",
+         _check_pipeline_layers),
+    Rule("model-parallel-divides-world", "parallelism",
+         "parallelism.tensor × parallelism.pipeline must divide the world size (nodes × processes per node) "
+         "for resources.nodes and every elastic.plan entry",
+         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} == 0)",
+         _check_world),
+    Rule("replicate-divides-dp", "parallelism.replicate",
+         "parallelism.replicate must divide the data-parallel size (world / (tensor × pipeline))",
+         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0"
+         f" || ((n * {PPN}) / {MP}) % self.parallelism.replicate == 0)",
+         _check_replicate),
+    Rule("batch-divides", "training.globalBatchSize",
+         "training.globalBatchSize must be a multiple of microBatchSize × the data-parallel size "
+         "(world / (tensor × pipeline)) for resources.nodes and every elastic.plan entry",
+         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0 || self.training.globalBatchSize"
+         f" % (self.training.microBatchSize * ((n * {PPN}) / {MP})) == 0)",
+         _check_batch),
+    Rule("warmup-within-steps", "training.warmupSteps",
+         "training.warmupSteps must not exceed training.steps",
+         "self.training.warmupSteps <= self.training.steps",
+         _check_warmup),
+    Rule("gpu-type-needs-gpus", "resources.gpuType",
+         "resources.gpuType needs resources.gpusPerNode > 0",
+         "!has(self.resources.gpuType) || self.resources.gpusPerNode > 0",
+         _check_gpu_type),
+    Rule("min-nodes", "elastic.minNodes",
+         "elastic.minNodes must be at most resources.nodes",
+         "!has(self.elastic.minNodes) || self.elastic.minNodes <= self.resources.nodes",
+         _check_min_nodes),
+    Rule("max-nodes", "elastic.maxNodes",
+         "elastic.maxNodes must be at least resources.nodes",
+         "!has(self.elastic.maxNodes) || self.elastic.maxNodes >= self.resources.nodes",
+         _check_max_nodes),
+    Rule("plan-shape", "elastic.plan",
+         "every elastic.plan entry but the last needs untilStep; the last has none (it runs to the end)",
+         "size(self.elastic.plan) == 0 || (!has(self.elastic.plan[size(self.elastic.plan) - 1].untilStep)"
+         " && self.elastic.plan.filter(p, !has(p.untilStep)).size() == 1)",
+         _check_plan_shape),
+    Rule("plan-order", "elastic.plan",
+         "elastic.plan untilStep values must strictly increase",
+         "self.elastic.plan.filter(p, has(p.untilStep)).map(p, p.untilStep).isSorted() && "
+         "self.elastic.plan.filter(p, has(p.untilStep)).all(a, "
+         "self.elastic.plan.filter(b, has(b.untilStep) && b.untilStep == a.untilStep).size() == 1)",
+         _check_plan_order),
+    Rule("plan-nodes-in-range", "elastic.plan",
+         "every elastic.plan entry's nodes must lie in [elastic.minNodes, elastic.maxNodes] "
+         "(each defaults to resources.nodes)",
+         f"self.elastic.plan.all(p, p.nodes >= {MIN_NODES} && p.nodes <= {MAX_NODES})",
+         _check_plan_nodes),
+    Rule("checkpoint-uri-scheme", "checkpoint.uri",
+         "checkpoint.uri must start with s3:// or file://",
+         "!has(self.checkpoint.uri) || self.checkpoint.uri.startsWith('s3://')"
+         " || self.checkpoint.uri.startsWith('file://')",
+         _check_ckpt_uri),
+    Rule("checkpoint-interval", "checkpoint.intervalSteps",
+         "checkpoint.intervalSteps must be a positive integer or 'auto'",
+         "type(self.checkpoint.intervalSteps) == string ? self.checkpoint.intervalSteps == 'auto'"
+         " : self.checkpoint.intervalSteps >= 1",
+         _check_interval),
+    Rule("data-uri-scheme", "data.uri",
+         "data.uri must be 'synthetic', builtin:<name>, file:///path/ or s3://bucket/prefix/",
+         "self.data.uri == 'synthetic' || self.data.uri.startsWith('builtin:')"
+         " || self.data.uri.startsWith('file://') || self.data.uri.startsWith('s3://')",
+         _check_data_uri),
+    Rule("s3-needs-endpoint-and-secret", "checkpoint.credentialsSecret",
+         "an s3:// checkpoint.uri on Kubernetes needs checkpoint.endpoint and checkpoint.credentialsSecret "
+         "(a Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+         "!has(self.checkpoint.uri) || !self.checkpoint.uri.startsWith('s3://')"
+         " || (has(self.checkpoint.endpoint) && has(self.checkpoint.credentialsSecret))",
+         _check_s3_cluster, scope="cluster"),
+]
+
+# The document-level rule: the name becomes the PyTorchJob's, its pods' and services' names.
+NAME_MAX = 45
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MESSAGE = (f"metadata.name must be a DNS-1035 label of at most {NAME_MAX} characters "
+                "(lower-case letters, digits and '-', starting with a letter), e.g. llama-1b")
+NAME_CEL = f"size(self.metadata.name) <= {NAME_MAX} && self.metadata.name.matches('{NAME_PATTERN}')"
+
+
+def check(spec: "TrainingSpecSpec", scope: Scope | Literal["all"] = "all") -> list[str]:
+    """Every broken rule as 'spec.<field>: <what is valid> (<the offending values>)'."""
+    problems = []
+    for rule in RULES:
+        if scope == "local" and rule.scope != "local":
+            continue
+        detail = rule.check(spec)
+        if detail is not None:
+            problems.append(f"{rule.path}: {rule.message} ({detail})")
+    return problems
+
+
+def check_metadata(doc: "TrainingSpec") -> list[str]:
+    name = doc.metadata.name
+    if len(name) > NAME_MAX or not re.match(NAME_PATTERN, name):
+        return [f"{NAME_MESSAGE} (got {name!r})"]
+    return []

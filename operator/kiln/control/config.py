@@ -1,0 +1,40 @@
+"""The operator's own settings (not per run): defaults the plan fills in, read from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kiln import __version__
+
+DEFAULT_IMAGE = f"ghcr.io/kiln-dev/kiln-trainer:{__version__}"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    image: str = DEFAULT_IMAGE  # trainer image when spec.image is unset
+    image_pull_policy: str = "IfNotPresent"
+    clean_pod_policy: str = "Running"  # PyTorchJob runPolicy.cleanPodPolicy: None | Running | All
+    rdzv_port: int = 29400
+    # SIGTERM → pod kill: the time a trainer gets to stage a checkpoint when its pod is deleted
+    # (suspend, scale-down, preemption).
+    termination_grace_seconds: int = 120
+    # Where checkpoints go when spec.checkpoint.uri is unset: a pod-local emptyDir (lost with the pod).
+    scratch_dir: str = "/var/lib/kiln"
+    field_manager: str = "kiln-operator"
+    health_port: int = 8080
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "OperatorConfig":
+        env = dict(os.environ if env is None else env)
+        kwargs = {}
+        for field, var, conv in (
+            ("image", "KILN_TRAINER_IMAGE", str),
+            ("image_pull_policy", "KILN_IMAGE_PULL_POLICY", str),
+            ("clean_pod_policy", "KILN_CLEAN_POD_POLICY", str),
+            ("termination_grace_seconds", "KILN_TERMINATION_GRACE_SECONDS", int),
+            ("health_port", "KILN_HEALTH_PORT", int),
+        ):
+            if env.get(var):
+                kwargs[field] = conv(env[var])
+        return cls(**kwargs)

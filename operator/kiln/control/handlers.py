@@ -1,0 +1,82 @@
+"""The kopf handlers: thin, each one reads its trigger and calls kiln.control.sync.
+
+Importing this module registers the handlers with kopf's default registry; `run()` starts the operator
+(out of cluster with `kiln operator`, in cluster as the image's entry point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import kopf
+
+from kiln.api.spec import GROUP, PLURAL, VERSION
+from kiln.control import sync
+from kiln.control.config import OperatorConfig
+from kiln.control.kube import Kube, api_client
+from kiln.control.plan import RUN_LABEL
+from kiln.control.status import Event
+
+_state: dict = {}
+
+
+def _kube() -> Kube:
+    if "kube" not in _state:
+        config: OperatorConfig = _state.setdefault("config", OperatorConfig.from_env())
+        _state["kube"] = Kube(api_client(_state.get("kubeconfig")), field_manager=config.field_manager)
+    return _state["kube"]
+
+
+def _post(body: dict, event: Event) -> None:
+    kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    # kopf's bookkeeping goes to annotations: the status schema is kiln's own and prunes unknown fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kiln.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kiln.dev", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # Events on TrainingSpecs are kiln's own, plus kopf's failures
+    settings.execution.max_workers = 8
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(body, logger, **_) -> None:
+    try:
+        logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post))
+    except sync.Wait as wait:
+        raise kopf.TemporaryError(str(wait), delay=10) from None
+
+
+@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
+def job_changed(namespace, labels, **_) -> None:
+    sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+
+
+@kopf.on.event("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
+def pod_changed(namespace, labels, **_) -> None:
+    sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+
+
+def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
+        config: OperatorConfig | None = None, health: str | None = None) -> None:
+    """Run the operator until interrupted. health: e.g. http://0.0.0.0:8080/healthz (None: no endpoint)."""
+    _state["config"] = config or OperatorConfig.from_env()
+    _state["kubeconfig"] = kubeconfig
+    if kubeconfig:
+        # kopf logs in through the kubernetes client, which reads this variable
+        import os
+
+        os.environ["KUBECONFIG"] = kubeconfig
+    _kube()  # fail early, with a message, on missing credentials
+    asyncio.run(kopf.operator(
+        standalone=True,  # no peering objects; run one replica (leader election is the Deployment's job)
+        clusterwide=not namespaces,
+        namespaces=namespaces or [],
+        liveness_endpoint=health,
+    ))

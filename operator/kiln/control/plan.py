@@ -1,0 +1,256 @@
+"""plan(spec, observed, config) → the objects a TrainingSpec should have. Pure: no I/O, no clock.
+
+One TrainingSpec becomes, all owned by it (deleting it deletes them):
+  ServiceAccount/Role/RoleBinding `<name>-trainer`  rank 0 may get/patch this run's status, nothing else
+  ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
+  PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
+Every object is a plain dict ready for server-side apply; reconciling twice applies the same dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from kubeflow.training import ApiClient
+from kubeflow.training import models as k
+
+from kiln.api.presets import resolve_model
+from kiln.api.rules import check, processes_per_node
+from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
+from kiln.control.config import OperatorConfig
+from kiln.errors import KilnError
+
+SPEC_MOUNT = "/etc/kiln"
+SPEC_FILE = "spec.yaml"
+CONTAINER = "pytorch"  # the training-operator finds the container by this name
+GPU = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+RUN_LABEL = "kiln.dev/trainingspec"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
+S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+# Changing these under a running job would silently break it (the checkpoint no longer fits the model,
+# the data cursor no longer means anything): the operator refuses the change instead of applying it.
+IMMUTABLE_WHILE_RUNNING = (
+    ("model",), ("data", "uri"), ("parallelism", "tensor"), ("parallelism", "pipeline"),
+    ("resources", "gpusPerNode"), ("resources", "processesPerNode"),
+)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the operator saw in the cluster that the plan depends on."""
+
+    applied: dict | None = None  # the resolved spec in the existing ConfigMap (what the job runs with)
+    job_active: bool = False  # a PyTorchJob exists and has not finished
+    nodes: int | None = None  # the elastic controller's current node decision; None: spec.resources.nodes
+
+
+@dataclass
+class Plan:
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    refused: str | None = None  # why nothing is applied (a spec change the running job cannot absorb)
+
+
+def names(run: str) -> dict[str, str]:
+    return {"job": run, "configmap": f"{run}-spec", "trainer": f"{run}-trainer"}
+
+
+def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
+    """The spec with every default made explicit: what the pods run with (and what `kiln render` shows)."""
+    s = doc.spec
+    dims = resolve_model(s.model)
+    lo = s.elastic.min_nodes if s.elastic.min_nodes is not None else s.resources.nodes
+    hi = s.elastic.max_nodes if s.elastic.max_nodes is not None else s.resources.nodes
+    uri = s.checkpoint.uri or f"file://{config.scratch_dir}/checkpoints/"
+    spec = s.model_copy(update={
+        "image": s.image or config.image,
+        "model": s.model.model_copy(update=dims.model_dump()),
+        "resources": s.resources.model_copy(update={"processes_per_node": processes_per_node(s)}),
+        "elastic": s.elastic.model_copy(update={"min_nodes": lo, "max_nodes": hi}),
+        "checkpoint": s.checkpoint.model_copy(update={"uri": uri}),
+    }, deep=True)
+    meta = {"name": doc.metadata.name}
+    if doc.metadata.namespace:
+        meta["namespace"] = doc.metadata.namespace
+    return TrainingSpec.model_validate({"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
+                                        "spec": spec.model_dump(by_alias=True, exclude_none=True)})
+
+
+def dump(doc: TrainingSpec) -> dict:
+    return doc.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"status"})
+
+
+def immutable_changes(applied: dict, resolved: dict) -> list[str]:
+    changed = []
+    for path in IMMUTABLE_WHILE_RUNNING:
+        old, new = applied.get("spec", {}), resolved.get("spec", {})
+        for key in path:
+            old, new = (old or {}).get(key), (new or {}).get(key)
+        if old != new:
+            changed.append(f"spec.{'.'.join(path)} ({_short(old)} → {_short(new)})")
+    return changed
+
+
+def _short(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorConfig | None = None) -> Plan:
+    """The desired objects for one TrainingSpec (metadata needs name, namespace and, in a cluster, uid)."""
+    observed = observed or Observed()
+    config = config or OperatorConfig()
+    problems = check(doc.spec, scope="all")
+    if problems:  # the apiserver's CEL refuses these too; reached by `kiln render` or a CRD without rules
+        raise KilnError("\n".join(problems))
+    resolved = resolve(doc, config)
+    resolved_dict = dump(resolved)
+    if observed.applied is not None and observed.job_active:
+        changed = immutable_changes(observed.applied, resolved_dict)
+        if changed:
+            return Plan(refused="the running job cannot absorb a change of " + ", ".join(changed)
+                        + "; revert it, or delete the TrainingSpec and create a new run")
+    meta = doc.metadata
+    extra = meta.model_extra or {}
+    owner = None
+    if extra.get("uid"):
+        owner = {"apiVersion": API_VERSION, "kind": KIND, "name": meta.name, "uid": extra["uid"],
+                 "controller": True, "blockOwnerDeletion": True}
+    n = names(meta.name)
+
+    def metadata(name: str, labels: dict | None = None) -> dict:
+        m: dict[str, Any] = {"name": name, "labels": {**MANAGED_BY, RUN_LABEL: meta.name, **(labels or {})}}
+        if meta.namespace:
+            m["namespace"] = meta.namespace
+        if owner:
+            m["ownerReferences"] = [owner]
+        return m
+
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(n["configmap"]),
+                 "data": {SPEC_FILE: yaml.safe_dump(resolved_dict, sort_keys=False)}}
+    return Plan(objects=[*trainer_identity(meta.name, metadata), configmap,
+                         pytorchjob(resolved, observed, config, metadata)])
+
+
+def trainer_identity(run: str, metadata) -> list[dict]:
+    """The pods' ServiceAccount: allowed to read and patch the status of this one TrainingSpec."""
+    name = names(run)["trainer"]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(name)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(name),
+         "rules": [{"apiGroups": ["kiln.dev"], "resources": ["trainingspecs/status"], "resourceNames": [run],
+                    "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata(name),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name}]},
+    ]
+
+
+def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata) -> dict:
+    """The PyTorchJob for a resolved spec, built with the kubeflow-training models."""
+    s: TrainingSpecSpec = doc.spec
+    r, run = s.resources, doc.metadata.name
+    n = names(run)
+    replicas = observed.nodes or r.nodes
+    ppn = r.processes_per_node
+
+    limits: dict[str, str] = {}
+    if r.gpus_per_node:
+        limits[GPU] = str(r.gpus_per_node)
+    if r.cpu:
+        limits["cpu"] = r.cpu
+    if r.memory:
+        limits["memory"] = r.memory
+    node_selector = dict(r.node_selector)
+    if r.gpu_type:
+        node_selector[GPU_PRODUCT_LABEL] = r.gpu_type
+    tolerations = [k.V1Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
+    if r.gpus_per_node and not any(t.key == GPU for t in r.tolerations):
+        # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule to keep other pods off them.
+        tolerations.append(k.V1Toleration(key=GPU, operator="Exists", effect="NoSchedule"))
+
+    env = [
+        k.V1EnvVar(name="KILN_RUN_NAME", value=run),
+        k.V1EnvVar(name="KILN_NAMESPACE", value_from=k.V1EnvVarSource(
+            field_ref=k.V1ObjectFieldSelector(field_path="metadata.namespace"))),
+        k.V1EnvVar(name="KILN_SPEC", value=f"{SPEC_MOUNT}/{SPEC_FILE}"),
+    ]
+    if s.checkpoint.credentials_secret:  # by reference: the key never appears in any object kiln writes
+        env += [k.V1EnvVar(name=key, value_from=k.V1EnvVarSource(
+            secret_key_ref=k.V1SecretKeySelector(name=s.checkpoint.credentials_secret, key=key)))
+            for key in S3_KEYS]
+    if s.checkpoint.endpoint:
+        env.append(k.V1EnvVar(name="AWS_ENDPOINT_URL", value=s.checkpoint.endpoint))
+
+    container = k.V1Container(
+        name=CONTAINER,
+        image=s.image,
+        image_pull_policy=config.image_pull_policy,
+        # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
+        # that the training-operator sets from elasticPolicy and nprocPerNode.
+        command=["torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}"],
+        env=env,
+        ports=[k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)],
+        resources=k.V1ResourceRequirements(limits=limits or None, requests=dict(limits) or None),
+        volume_mounts=[
+            k.V1VolumeMount(name="spec", mount_path=SPEC_MOUNT, read_only=True),
+            k.V1VolumeMount(name="dshm", mount_path="/dev/shm"),  # NCCL and dataloaders need more than 64Mi
+            k.V1VolumeMount(name="scratch", mount_path=config.scratch_dir),
+        ],
+    )
+    pod = k.V1PodSpec(
+        containers=[container],
+        service_account_name=n["trainer"],
+        node_selector=node_selector or None,
+        tolerations=tolerations or None,
+        affinity=r.affinity,  # passed through as written (a core/v1 Affinity)
+        priority_class_name=s.scheduling.priority_class_name,
+        termination_grace_period_seconds=config.termination_grace_seconds,
+        volumes=[
+            k.V1Volume(name="spec", config_map=k.V1ConfigMapVolumeSource(name=n["configmap"])),
+            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory")),
+            k.V1Volume(name="scratch", empty_dir=k.V1EmptyDirVolumeSource()),
+        ],
+    )
+    template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run}), spec=pod)
+
+    scheduling = None
+    if s.scheduling.gang or s.scheduling.queue or s.scheduling.priority_class_name:
+        scheduling = k.KubeflowOrgV1SchedulingPolicy(
+            min_available=s.elastic.min_nodes if s.scheduling.gang else None,
+            queue=s.scheduling.queue,
+            priority_class=s.scheduling.priority_class_name,
+        )
+    # With a queue, Kueue owns runPolicy.suspend (it unsuspends on admission): kiln sets it only to suspend.
+    suspend = True if s.suspend else (None if s.scheduling.queue else False)
+    job = k.KubeflowOrgV1PyTorchJob(
+        api_version="kubeflow.org/v1",
+        kind="PyTorchJob",
+        metadata=None,
+        spec=k.KubeflowOrgV1PyTorchJobSpec(
+            nproc_per_node=str(ppn),
+            elastic_policy=k.KubeflowOrgV1ElasticPolicy(
+                min_replicas=s.elastic.min_nodes,
+                max_replicas=s.elastic.max_nodes,
+                rdzv_backend="c10d",
+                rdzv_port=config.rdzv_port,
+                max_restarts=s.elastic.max_restarts,
+            ),
+            run_policy=k.KubeflowOrgV1RunPolicy(
+                backoff_limit=s.elastic.max_restarts,
+                clean_pod_policy=config.clean_pod_policy,
+                suspend=suspend,
+                scheduling_policy=scheduling,
+            ),
+            pytorch_replica_specs={"Worker": k.KubeflowOrgV1ReplicaSpec(
+                replicas=replicas, restart_policy="ExitCode", template=template)},
+        ),
+    )
+    body = ApiClient().sanitize_for_serialization(job)
+    labels = {KUEUE_QUEUE_LABEL: s.scheduling.queue} if s.scheduling.queue else None
+    body["metadata"] = metadata(n["job"], labels)
+    return body

@@ -1,0 +1,186 @@
+"""The TrainingSpec's status from what the cluster shows: PyTorchJob conditions + pods → phase, conditions.
+
+Pure: `derive(...)` takes plain dicts (as the apiserver returns them) and the time to stamp, and returns
+the status fields the operator owns plus the Events to post. Progress fields (step, tokensPerSecond,
+mfu, lastCheckpoint) belong to trainer rank 0 and are left alone, except `progress`/`etaSeconds`
+which are derived from the step the trainer wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
+USER_ERRORS = {
+    "ErrImagePull": "ImagePullFailed",
+    "ImagePullBackOff": "ImagePullFailed",
+    "InvalidImageName": "InvalidImage",
+    "CreateContainerConfigError": "ContainerConfigError",  # e.g. the credentials Secret or a key is missing
+}
+
+PHASE_EVENT_TYPE = {"Failed": "Warning", "Restarting": "Warning"}
+
+
+@dataclass
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Derived:
+    status: dict[str, Any]  # merge-patch for the status subresource (operator-owned fields)
+    events: list[Event] = field(default_factory=list)
+
+
+def job_condition(job: dict | None) -> str | None:
+    """The PyTorchJob's current state: the type of its newest condition with status True."""
+    if not job:
+        return None
+    conds = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"]
+    if not conds:
+        return None
+    order = {"Failed": 5, "Succeeded": 4, "Suspended": 3, "Restarting": 2, "Running": 1, "Created": 0}
+    # newest first; ties (same second) resolved by how final the state is
+    conds.sort(key=lambda c: (c.get("lastTransitionTime") or c.get("lastUpdateTime") or "", order.get(c["type"], -1)))
+    return conds[-1]["type"]
+
+
+def _job_message(job: dict | None, ctype: str) -> str:
+    for c in ((job or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c.get("message") or ""
+    return ""
+
+
+def running_pods(pods: list[dict]) -> int:
+    return sum(1 for p in pods if (p.get("status") or {}).get("phase") == "Running"
+               and not (p.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def unschedulable(pods: list[dict]) -> str | None:
+    for p in pods:
+        for c in (p.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return f"pod {p['metadata']['name']}: {c.get('message', 'cannot be scheduled')}"
+    return None
+
+
+def container_errors(pods: list[dict]) -> list[tuple[str, str]]:
+    found = []
+    for p in pods:
+        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in USER_ERRORS:
+                found.append((USER_ERRORS[reason],
+                              f"pod {p['metadata']['name']}: {reason}: {waiting.get('message', '')}".strip()))
+    return found
+
+
+def phase_of(spec: dict, job: dict | None, pods: list[dict]) -> str:
+    state = job_condition(job)
+    if state in ("Succeeded", "Failed"):
+        return state
+    if spec.get("suspend") or state == "Suspended":
+        return "Suspended"
+    if state == "Restarting":
+        return "Restarting"
+    if state == "Running":
+        desired = (((job or {}).get("spec") or {}).get("pytorchReplicaSpecs") or {}).get("Worker", {}).get("replicas")
+        running = running_pods(pods)
+        if desired is not None and running != desired and running > 0:
+            return "Scaling"
+        return "Running"
+    return "Pending"
+
+
+def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, message: str,
+                  now: str, generation: int | None) -> list[dict]:
+    """metav1.Condition semantics: lastTransitionTime changes only when status does."""
+    out = [c for c in conditions if c.get("type") != ctype]
+    old = next((c for c in conditions if c.get("type") == ctype), None)
+    when = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    cond = {"type": ctype, "status": status, "reason": reason, "message": message[:32768],
+            "lastTransitionTime": when}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    out.append(cond)
+    return sorted(out, key=lambda c: c["type"])
+
+
+def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
+           accepted: tuple[str, str, str] | None = None) -> Derived:
+    """Status and Events for one TrainingSpec.
+
+    accepted: the SpecAccepted condition (status, reason, message) from the last reconcile: False when the
+    operator applied nothing (a change the running job cannot absorb, a missing Secret); None keeps the
+    condition as it is (status refreshes triggered by the job or its pods).
+    """
+    spec, old = ts.get("spec") or {}, ts.get("status") or {}
+    # the generation acted on: the current one after a reconcile, else what the last reconcile saw
+    gen = (ts.get("metadata") or {}).get("generation") if accepted is not None else old.get("observedGeneration")
+    old_phase = old.get("phase")
+    phase = phase_of(spec, job, pods)
+    conditions = list(old.get("conditions") or [])
+    events: list[Event] = []
+
+    if accepted is not None:
+        if accepted[0] == "False" and not _same(old, "SpecAccepted", *accepted):
+            events.append(Event("Warning", accepted[1], accepted[2]))
+        conditions = set_condition(conditions, "SpecAccepted", *accepted, now, gen)
+
+    why_pending = unschedulable(pods)
+    if why_pending:
+        conditions = set_condition(conditions, "PodsScheduled", "False", "Unschedulable", why_pending, now, gen)
+        if not _same(old, "PodsScheduled", "False", "Unschedulable", why_pending):
+            events.append(Event("Warning", "Unschedulable", why_pending))
+    elif pods:
+        conditions = set_condition(conditions, "PodsScheduled", "True", "Scheduled", "every pod is bound to a node",
+                                   now, gen)
+    for reason, message in container_errors(pods):
+        if not _same(old, "PodsReady", "False", reason, message):
+            events.append(Event("Warning", reason, message))
+        conditions = set_condition(conditions, "PodsReady", "False", reason, message, now, gen)
+        break
+    else:
+        if pods and running_pods(pods) == len(pods):
+            conditions = set_condition(conditions, "PodsReady", "True", "Running", "every pod is running", now, gen)
+
+    job_msg = _job_message(job, job_condition(job) or "")
+    for ctype in ("Running", "Suspended", "Succeeded", "Failed"):
+        active = phase == ctype or (ctype == "Running" and phase == "Scaling")
+        conditions = set_condition(conditions, ctype, "True" if active else "False", phase,
+                                   job_msg if active and job_msg else f"phase {phase}", now, gen)
+
+    if phase != old_phase:
+        message = f"phase {old_phase or 'none'} → {phase}" + (f": {job_msg}" if job_msg else "")
+        events.append(Event(PHASE_EVENT_TYPE.get(phase, "Normal"), phase, message))
+
+    status: dict[str, Any] = {
+        "phase": phase,
+        "nodes": running_pods(pods),
+        "conditions": conditions,
+        "observedGeneration": gen,
+        "restarts": (old.get("restarts") or 0) + (1 if phase == "Restarting" and old_phase != "Restarting" else 0),
+    }
+    steps = ((spec.get("training") or {}).get("steps")) or 0
+    if old.get("step") is not None and steps:
+        status["progress"] = f"{100.0 * min(old['step'], steps) / steps:.1f}%"
+    if gen is None:
+        status.pop("observedGeneration")
+    return Derived(status=status, events=events)
+
+
+def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) -> bool:
+    for c in old_status.get("conditions") or []:
+        if c.get("type") == ctype:
+            return c.get("status") == status and c.get("reason") == reason and c.get("message") == message
+    return False
+
+
+def changed(old_status: dict, new_fields: dict) -> bool:
+    """Whether patching new_fields would change anything (so a quiet cluster sees no writes)."""
+    return any(old_status.get(key) != value for key, value in new_fields.items())

@@ -1,0 +1,97 @@
+"""What one reconcile does: read what exists → plan (pure) → apply → status (pure) → patch and Events.
+
+The kopf handlers call these two functions and nothing else. Each run is handled under its own lock,
+because pod, job and spec events for one run can arrive at once on different worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from datetime import datetime, timezone
+from typing import Callable
+
+from pydantic import ValidationError
+
+from kiln.api.load import format_validation_error
+from kiln.api.spec import TrainingSpec
+from kiln.control.config import OperatorConfig
+from kiln.control.kube import Kube
+from kiln.control.plan import Observed, plan
+from kiln.control.status import Event, changed, derive, job_condition
+from kiln.errors import KilnError
+
+PostEvent = Callable[[dict, Event], None]
+
+# Hook point for the checkpoint-on-suspend handshake: each callable gets (kube, body, job) before kiln
+# suspends a running job and returns None to go ahead or a message saying what it waits for (the
+# reconcile is then retried). Until a hook is registered, the trainer checkpoints on SIGTERM within
+# the pods' terminationGracePeriodSeconds (OperatorConfig.termination_grace_seconds).
+BEFORE_SUSPEND: list[Callable[[Kube, dict, dict], str | None]] = []
+
+_locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+
+class Wait(Exception):
+    """The reconcile must be retried later (kopf.TemporaryError in the handler)."""
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -> str:
+    """Make the cluster match one TrainingSpec; returns a one-line summary for the log."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    with _locks[(namespace, name)]:
+        job = kube.job(namespace, name)
+        state = job_condition(job)
+        observed = Observed(applied=kube.applied_spec(namespace, name),
+                            job_active=job is not None and state not in ("Succeeded", "Failed"))
+        accepted: tuple[str, str, str]
+        try:
+            doc = TrainingSpec.model_validate(body)
+            desired = plan(doc, observed, config)
+        except ValidationError as err:  # only when the CRD in the cluster lacks kiln's schema rules
+            accepted, desired = ("False", "InvalidSpec", format_validation_error(err)), None
+        except KilnError as err:
+            accepted, desired = ("False", "InvalidSpec", str(err)), None
+        if desired is not None:
+            problem = None
+            secret = doc.spec.checkpoint.credentials_secret
+            if desired.refused:
+                accepted = ("False", "ImmutableFieldChanged", desired.refused)
+            elif secret and (problem := kube.secret_problem(namespace, secret)):
+                accepted = ("False", "SecretMissing", problem + "; create it, the run starts by itself then")
+            else:
+                if doc.spec.suspend and observed.job_active and state != "Suspended":
+                    for hook in BEFORE_SUSPEND:
+                        waiting = hook(kube, body, job)
+                        if waiting:
+                            raise Wait(waiting)
+                for obj in desired.objects:  # the job last: its pods mount the ConfigMap
+                    kube.apply(obj)
+                accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
+        _write_status(kube, body, post, accepted)
+        if accepted[0] == "False" and accepted[1] == "SecretMissing":
+            raise Wait(accepted[2])  # retry: the Secret may be created any moment
+        return f"{namespace}/{name}: {accepted[1]}"
+
+
+def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent) -> None:
+    """Recompute the status after the job or one of its pods changed."""
+    with _locks[(namespace, name)]:
+        body = kube.trainingspec(namespace, name)
+        if body is not None:
+            _write_status(kube, body, post, None)
+
+
+def _write_status(kube: Kube, body: dict, post: PostEvent, accepted) -> None:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    job = kube.job(namespace, name)
+    pods = kube.pods(namespace, name) if job is not None else []
+    result = derive(body, job, pods, now(), accepted)
+    if changed(body.get("status") or {}, result.status):
+        kube.patch_status(namespace, name, result.status)
+    for event in result.events:
+        post(body, event)
