@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kiln.errors import KilnError
+
 log = logging.getLogger("kiln.storage")
 
 T = TypeVar("T")
@@ -92,7 +94,10 @@ def call_with_retry(
             elapsed = time.monotonic() - start
             wait = policy.delay(attempt)
             if elapsed + wait > policy.budget_s:
-                raise
+                raise KilnError(
+                    f"{what}: still failing after {attempt + 1} attempts over {elapsed:.0f}s "
+                    f"({type(err).__name__}: {_short(err)}); is the server up and reachable?"
+                ) from err
             log.warning(
                 "%s failed (%s: %s); retry %d in %.1fs (giving up after %.0fs)",
                 what, type(err).__name__, _short(err), attempt + 1, wait, policy.budget_s,

@@ -437,7 +437,7 @@ class Checkpointer:
             if self.rank == 0:
                 self.store.delete(f"{prefix}/COMMIT")  # a stale COMMIT from an older attempt at this step
             writer = StoreWriter(fs, prefix, thread_count=self.thread_count, sync_files=self.store.local_path(prefix) is not None)
-            dcp.save(staged, storage_writer=writer, process_group=self._pg)
+            dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
             mine = {key.split("/", 1)[1]: entry for key, entry in fs.written.items()}
             everyone = [mine]
             if self._distributed:
@@ -525,7 +525,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             state, keys = collect_state(model_parts, optimizers)
             fs = StoreFS(self.store, self._staging_root / "restore")
-            dcp.load(state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg)
+            dcp.load(state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg, no_dist=not self._distributed)
             for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
                 set_state_dict(
                     model,

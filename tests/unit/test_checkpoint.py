@@ -1,0 +1,216 @@
+"""The Checkpointer in one process on file://: round trip, damaged commits, retention, interval, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.api.spec import CheckpointSpec
+from kiln.errors import KilnError
+from kiln.storage.commit import committed_steps
+from kiln.trainer import checkpoint as ckpt_mod
+from kiln.trainer.checkpoint import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def snapshot(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
+    return params, state
+
+
+def assert_same(model, opt, snap):
+    params, state = snapshot(model, opt)
+    for a, b in zip(params, snap[0]):
+        assert torch.equal(a, b)
+    assert state.keys() == snap[1].keys()
+    for k in state:
+        for n in state[k]:
+            assert torch.equal(state[k][n], snap[1][k][n]), (k, n)
+
+
+def checkpointer(root, **spec):
+    return Checkpointer(CheckpointSpec(uri=f"file://{root}", **spec), default_uri="", rank=0, world_size=1)
+
+
+def run(root, steps, **spec):
+    """Train `steps` steps saving per the spec; returns the snapshots taken at each saved step."""
+    model, opt = make()
+    ck = checkpointer(root, **spec)
+    snaps = {}
+    for step in range(1, steps + 1):
+        train_step(model, opt, step)
+        if ck.should_save(step):
+            snaps[step] = snapshot(model, opt)
+            ck.save(step, [model], [opt], {"step": step, "cursor": step * 4})
+    ck.close()
+    return snaps
+
+
+def test_round_trip_restores_weights_optimizer_and_trainer_state(tmp_path):
+    snaps = run(tmp_path, 6, interval_steps=3)
+    assert committed_steps(checkpointer(tmp_path).store) == [6, 3]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000006"
+    commit = json.loads((tmp_path / "step-00000006" / "COMMIT").read_text())
+    assert set(commit["files"]) == {".metadata", "trainer.json", *(p.name for p in (tmp_path / "step-00000006").glob("*.distcp"))}
+
+    model, opt = make(seed=1)  # different initial weights, no optimizer state yet
+    state = checkpointer(tmp_path).restore([model], [opt])
+    assert state["step"] == 6 and state["cursor"] == 24 and state["kiln"]["world_size"] == 1
+    assert_same(model, opt, snaps[6])
+
+
+def test_no_checkpoint_restores_nothing(tmp_path):
+    model, opt = make()
+    before = snapshot(model, opt)
+    assert checkpointer(tmp_path / "empty").restore([model], [opt]) is None
+    assert_same(model, opt, before)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_newest_commit_falls_back_to_the_previous(tmp_path, caplog, damage):
+    snaps = run(tmp_path, 4, interval_steps=2)
+    shard = sorted((tmp_path / "step-00000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01  # same size: only the sha256 can tell
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[:-1]))
+    else:
+        shard.unlink()
+
+    model, opt = make(seed=1)
+    with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
+        state = checkpointer(tmp_path).restore([model], [opt])
+    assert state["step"] == 2
+    assert_same(model, opt, snaps[2])
+    warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
+    assert "step 4" in warning and shard.name in warning and "falling back" in warning
+
+
+def test_uncommitted_step_is_never_loaded(tmp_path):
+    """A crash after the shards but before COMMIT leaves a newer step directory; resume ignores it."""
+    snaps = run(tmp_path, 2, interval_steps=2)
+    partial = tmp_path / "step-00000003"
+    partial.mkdir()
+    for f in (tmp_path / "step-00000002").iterdir():
+        if f.name != "COMMIT":
+            (partial / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "latest").write_text("step-00000003\n")  # even a misleading pointer does not matter
+    model, opt = make(seed=1)
+    assert checkpointer(tmp_path).restore([model], [opt])["step"] == 2
+    assert_same(model, opt, snaps[2])
+
+
+def test_retention_keeps_the_newest_n_commits(tmp_path):
+    run(tmp_path, 10, interval_steps=2, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000008", "step-00000010"]
+
+
+def test_synchronous_and_final_saves_are_committed_on_return(tmp_path):
+    model, opt = make()
+    ck = checkpointer(tmp_path, interval_steps=100, async_save=False)
+    ck.save(1, [model], [opt], {"step": 1})
+    assert (tmp_path / "step-00000001" / "COMMIT").exists()
+    ck2 = checkpointer(tmp_path / "b")
+    ck2.save(5, [model], [opt], {"step": 5}, final=True)
+    assert (tmp_path / "b" / "step-00000005" / "COMMIT").exists()
+    assert json.loads((tmp_path / "b" / "step-00000005" / "trainer.json").read_text())["kiln"]["final"] is True
+    assert ck2.status()["lastCheckpoint"]["step"] == 5
+    ck2.save(5, [model], [opt], {"step": 5}, final=True)  # the same step again is a no-op
+    ck.close(), ck2.close()
+
+
+def test_failed_background_save_is_logged_and_training_continues(tmp_path, caplog):
+    model, opt = make()
+    ck = checkpointer(tmp_path)
+    ck.save(1, [model], [opt], {"step": 1})
+    ck.wait()
+    # the checkpoint directory becomes unwritable (a file where a directory must go)
+    (tmp_path / "step-00000002").write_text("in the way")
+    with caplog.at_level(logging.ERROR, logger="kiln.checkpoint"):
+        ck.save(2, [model], [opt], {"step": 2})
+        ck.wait()
+    assert ck.save_failures == 1
+    assert any("step 2" in r.message and "last committed step (1)" in r.message for r in caplog.records)
+    model2, opt2 = make(seed=3)
+    assert checkpointer(tmp_path).restore([model2], [opt2])["step"] == 1
+    ck.close()
+
+
+def test_bad_uri_is_a_kiln_error():
+    with pytest.raises(KilnError, match="unknown scheme 'gcs'"):
+        Checkpointer(CheckpointSpec(uri="gcs://x/"), default_uri="", rank=0, world_size=1)
+
+
+def test_default_uri_is_used_when_the_spec_has_none(tmp_path):
+    ck = Checkpointer(CheckpointSpec(), default_uri=f"file://{tmp_path}/ck/", rank=0, world_size=1)
+    assert ck.store.local_path("x") == tmp_path / "ck" / "x"
+
+
+def test_interval_fixed_and_auto(tmp_path):
+    ck = checkpointer(tmp_path, interval_steps=5)
+    assert [s for s in range(0, 21) if ck.should_save(s)] == [5, 10, 15, 20]
+
+    auto = checkpointer(tmp_path / "auto", interval_steps="auto")
+    assert auto.interval_steps == AUTO_FIRST_STEPS  # nothing measured yet: save early to measure
+    for s in range(1, 4):
+        auto.should_save(s)
+    auto.last_saved_step = 3
+    auto._step_time_s, auto.last_save_s = 0.1, 1.0
+    auto.last_blocking_s, auto._run_seconds, auto._failures = 0.5, 0.0, 0
+    auto._started -= 3600
+    relaxed = auto.interval_steps
+    auto._failures = 20  # many restarts → shorter MTBF → save more often
+    frequent = auto.interval_steps
+    assert AUTO_MIN_STEPS <= frequent < relaxed <= AUTO_MAX_STEPS
+    auto.last_save_s = 50.0  # a background save takes 500 steps: never save faster than that
+    assert auto.interval_steps >= 500
+    auto.last_blocking_s = 1e6
+    assert auto.interval_steps == AUTO_MAX_STEPS
+    assert auto.status()["intervalSteps"] == AUTO_MAX_STEPS
+
+
+def test_sigterm_sets_the_stop_flag(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        flag = ckpt_mod.install_sigterm_handler()
+        flag.clear()
+        ck = checkpointer(tmp_path)
+        assert not ck.stop_requested(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ck.stop_requested(2)  # the process is still alive and can save
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ckpt_mod._sigterm.clear()
+
+
+def test_restart_from_a_non_final_checkpoint_counts_as_a_failure(tmp_path):
+    run(tmp_path, 2, interval_steps=2)
+    model, opt = make()
+    ck = checkpointer(tmp_path, interval_steps="auto")
+    ck.restore([model], [opt])
+    assert ck._failures == 1
+    ck.save(3, [model], [opt], {"step": 3}, final=True)
+    ck2 = checkpointer(tmp_path)
+    ck2.restore([model], [opt])
+    assert ck2._failures == 1  # a clean, final save is not a failure
