@@ -1,0 +1,83 @@
+"""Prometheus metrics of a training run, on http://:<port>/metrics of rank 0.
+
+The loop hands `TrainerExporter.observe` the same per-step record it logs (kiln.trainer.metrics); the
+exporter keeps the latest values. Keys it reads, all optional per record:
+
+    step, loss, tokens_per_second, mfu, step_s, tokens_seen   every logged step
+    checkpoint_stall_s   seconds this step blocked on a checkpoint (staging, or a synchronous save)
+    goodput              productive step time / wall time since the run started
+    restarts             restarts of the run so far (carried across restarts in trainer.json)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+DEFAULT_PORT = 9400  # where the trainer pods' metrics live unless KILN_METRICS_PORT says otherwise
+
+# Record key -> gauge (name, help). One place to add a metric shown on the dashboard.
+GAUGES = {
+    "step": ("kiln_train_step", "Last completed optimizer step."),
+    "loss": ("kiln_train_loss", "Training loss of the last logged step."),
+    "tokens_per_second": ("kiln_train_tokens_per_second", "Training throughput over all ranks, tokens/s."),
+    "mfu": ("kiln_train_mfu", "Model FLOPs utilisation of the last logged step (0..1)."),
+    "tokens_seen": ("kiln_train_tokens_seen", "Tokens trained on since the start of the run."),
+    "goodput": ("kiln_train_goodput", "Productive step time / wall time since the run started (0..1)."),
+    "restarts": ("kiln_train_restarts", "Restarts of this run so far."),
+}
+STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class TrainerExporter:
+    """The latest training metrics of one run, labelled `run`, in a registry of its own."""
+
+    def __init__(self, run: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self._gauges = {
+            key: Gauge(name, doc, ["run"], registry=self.registry).labels(run) for key, (name, doc) in GAUGES.items()
+        }
+        self._step_seconds = Histogram(
+            "kiln_train_step_seconds", "Wall time of one optimizer step.", ["run"],
+            buckets=STEP_SECONDS_BUCKETS, registry=self.registry,
+        ).labels(run)
+        self._stall = Counter(
+            "kiln_train_checkpoint_stall_seconds", "Seconds training blocked on checkpoints.", ["run"],
+            registry=self.registry,
+        ).labels(run)
+        self._server = None
+
+    def observe(self, record: dict) -> None:
+        """Take one step's record; keys that are missing or not numbers are left as they were."""
+        for key, gauge in self._gauges.items():
+            value = _number(record.get(key))
+            if value is not None:
+                gauge.set(value)
+        step_s = _number(record.get("step_s"))
+        if step_s is not None and math.isfinite(step_s) and step_s >= 0:
+            self._step_seconds.observe(step_s)
+        stall = _number(record.get("checkpoint_stall_s"))
+        if stall is not None and math.isfinite(stall) and stall > 0:
+            self._stall.inc(stall)
+
+    def start(self, port: int | None = None, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics from a daemon thread; port 0 picks a free one. Returns the port served."""
+        if port is None:
+            port = int(os.environ.get("KILN_METRICS_PORT", DEFAULT_PORT))
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _number(value) -> float | None:
+    # bool is an int subclass; a flag is not a metric.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
