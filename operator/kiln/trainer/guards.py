@@ -1,0 +1,308 @@
+"""Training-health guards: never take an optimizer step on garbage, never commit corrupted weights.
+
+Two hooks the training loop calls, in this order, after backward and gradient clipping:
+
+    decision = step_guard.check(step, loss, grad_norm)      # pure: same inputs → same decision on every rank
+    if decision.action is Action.SKIP:     optimizer.zero_grad(); continue
+    if decision.action is Action.ROLLBACK: reload the last COMMITTED checkpoint, skip decision.skip_data
+    optimizer.step()
+    if sdc.due(step): sdc.verify(model, step, loss=global_loss)   # raises before the step can be committed
+
+`StepGuard` is pure Python (no torch): give it the *global* loss and grad norm (`global_scalars`
+all-reduces them, so a NaN on any rank becomes a NaN on every rank and all ranks decide alike).
+`SdcCheck` hashes the bits of every parameter on device and compares the hashes between the ranks
+that must hold identical copies: for DTensor parameters (FSDP2/HSDP, TP) the ranks along the mesh
+dimensions whose placement is `Replicate()`; for plain tensors (DDP) every rank of the given group.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# torch is imported lazily: StepGuard and the decisions are used by code (and tests) without torch.
+
+
+class Action(enum.Enum):
+    OK = "ok"
+    SKIP = "skip"  # drop this step's gradients, do not update
+    ROLLBACK = "rollback"  # reload the last committed checkpoint and skip the offending data
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    step: int
+    reason: str = ""
+    zscore: float | None = None
+    # For ROLLBACK: the inclusive range of training steps whose data is to be skipped after the reload.
+    skip_data: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Thresholds; defaults follow common practice (OLMo/PaLM-style spike handling)."""
+
+    window: int = 64  # recent accepted losses the robust z-score is computed over
+    min_history: int = 8  # no spike verdict before this many accepted losses
+    z_threshold: float = 6.0  # robust z above this (loss above the median) is a spike
+    spike_limit: int = 3  # this many spikes ...
+    spike_window: int = 50  # ... within this many steps → roll back
+    rel_floor: float = 1e-3  # MAD floor relative to the median, so a flat loss does not make every wiggle a spike
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or self.min_history < 2 or self.min_history > self.window:
+            raise ValueError(f"guards: need 2 <= min_history ({self.min_history}) <= window ({self.window})")
+        if self.z_threshold <= 0 or self.spike_limit < 1 or self.spike_window < 1:
+            raise ValueError("guards: z_threshold must be > 0, spike_limit and spike_window >= 1")
+
+
+def robust_zscore(value: float, history: Iterable[float], rel_floor: float = 1e-3) -> float:
+    """Modified z-score (Iglewicz & Hoaglin): 0.6745 (x - median) / MAD, with a floor on the MAD."""
+    values = list(history)
+    med = statistics.median(values)
+    mad = statistics.median(abs(v - med) for v in values)
+    mad = max(mad, rel_floor * abs(med), 1e-12)
+    return 0.6745 * (value - med) / mad
+
+
+@dataclass
+class GuardCounters:
+    skipped_nonfinite: int = 0
+    skipped_spike: int = 0
+    rollbacks: int = 0
+    last_zscore: float = 0.0
+
+
+class StepGuard:
+    """Decides OK / SKIP / ROLLBACK for one optimizer step from the global loss and grad norm."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        self.config = config or GuardConfig()
+        self.history: deque[float] = deque(maxlen=self.config.window)
+        self.spikes: deque[int] = deque()
+        self.counters = GuardCounters()
+
+    def check(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
+        cfg = self.config
+        loss = float(loss)
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(float(grad_norm))):
+            self.counters.skipped_nonfinite += 1
+            what = "loss" if not math.isfinite(loss) else "grad norm"
+            value = loss if what == "loss" else grad_norm
+            return Decision(Action.SKIP, step, f"non-finite {what} ({value}) at step {step}")
+
+        z = robust_zscore(loss, self.history, cfg.rel_floor) if len(self.history) >= cfg.min_history else 0.0
+        self.counters.last_zscore = z
+        if z <= cfg.z_threshold:
+            self.history.append(loss)  # only accepted losses shape the baseline
+            return Decision(Action.OK, step, zscore=z)
+
+        self.spikes.append(step)
+        while self.spikes and self.spikes[0] <= step - cfg.spike_window:
+            self.spikes.popleft()
+        if len(self.spikes) >= cfg.spike_limit:
+            first = self.spikes[0]
+            self.spikes.clear()
+            self.counters.rollbacks += 1
+            return Decision(
+                Action.ROLLBACK, step,
+                f"{cfg.spike_limit} loss spikes within {cfg.spike_window} steps (steps {first}..{step}, "
+                f"last z={z:.1f}); roll back to the last commit and skip data of steps {first}..{step}",
+                zscore=z, skip_data=(first, step),
+            )
+        self.counters.skipped_spike += 1
+        return Decision(Action.SKIP, step, f"loss spike {loss:.4g} (robust z={z:.1f} > {cfg.z_threshold})", zscore=z)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the metrics sink and the status patch (names are stable)."""
+        c = self.counters
+        return {
+            "guard/skipped_nonfinite": c.skipped_nonfinite,
+            "guard/skipped_spike": c.skipped_spike,
+            "guard/rollbacks": c.rollbacks,
+            "guard/loss_zscore": c.last_zscore,
+        }
+
+    # Saved in trainer.json so the baseline and counters survive a restart.
+    def state_dict(self) -> dict[str, Any]:
+        c = self.counters
+        return {"history": list(self.history), "spikes": list(self.spikes),
+                "counters": {"skipped_nonfinite": c.skipped_nonfinite, "skipped_spike": c.skipped_spike,
+                             "rollbacks": c.rollbacks}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((float(v) for v in state.get("history", [])), maxlen=self.config.window)
+        self.spikes = deque(int(s) for s in state.get("spikes", []))
+        counters = state.get("counters", {})
+        self.counters = GuardCounters(**{k: int(v) for k, v in counters.items()})
+
+
+def global_scalars(loss, grad_norm=None, group=None) -> tuple[float, float | None]:
+    """Average the loss over `group` (and max the grad norm) so every rank feeds StepGuard the same numbers.
+
+    A NaN/inf on any rank propagates into the sum, so all ranks skip together.
+    """
+    import torch
+    import torch.distributed as dist
+
+    values = torch.stack([torch.as_tensor(loss, dtype=torch.float64).detach().reshape(()).cpu(),
+                          torch.as_tensor(0.0 if grad_norm is None else grad_norm,
+                                          dtype=torch.float64).detach().reshape(()).cpu()])
+    if dist.is_available() and dist.is_initialized():
+        dev = _comm_device(group)
+        values = values.to(dev)
+        dist.all_reduce(values, group=group)
+        values = values / dist.get_world_size(group)
+    out = values.cpu().tolist()
+    # The grad norm is already global after clip_grad_norm_ (equal on every rank), so the mean is itself.
+    return out[0], (None if grad_norm is None else out[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Silent data corruption
+
+
+class SilentDataCorruption(RuntimeError):
+    """Replicas that must hold bit-identical weights (or agree on a loss) do not; the step must not commit."""
+
+    def __init__(self, step: int, ranks: list[int], detail: str) -> None:
+        self.step, self.ranks, self.detail = step, sorted(ranks), detail
+        super().__init__(f"silent data corruption at step {step}: suspect rank(s) {self.ranks}: {detail}")
+
+
+_INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+_PRIME = 65521  # position weights 1..65521 make a flip's effect depend on where it happened
+
+
+def tensor_fingerprint(t):
+    """Two int64 checksums of the raw bits of `t` (computed on its device; wrap-around is deterministic)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    bits = flat.view(getattr(torch, _INT_VIEW[flat.element_size()])).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % _PRIME + 1
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+def _comm_device(group):
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+
+
+def _suspects(rows: list[tuple], group_ranks: list[int]) -> list[int]:
+    """Ranks whose fingerprint differs from the majority; every rank when there is no strict majority."""
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        counts[r] = counts.get(r, 0) + 1
+    best, n = max(counts.items(), key=lambda kv: kv[1])
+    if n * 2 <= len(rows):  # 1-vs-1 (or a tie): cannot tell who is wrong, name all of them
+        return list(group_ranks)
+    return [rank for rank, row in zip(group_ranks, rows) if row != best]
+
+
+@dataclass
+class SdcCheck:
+    """Every `every` steps: hash the weights and compare them across replicas; raise naming the rank(s)."""
+
+    every: int = 100
+    group: Any = None  # for plain-tensor (DDP/replicated) params: the ranks that hold identical copies
+    checks: int = field(default=0, init=False)
+    mismatches: int = field(default=0, init=False)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def verify(self, model, step: int, loss=None, loss_group=None) -> None:
+        """Collective over the replica groups of `model`'s parameters (and `loss_group` for the loss).
+
+        Every rank of the job must call it at the same step. Raises SilentDataCorruption on *every* rank
+        when any replica group disagrees, before the caller commits anything. Parameters without a
+        replicated mesh dimension (pure FSDP over one shard dim) have no second copy to compare.
+        """
+        import torch
+        import torch.distributed as dist
+
+        self.checks += 1
+        # (group key) → (process group, [param names], [fingerprints]); DTensor params per replicated mesh dim.
+        buckets: dict[tuple, tuple[Any, list[str], list]] = {}
+        for name, p in model.named_parameters():
+            local, dims = _local_and_replica_groups(p, self.group)
+            fp = tensor_fingerprint(local)
+            for key, pg in dims:
+                buckets.setdefault(key, (pg, [], []))
+                buckets[key][1].append(name)
+                buckets[key][2].append(fp)
+
+        problems: list[tuple[list[int], str]] = []
+        for key in sorted(buckets, key=repr):
+            pg, names, fps = buckets[key]
+            mine = torch.stack(fps)
+            dev = _comm_device(pg)
+            gathered = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size(pg))]
+            dist.all_gather(gathered, mine.to(dev), group=pg)
+            ranks = dist.get_process_group_ranks(pg)
+            table = torch.stack(gathered).cpu()  # [ranks, params, 2]
+            bad = (table != table[0]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+            if bad:
+                suspects: set[int] = set()
+                for i in bad:
+                    suspects.update(_suspects([tuple(row[i].tolist()) for row in table], ranks))
+                problems.append((sorted(suspects), f"weights differ across replicas {ranks} in "
+                                 f"{', '.join(names[i] for i in bad[:5])}{' …' if len(bad) > 5 else ''}"))
+
+        if loss is not None:
+            lg = loss_group
+            mine = torch.as_tensor(loss, dtype=torch.float64).detach().reshape(1).cpu()
+            dev = _comm_device(lg)
+            gathered = [torch.empty(1, dtype=torch.float64, device=dev) for _ in range(dist.get_world_size(lg))]
+            dist.all_gather(gathered, mine.to(dev), group=lg)
+            values = [g.item() for g in gathered]
+            ranks = dist.get_process_group_ranks(lg) if lg is not None else list(range(dist.get_world_size()))
+            if len({torch.tensor(v, dtype=torch.float64).view(torch.int64).item() for v in values}) > 1:
+                problems.append((_suspects([(v,) for v in values], ranks),
+                                 f"same-step loss differs across ranks {ranks}: {values}"))
+
+        # Agree on the verdict job-wide, so no rank goes on to commit while another group found corruption.
+        world = dist.get_world_size()
+        flags = torch.zeros(world + 1, dtype=torch.int32)
+        for rs, _ in problems:
+            flags[rs] = 1
+        flags[world] = int(bool(problems))
+        flags = flags.to(_comm_device(None))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = flags.cpu()
+        if flags[world]:
+            self.mismatches += 1
+            details: list = [None] * world
+            dist.all_gather_object(details, "; ".join(d for _, d in problems))
+            ranks = flags[:world].nonzero().flatten().tolist()
+            raise SilentDataCorruption(step, ranks, "; ".join(sorted({d for d in details if d})))
+
+    def metrics(self) -> dict[str, float]:
+        return {"sdc/checks": self.checks, "sdc/mismatches": self.mismatches}
+
+
+def _local_and_replica_groups(p, default_group):
+    """The local bits of `p` and the (key, process group) pairs along which they must be identical."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+        groups = []
+        for dim, placement in enumerate(p.placements):
+            if isinstance(placement, Replicate) and mesh.size(dim) > 1:
+                pg = mesh.get_group(dim)
+                groups.append(((names[dim], tuple(dist.get_process_group_ranks(pg))), pg))
+        return p.to_local(), groups
+    pg = default_group if default_group is not None else dist.group.WORLD
+    return p, [(("plain", tuple(dist.get_process_group_ranks(pg))), pg)]

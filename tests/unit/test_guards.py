@@ -1,0 +1,100 @@
+"""StepGuard: the pure decisions the training loop takes on every step."""
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kiln.trainer.guards import Action, GuardConfig, StepGuard, robust_zscore
+
+
+def _warm(guard: StepGuard, n: int = 20, start: int = 1) -> int:
+    rng = random.Random(0)
+    for s in range(start, start + n):
+        assert guard.check(s, 3.0 - 0.01 * s + rng.uniform(-0.02, 0.02), 1.0).action is Action.OK
+    return start + n
+
+
+@pytest.mark.parametrize("loss,norm,what", [(math.nan, 1.0, "loss"), (math.inf, 1.0, "loss"),
+                                            (2.0, math.nan, "grad norm"), (2.0, -math.inf, "grad norm")])
+def test_nonfinite_is_skipped_and_counted(loss, norm, what):
+    g = StepGuard()
+    step = _warm(g)
+    d = g.check(step, loss, norm)
+    assert d.action is Action.SKIP and f"non-finite {what}" in d.reason
+    assert g.metrics()["guard/skipped_nonfinite"] == 1
+    assert len(g.history) == 20  # the bad value did not enter the baseline
+
+
+def test_single_spike_is_skipped_but_normal_noise_is_not():
+    g = StepGuard()
+    step = _warm(g)
+    assert g.check(step, 2.85, 1.0).action is Action.OK  # within noise
+    d = g.check(step + 1, 9.0, 1.0)
+    assert d.action is Action.SKIP and d.zscore > 6
+    assert g.metrics()["guard/skipped_spike"] == 1
+    # a big *drop* in loss is never a spike
+    assert g.check(step + 2, 0.5, 1.0).action is Action.OK
+
+
+def test_no_verdict_before_min_history():
+    g = StepGuard(GuardConfig(min_history=8))
+    for s in range(1, 8):
+        assert g.check(s, 10.0 ** s, 1.0).action is Action.OK
+
+
+def test_repeated_spikes_request_rollback_with_data_window():
+    g = StepGuard(GuardConfig(spike_limit=3, spike_window=10))
+    step = _warm(g)
+    assert g.check(step, 50.0).action is Action.SKIP
+    assert g.check(step + 1, 2.8).action is Action.OK
+    assert g.check(step + 4, 60.0).action is Action.SKIP
+    d = g.check(step + 6, 70.0)
+    assert d.action is Action.ROLLBACK
+    assert d.skip_data == (step, step + 6)
+    m = g.metrics()
+    assert m["guard/rollbacks"] == 1 and m["guard/skipped_spike"] == 2
+
+
+def test_spikes_spread_out_do_not_roll_back():
+    g = StepGuard(GuardConfig(spike_limit=3, spike_window=10))
+    step = _warm(g)
+    for k in range(5):
+        assert g.check(step + 11 * k, 50.0).action is Action.SKIP
+    assert g.metrics()["guard/rollbacks"] == 0
+
+
+def test_state_roundtrip_keeps_baseline_and_counters():
+    g = StepGuard()
+    step = _warm(g)
+    g.check(step, math.nan)
+    g.check(step + 1, 40.0)
+    h = StepGuard()
+    h.load_state_dict(g.state_dict())
+    keys = ("guard/skipped_nonfinite", "guard/skipped_spike", "guard/rollbacks")
+    assert [h.metrics()[k] for k in keys] == [g.metrics()[k] for k in keys] == [1, 1, 0]
+    assert h.check(step + 2, 40.0).action is Action.SKIP  # baseline restored: still a spike
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="min_history"):
+        GuardConfig(window=4, min_history=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=3, max_size=64), st.floats(0.1, 10.0))
+def test_zscore_is_monotone_in_value(hist, x):
+    assert robust_zscore(x + 1.0, hist) > robust_zscore(x, hist)
+    assert robust_zscore(max(hist) + 0.0, hist) >= 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0.5, 5.0)), max_size=80))
+def test_any_series_never_accepts_a_nonfinite_step(series):
+    g = StepGuard(GuardConfig(spike_limit=2, spike_window=5))
+    for i, v in enumerate(series, 1):
+        d = g.check(i, v, 1.0)
+        if not math.isfinite(v):
+            assert d.action is Action.SKIP
+        assert all(math.isfinite(h) for h in g.history)
