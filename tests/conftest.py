@@ -1,0 +1,50 @@
+"""Shared pytest fixtures: the real rig (control plane + S3) and a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def rig():
+    """The running rig (tests/rig): reused if healthy, otherwise built and started here.
+
+    It stops at the end of the session only if this session started it and no other
+    pytest session on the machine is still using it (KILN_RIG_KEEP=1 keeps it running).
+    """
+    from tests.rig import cluster
+
+    pid = os.getpid()
+    rig, started = cluster.up(lease_pid=pid)
+    try:
+        yield rig
+    finally:
+        cluster.release(pid, stop_if_unused=started and os.environ.get("KILN_RIG_KEEP") != "1")
+
+
+@pytest.fixture
+def namespace(rig, request):
+    """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""
+    base = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    rig.kubectl("create", "namespace", name)
+    rig.wait_for(
+        f"ServiceAccount default in {name}",
+        lambda: rig.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        timeout=30,
+    )
+    try:
+        yield name
+    finally:
+        rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def pytest_collection_modifyitems(items):
+    # Every test that uses the rig is a rig test, whether or not it says so.
+    for item in items:
+        if "rig" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.rig)

@@ -1,0 +1,167 @@
+"""The rig's control plane: training-operator → pods → kube-scheduler → kwok GPU nodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from kubeflow.training import (
+    KubeflowOrgV1PyTorchJob,
+    KubeflowOrgV1PyTorchJobSpec,
+    KubeflowOrgV1ReplicaSpec,
+    KubeflowOrgV1RunPolicy,
+    TrainingClient,
+)
+from kubernetes import client as k8s
+
+pytestmark = pytest.mark.rig
+
+GPU = "nvidia.com/gpu"
+
+
+def pytorch_job(name: str, workers: int, gpus: int, product: str) -> KubeflowOrgV1PyTorchJob:
+    container = k8s.V1Container(
+        name="pytorch",  # the training-operator requires a container of this name
+        image="kiln-trainer:test",
+        command=["torchrun", "train.py"],
+        resources=k8s.V1ResourceRequirements(limits={GPU: str(gpus)}, requests={GPU: str(gpus)}),
+    )
+    template = k8s.V1PodTemplateSpec(
+        spec=k8s.V1PodSpec(containers=[container], node_selector={"nvidia.com/gpu.product": product})
+    )
+    return KubeflowOrgV1PyTorchJob(
+        api_version="kubeflow.org/v1",
+        kind="PyTorchJob",
+        metadata=k8s.V1ObjectMeta(name=name),
+        spec=KubeflowOrgV1PyTorchJobSpec(
+            run_policy=KubeflowOrgV1RunPolicy(clean_pod_policy="None"),
+            pytorch_replica_specs={
+                "Worker": KubeflowOrgV1ReplicaSpec(replicas=workers, restart_policy="OnFailure", template=template)
+            },
+        ),
+    )
+
+
+def pods_of(rig, namespace: str, job: str) -> list[dict]:
+    out = rig.kubectl("get", "pods", "-n", namespace, "-l", f"training.kubeflow.org/job-name={job}", "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def condition(pod: dict, kind: str) -> dict:
+    return next((c for c in pod["status"].get("conditions", []) if c["type"] == kind), {})
+
+
+@pytest.fixture
+def training(rig, namespace):
+    return TrainingClient(config_file=str(rig.kubeconfig), namespace=namespace)
+
+
+def test_versions_are_the_pinned_release(rig):
+    from tests.rig import versions
+
+    info = json.loads(rig.kubectl("version", "-o", "json").stdout)
+    assert info["clientVersion"]["gitVersion"] == versions.KUBERNETES
+    assert info["serverVersion"]["gitVersion"] == versions.KUBERNETES
+
+
+def test_gpu_jobs_are_placed_and_excess_stays_pending(rig, namespace, training):
+    with rig.exclusive_gpus():
+        training.create_job(pytorch_job("fits", workers=2, gpus=8, product=rig.gpu_product))
+        rig.wait_for("PyTorchJob fits Running", lambda: training.is_job_running("fits"), timeout=90)
+        pods = rig.wait_for(
+            "2 Running pods of fits",
+            lambda: (p := pods_of(rig, namespace, "fits")) and len(p) == 2
+            and all(x["status"].get("phase") == "Running" for x in p) and p,
+            timeout=60,
+        )
+        # 8 GPUs each: the scheduler must put them on two different GPU nodes.
+        assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(rig.gpu_nodes)
+
+        # Every GPU is taken now: another job's pod cannot be placed.
+        training.create_job(pytorch_job("waits", workers=1, gpus=8, product=rig.gpu_product))
+        pending = rig.wait_for(
+            "an unschedulable pod of waits",
+            lambda: [p for p in pods_of(rig, namespace, "waits")
+                     if condition(p, "PodScheduled").get("reason") == "Unschedulable"],
+            timeout=60,
+        )
+        assert GPU in condition(pending[0], "PodScheduled")["message"]
+        assert pending[0]["status"]["phase"] == "Pending"
+        assert not training.is_job_running("waits")
+
+        # A job asking for a GPU product the cluster does not have is never placed either.
+        training.create_job(pytorch_job("wrong-gpu", workers=1, gpus=1, product="NVIDIA-B300"))
+        rig.wait_for(
+            "an unschedulable pod of wrong-gpu",
+            lambda: [p for p in pods_of(rig, namespace, "wrong-gpu")
+                     if condition(p, "PodScheduled").get("reason") == "Unschedulable"],
+            timeout=60,
+        )
+
+        # Freeing the GPUs lets the waiting job run: it was pending for GPUs, nothing else.
+        training.delete_job("fits")
+        rig.wait_for("PyTorchJob waits Running", lambda: training.is_job_running("waits"), timeout=90)
+        training.delete_job("waits")
+        training.delete_job("wrong-gpu")
+
+
+def test_webhook_rejects_an_invalid_pytorchjob(rig, namespace, training):
+    job = pytorch_job("invalid", workers=1, gpus=1, product=rig.gpu_product)
+    job.spec.pytorch_replica_specs["Worker"].template.spec.containers[0].name = "trainer"
+    with pytest.raises(Exception) as err:
+        training.create_job(job)
+    assert "must have at least one container with name pytorch" in str(err.value)
+
+
+def test_pods_can_be_made_to_fail_or_succeed(rig, namespace):
+    def pod(name: str) -> str:
+        return json.dumps({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox"}]},
+        })
+
+    for name in ("ok", "boom"):
+        rig.kubectl("apply", "-f", "-", input=pod(name))
+    for name in ("ok", "boom"):
+        rig.wait_for(f"pod {name} Running", lambda n=name: phase(rig, namespace, n) == "Running", timeout=60)
+    rig.succeed_pod(namespace, "ok")
+    rig.fail_pod(namespace, "boom", exit_code=3)
+    rig.wait_for("pod ok Succeeded", lambda: phase(rig, namespace, "ok") == "Succeeded", timeout=30)
+    rig.wait_for("pod boom Failed", lambda: phase(rig, namespace, "boom") == "Failed", timeout=30)
+    state = json.loads(rig.kubectl("get", "pod", "boom", "-n", namespace, "-o", "json").stdout)
+    assert state["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+
+
+def phase(rig, namespace: str, name: str) -> str:
+    return rig.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}").stdout
+
+
+def test_node_can_be_made_not_ready_and_ready_again(rig):
+    node = rig.gpu_nodes[-1]
+    with rig.exclusive_gpus():
+        try:
+            rig.set_node_ready(node, False)
+            rig.wait_for(f"{node} NotReady", lambda: not rig.node_ready(node), timeout=30)
+        finally:
+            rig.set_node_ready(node, True)
+        rig.wait_for(f"{node} Ready", lambda: rig.node_ready(node), timeout=30)
+
+
+def test_service_account_kubeconfig_acts_as_that_account(rig, namespace):
+    rig.kubectl("create", "serviceaccount", "reader", "-n", namespace)
+    rig.kubectl("create", "role", "pod-reader", "--verb=get,list", "--resource=pods", "-n", namespace)
+    rig.kubectl("create", "rolebinding", "reader", "--role=pod-reader", f"--serviceaccount={namespace}:reader",
+                "-n", namespace)
+    kubeconfig = rig.kubeconfig_for_service_account(namespace, "reader")
+    who = json.loads(rig.kubectl("auth", "whoami", "-o", "json", kubeconfig=kubeconfig).stdout)
+    assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:reader"
+    assert rig.kubectl("get", "pods", "-n", namespace, kubeconfig=kubeconfig).returncode == 0
+    # RBAC is enforced: the same account may not read secrets, nor pods elsewhere.
+    denied = rig.kubectl("get", "secrets", "-n", namespace, kubeconfig=kubeconfig, check=False)
+    assert denied.returncode != 0 and "forbidden" in denied.stderr
+    impersonated = rig.kubectl("get", "pods", "-n", "default", check=False,
+                               as_user=f"system:serviceaccount:{namespace}:reader")
+    assert impersonated.returncode != 0 and "forbidden" in impersonated.stderr
+    with pytest.raises(subprocess.CalledProcessError):
+        rig.kubectl("delete", "pods", "--all", "-n", namespace, kubeconfig=kubeconfig)

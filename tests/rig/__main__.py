@@ -1,0 +1,5 @@
+import sys
+
+from tests.rig.cli import main
+
+sys.exit(main())
