@@ -73,3 +73,17 @@ def check_cluster(spec: TrainingSpec, source: str = "") -> None:
     if problems:
         prefix = f"{source}: " if source else ""
         raise KilnError("\n".join(prefix + p for p in problems))
+
+
+def dump_for_apply(doc: TrainingSpec) -> dict:
+    """The document as the user wrote it (unset fields left out), for server-side apply."""
+    body = doc.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude={"status"})
+    body["apiVersion"], body["kind"] = API_VERSION, KIND
+    meta = {"name": doc.metadata.name}
+    if doc.metadata.namespace:
+        meta["namespace"] = doc.metadata.namespace
+    for key in ("labels", "annotations"):
+        if (doc.metadata.model_extra or {}).get(key):
+            meta[key] = doc.metadata.model_extra[key]
+    body["metadata"] = meta
+    return body

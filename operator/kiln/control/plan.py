@@ -9,6 +9,7 @@ Every object is a plain dict ready for server-side apply; reconciling twice appl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,19 +86,22 @@ def dump(doc: TrainingSpec) -> dict:
 
 
 def immutable_changes(applied: dict, resolved: dict) -> list[str]:
-    changed = []
+    """'spec.<path> (old → new)' for every leaf of IMMUTABLE_WHILE_RUNNING that differs."""
+    changed: list[str] = []
+
+    def diff(path: str, old: Any, new: Any) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in dict.fromkeys([*old, *new]):
+                diff(f"{path}.{key}", old.get(key), new.get(key))
+        elif old != new:
+            changed.append(f"{path} ({json.dumps(old)} → {json.dumps(new)})")
+
     for path in IMMUTABLE_WHILE_RUNNING:
         old, new = applied.get("spec", {}), resolved.get("spec", {})
         for key in path:
             old, new = (old or {}).get(key), (new or {}).get(key)
-        if old != new:
-            changed.append(f"spec.{'.'.join(path)} ({_short(old)} → {_short(new)})")
+        diff("spec." + ".".join(path), old, new)
     return changed
-
-
-def _short(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorConfig | None = None) -> Plan:

@@ -1,0 +1,232 @@
+"""`kiln submit`, `kiln status`, `kiln wait`, `kiln logs`, `kiln operator`: working with a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from datetime import datetime, timezone
+
+from kiln.errors import KilnError
+
+WAIT_SUCCEEDED, WAIT_FAILED, WAIT_TIMEOUT = 0, 1, 2
+TERMINAL = {"Succeeded", "Failed"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else 'default')")
+    common.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    common.add_argument("--context", help="kubeconfig context")
+
+    p = sub.add_parser("submit", parents=[common], help="validate a TrainingSpec file and create/update it")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=submit)
+
+    p = sub.add_parser("status", parents=[common], help="show runs as a table (one run: with its conditions)")
+    p.add_argument("name", nargs="?", metavar="NAME")
+    p.add_argument("-A", "--all-namespaces", action="store_true")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("wait", parents=[common], help="wait for a run's phase (exit 0 reached, 1 failed, 2 timeout)",
+                       description="Wait until run NAME reaches a phase. Exit codes for CI: 0 the phase was "
+                       "reached, 1 the run failed (or finished otherwise), 2 timed out.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--for", dest="phase", default="succeeded",
+                   choices=["succeeded", "running", "suspended", "failed"], help="phase to wait for")
+    p.add_argument("--timeout", default="2h", help="e.g. 90s, 30m, 2h, 1h30m (default 2h)")
+    p.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.set_defaults(func=wait)
+
+    p = sub.add_parser("logs", parents=[common], help="print the trainer logs of a run's worker pod")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--worker", type=int, default=0, help="worker index (default 0, the one that logs metrics)")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--tail", type=int, default=None, help="last N lines")
+    p.set_defaults(func=logs)
+
+    p = sub.add_parser("operator", help="run the kiln operator (out of cluster: with your kubeconfig)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                   help="watch only this namespace (repeatable; default: all)")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="serve GET /healthz on this port (default: $KILN_HEALTH_PORT or 8080; 0 disables)")
+    p.add_argument("--image", help="default trainer image (default: $KILN_TRAINER_IMAGE or kiln's release image)")
+    p.set_defaults(func=operator)
+
+
+def parse_duration(text: str) -> float:
+    """'2h', '30m', '90s', '1h30m' or plain seconds → seconds."""
+    text = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise KilnError(f"--timeout {text!r}: use a duration like 90s, 30m, 2h or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def _kube(args):
+    from kiln.control.kube import Kube, api_client
+
+    return Kube(api_client(args.kubeconfig, args.context))
+
+
+def _namespace(args) -> str:
+    if args.namespace:
+        return args.namespace
+    from kubernetes import config as kconfig
+
+    try:
+        _, active = kconfig.list_kube_config_contexts(config_file=args.kubeconfig)
+        return active.get("context", {}).get("namespace") or "default"
+    except Exception:  # in cluster, or no kubeconfig: the API call will say what is missing
+        return "default"
+
+
+def submit(args) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    from kiln.api.load import check_cluster, dump_for_apply, load_file
+
+    docs = load_file(args.file)
+    kube = _kube(args)
+    for doc in docs:
+        check_cluster(doc, args.file)
+        doc.metadata.namespace = doc.metadata.namespace or _namespace(args)
+        try:
+            kube.apply(dump_for_apply(doc))
+        except ApiException as err:
+            raise KilnError(f"{args.file}: the apiserver refused {doc.metadata.name}: {_api_message(err)}") from None
+        print(f"submitted {doc.metadata.namespace}/{doc.metadata.name}; "
+              f"follow it with: kiln status {doc.metadata.name} -n {doc.metadata.namespace}")
+    return 0
+
+
+def _api_message(err) -> str:
+    import json
+
+    try:
+        return json.loads(err.body).get("message", err.reason)
+    except (TypeError, ValueError):
+        return f"{err.status} {err.reason}"
+
+
+def _age(ts: str | None) -> str:
+    if not ts:
+        return ""
+    seconds = (datetime.now(timezone.utc) - datetime.fromisoformat(ts.replace("Z", "+00:00"))).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def status(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    kube = _kube(args)
+    ns = None if args.all_namespaces else _namespace(args)
+    if args.name:
+        body = kube.trainingspec(ns or "default", args.name)
+        if body is None:
+            raise KilnError(f"no TrainingSpec {args.name!r} in namespace {ns}; `kiln status` lists them")
+        items = [body]
+    else:
+        items = kube.trainingspecs(ns)
+    console = Console()
+    if not items:
+        console.print(f"no TrainingSpecs in {'any namespace' if ns is None else 'namespace ' + ns}")
+        return 0
+    table = Table(box=None, header_style="bold")
+    for col in (["NAMESPACE"] if ns is None else []) + ["NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S",
+                                                         "MFU", "LAST CHECKPOINT", "RESTARTS", "AGE"]:
+        table.add_column(col)
+    colour = {"Running": "green", "Succeeded": "green", "Failed": "red", "Restarting": "yellow",
+              "Suspended": "blue", "Scaling": "cyan"}
+    for item in items:
+        st, meta = item.get("status") or {}, item["metadata"]
+        phase = st.get("phase") or "Pending"
+        ckpt = st.get("lastCheckpoint") or {}
+        row = ([meta["namespace"]] if ns is None else []) + [
+            meta["name"], f"[{colour.get(phase, 'white')}]{phase}[/]", str(st.get("nodes", "")),
+            str(st.get("step", "")), st.get("progress", ""),
+            f"{st['tokensPerSecond']:.3g}" if st.get("tokensPerSecond") is not None else "",
+            f"{st['mfu']:.1%}" if st.get("mfu") is not None else "",
+            f"step {ckpt['step']}" if ckpt else "", str(st.get("restarts", "")), _age(meta.get("creationTimestamp")),
+        ]
+        table.add_row(*row)
+    console.print(table)
+    if args.name:
+        conds = Table(box=None, header_style="bold", title=None)
+        for col in ("CONDITION", "STATUS", "REASON", "MESSAGE"):
+            conds.add_column(col)
+        for c in (items[0].get("status") or {}).get("conditions") or []:
+            conds.add_row(c["type"], c["status"], c.get("reason", ""), c.get("message", ""))
+        console.print(conds)
+    return 0
+
+
+def wait(args) -> int:
+    timeout = parse_duration(args.timeout)
+    kube = _kube(args)
+    ns = _namespace(args)
+    want = args.phase.capitalize()
+    deadline = time.monotonic() + timeout
+    phase = None
+    while True:
+        body = kube.trainingspec(ns, args.name)
+        if body is None:
+            raise KilnError(f"no TrainingSpec {args.name!r} in namespace {ns}")
+        phase = (body.get("status") or {}).get("phase")
+        if phase == want:
+            print(f"{ns}/{args.name}: {phase}")
+            return WAIT_SUCCEEDED
+        if phase in TERMINAL:
+            message = next((c.get("message", "") for c in body["status"].get("conditions") or []
+                            if c.get("type") == phase), "")
+            print(f"{ns}/{args.name}: {phase} (waited for {want}){': ' + message if message else ''}", file=sys.stderr)
+            return WAIT_FAILED
+        if time.monotonic() >= deadline:
+            print(f"{ns}/{args.name}: still {phase or 'Pending'} after {args.timeout} (waited for {want})",
+                  file=sys.stderr)
+            return WAIT_TIMEOUT
+        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+
+
+def logs(args) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    kube = _kube(args)
+    ns = _namespace(args)
+    pod = f"{args.name}-worker-{args.worker}"
+    try:
+        out = kube.logs(ns, pod, follow=args.follow, tail=args.tail)
+    except ApiException as err:
+        if err.status == 404:
+            raise KilnError(f"pod {ns}/{pod} does not exist (yet); `kiln status {args.name}` shows the phase") from None
+        raise KilnError(f"cannot read logs of {ns}/{pod}: {_api_message(err)}") from None
+    if args.follow:
+        for chunk in out.stream():
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def operator(args) -> int:
+    from kiln.control.config import OperatorConfig
+    from kiln.control.handlers import run
+
+    config = OperatorConfig.from_env()
+    if args.image:
+        config = OperatorConfig(**{**config.__dict__, "image": args.image})
+    port = config.health_port if args.health_port is None else args.health_port
+    health = f"http://0.0.0.0:{port}/healthz" if port else None
+    print(f"kiln operator: watching {', '.join(args.namespaces) if args.namespaces else 'all namespaces'}"
+          + (f"; health on :{port}/healthz" if health else ""), file=sys.stderr)
+    run(namespaces=args.namespaces, kubeconfig=args.kubeconfig, config=config, health=health)
+    return 0

@@ -1,0 +1,180 @@
+"""The TrainingSpec API offline: cross-field rules, errors that name the field, samples, the CRD file."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.api.crd import crd, crd_yaml
+from kiln.api.load import check_cluster, load_file, parse
+from kiln.api.rules import NAME_CEL, RULES
+from kiln.cli.main import main
+from kiln.errors import KilnError
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
+CRD_FILE = ROOT / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"
+
+# A valid GPU spec that each case below breaks in exactly one way.
+BASE = {
+    "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "base"},
+    "spec": {
+        "model": {"preset": "llama-1b"},
+        "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2},
+        "parallelism": {"tensor": 2, "pipeline": 2},
+        "resources": {"nodes": 2, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
+        "elastic": {"minNodes": 1, "maxNodes": 4, "plan": [{"untilStep": 10, "nodes": 1}, {"nodes": 4}]},
+        "checkpoint": {"uri": "s3://ckpt/base/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"},
+    },
+}
+
+
+def with_(changes: dict) -> dict:
+    """BASE with `changes` ({'parallelism.tensor': 3, ...}; None deletes the key)."""
+    doc = copy.deepcopy(BASE)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = doc["spec"]
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return doc
+
+
+# (what is broken, the field path in the error, the rule's message fragment)
+INVALID = [
+    ({"model": {"dim": 64}}, "spec.model:", "set model.preset"),
+    ({"model": {"preset": "tiny", "kvHeads": 3}}, "spec.model.kvHeads:", "must divide model.heads"),
+    ({"model": {"preset": "tiny", "dim": 100}}, "spec.model.dim:", "multiple of 2 × model.heads"),
+    ({"parallelism.tensor": 16, "resources.gpusPerNode": 16}, "spec.parallelism.tensor:", "divide model.heads"),
+    ({"parallelism.tensor": 4, "resources.processesPerNode": 2}, "spec.parallelism.tensor:", "processes per node"),
+    ({"parallelism.pipeline": 32, "parallelism.tensor": 1, "resources.nodes": 4, "elastic.plan": [],
+      "training.globalBatchSize": 64}, "spec.parallelism.pipeline:", "must not exceed model.layers"),
+    ({"parallelism.pipeline": 3, "parallelism.tensor": 1, "elastic.plan": []}, "spec.parallelism:",
+     "must divide the world size"),
+    ({"parallelism.replicate": 3}, "spec.parallelism.replicate:", "divide the data-parallel size"),
+    ({"training.globalBatchSize": 20}, "spec.training.globalBatchSize:", "multiple of microBatchSize"),
+    ({"training.warmupSteps": 101}, "spec.training.warmupSteps:", "must not exceed training.steps"),
+    ({"resources.gpusPerNode": 0, "parallelism.tensor": 1, "parallelism.pipeline": 1, "elastic.plan": [],
+      "training.globalBatchSize": 4}, "spec.resources.gpuType:", "gpusPerNode > 0"),
+    ({"elastic.minNodes": 3}, "spec.elastic.minNodes:", "at most resources.nodes"),
+    ({"elastic.maxNodes": 1, "elastic.plan": []}, "spec.elastic.maxNodes:", "at least resources.nodes"),
+    ({"elastic.plan": [{"nodes": 1}, {"untilStep": 5, "nodes": 2}]}, "spec.elastic.plan:", "needs untilStep"),
+    ({"elastic.plan": [{"untilStep": 50, "nodes": 1}, {"untilStep": 20, "nodes": 2}, {"nodes": 4}]},
+     "spec.elastic.plan:", "strictly increase"),
+    ({"elastic.plan": [{"untilStep": 5, "nodes": 8}, {"nodes": 2}]}, "spec.elastic.plan:",
+     "lie in [elastic.minNodes, elastic.maxNodes]"),
+    ({"checkpoint.uri": "gs://bucket/x"}, "spec.checkpoint.uri:", "s3:// or file://"),
+    ({"checkpoint.intervalSteps": 0}, "spec.checkpoint.intervalSteps:", "positive integer or 'auto'"),
+    ({"data": {"uri": "http://example.com/data"}}, "spec.data.uri:", "'synthetic', builtin:<name>"),
+]
+
+
+@pytest.mark.parametrize("changes,path,fragment", INVALID, ids=[c[1] + c[2][:20] for c in INVALID])
+def test_each_rule_refuses_with_its_field_path(changes, path, fragment):
+    with pytest.raises(KilnError) as err:
+        parse(with_(changes), "spec.yaml")
+    lines = str(err.value).splitlines()
+    assert any(line.startswith(f"spec.yaml: {path}") and fragment in line for line in lines), lines
+
+
+def test_base_spec_is_valid_everywhere():
+    doc = parse(BASE)
+    check_cluster(doc)  # cluster-only rules too
+
+
+def test_every_rule_is_exercised_by_a_case():
+    fields = {r.field for r in RULES if r.scope == "local"}
+    covered = {path.removeprefix("spec.").rstrip(":") for _, path, _ in INVALID}
+    assert fields <= covered
+
+
+def test_s3_without_credentials_is_fine_locally_but_not_on_kubernetes():
+    doc = parse(with_({"checkpoint": {"uri": "s3://ckpt/x/"}}))  # kiln run may take keys from the environment
+    with pytest.raises(KilnError, match=r"spec.checkpoint.credentialsSecret: .*needs checkpoint.endpoint"):
+        check_cluster(doc)
+
+
+def test_errors_say_what_would_be_valid():
+    with pytest.raises(KilnError) as err:
+        parse(with_({"parallelism.tensor": 3, "resources.processesPerNode": 3, "elastic.plan": [],
+                     "elastic.minNodes": None, "elastic.maxNodes": None}))
+    assert "valid tensor: 1, 2, 4, 8" in str(err.value)  # divisors of gcd(heads=32, kvHeads=8)
+
+
+def test_unknown_field_and_bad_enum_name_the_path():
+    doc = with_({"training.sheduel": "cosine", "training.precision": "fp16"})
+    with pytest.raises(KilnError) as err:
+        parse(doc, "f.yaml")
+    text = str(err.value)
+    assert "f.yaml: spec.training.sheduel: unknown field" in text
+    assert "f.yaml: spec.training.precision: Input should be 'bf16' or 'fp32', got 'fp16'" in text
+
+
+def test_metadata_name_must_fit_the_pytorchjob():
+    bad = copy.deepcopy(BASE)
+    bad["metadata"]["name"] = "My_Run"
+    with pytest.raises(KilnError, match="metadata.name must be a DNS-1035 label"):
+        parse(bad)
+    assert "metadata.name" in NAME_CEL
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])
+def test_samples_are_valid(sample, capsys):
+    assert main(["validate", str(sample)]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_quickstart_stays_a_cpu_run():
+    (doc,) = load_file(ROOT / "manifests" / "samples" / "quickstart.yaml")
+    assert doc.spec.resources.gpus_per_node == 0 and doc.spec.model.preset == "tiny"
+
+
+def test_validate_cli_exit_codes_and_messages(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(with_({"parallelism.tensor": 3})))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed")
+    assert main(["validate", str(bad), str(broken), str(tmp_path / "missing.yaml"), str(SAMPLES[0])]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: spec.parallelism.tensor:" in err
+    assert f"{broken}: not valid YAML" in err
+    assert "missing.yaml: cannot read" in err
+    assert "Traceback" not in err
+
+
+def test_checked_in_crd_matches_the_generator():
+    assert CRD_FILE.read_text() == crd_yaml(), "regenerate: kiln crd > manifests/crds/kiln.dev_trainingspecs.yaml"
+
+
+def test_crd_is_structural_and_carries_rules_and_subresources():
+    version = crd()["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+
+    def walk(node, path="spec"):
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        if "properties" in node or "additionalProperties" in node:
+            assert node.get("type") == "object", path
+        assert node.get("type") or node.get("x-kubernetes-int-or-string"), path
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], path + "[]")
+
+    walk(spec)
+    walk(schema["properties"]["status"], "status")
+    assert spec["properties"]["parallelism"]["properties"]["tensor"]["description"]
+    assert spec["properties"]["model"]["default"] == {"preset": "tiny"}
+    rules = spec["x-kubernetes-validations"]
+    assert len(rules) == len(RULES) and all(r["fieldPath"].startswith(".") for r in rules)
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.resources.nodes"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Nodes", "Step", "Progress", "Age"]
+    phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
+    assert phases == ["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]

@@ -1,0 +1,182 @@
+"""plan(): a TrainingSpec → ServiceAccount/Role/RoleBinding, ConfigMap (resolved spec), PyTorchJob."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from kubeflow.training import ApiClient
+from kubeflow.training import models as k
+
+from kiln.api.load import parse
+from kiln.cli.main import main
+from kiln.control.config import OperatorConfig
+from kiln.control.plan import KUEUE_QUEUE_LABEL, Observed, dump, plan, resolve
+from kiln.errors import KilnError
+
+from tests.unit.test_api_rules import BASE, with_
+
+UID = "5b1c8e0c-0000-4000-8000-000000000001"
+
+
+def doc_of(raw: dict, namespace: str = "ml"):
+    raw = copy.deepcopy(raw)
+    raw["metadata"].update({"namespace": namespace, "uid": UID})
+    return parse(raw)
+
+
+def objects(raw: dict, observed: Observed | None = None, config: OperatorConfig | None = None) -> dict:
+    result = plan(doc_of(raw), observed, config or OperatorConfig(image="registry.test/trainer:1"))
+    assert result.refused is None
+    return {o["kind"]: o for o in result.objects}
+
+
+def worker(job: dict) -> dict:
+    return job["spec"]["pytorchReplicaSpecs"]["Worker"]
+
+
+def test_pytorchjob_carries_gpus_selector_elastic_and_command():
+    job = objects(BASE)["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["metadata"]["name"] == "base"
+    spec = job["spec"]
+    assert spec["nprocPerNode"] == "8"
+    assert spec["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "c10d", "rdzvPort": 29400,
+                                     "maxRestarts": 10}
+    assert worker(job)["replicas"] == 2
+    pod = worker(job)["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["name"] == "pytorch" and c["image"] == "registry.test/trainer:1"
+    assert c["command"] == ["torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml"]
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}, "requests": {"nvidia.com/gpu": "8"}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["serviceAccountName"] == "base-trainer"
+    assert {"name": "spec", "configMap": {"name": "base-spec"}} in pod["volumes"]
+
+
+def test_run_policy_gang_suspend_and_queue():
+    job = objects(with_({"suspend": True, "scheduling": {"queue": "team-a", "priorityClassName": "high"}}))["PyTorchJob"]
+    rp = job["spec"]["runPolicy"]
+    assert rp["suspend"] is True and rp["backoffLimit"] == 10 and rp["cleanPodPolicy"] == "Running"
+    assert rp["schedulingPolicy"] == {"minAvailable": 1, "queue": "team-a", "priorityClass": "high"}
+    assert job["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "team-a"
+    assert worker(job)["template"]["spec"]["priorityClassName"] == "high"
+    # Not suspended and queued: Kueue owns runPolicy.suspend, kiln leaves it out of its apply.
+    rp = objects(with_({"scheduling": {"queue": "team-a"}}))["PyTorchJob"]["spec"]["runPolicy"]
+    assert "suspend" not in rp
+    assert objects(BASE)["PyTorchJob"]["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_credentials_only_by_reference():
+    objs = objects(BASE)
+    env = worker(objs["PyTorchJob"])["template"]["spec"]["containers"][0]["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs == {"AWS_ACCESS_KEY_ID": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"},
+                    "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert {"name": "AWS_ENDPOINT_URL", "value": "http://s3:9000"} in env
+    text = yaml.safe_dump(list(objs.values()))
+    assert "secretKeyRef" in text and "value: s3\n" not in text
+
+
+def test_tolerations_affinity_and_node_selector_pass_through():
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}
+    raw = with_({"resources.tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                            "effect": "NoSchedule"}],
+                 "resources.affinity": affinity, "resources.nodeSelector": {"pool": "h200"},
+                 "resources.cpu": "32", "resources.memory": "512Gi"})
+    pod = worker(objects(raw)["PyTorchJob"])["template"]["spec"]
+    assert pod["affinity"] == affinity
+    assert pod["nodeSelector"] == {"pool": "h200", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"][0] == {"effect": "NoSchedule", "key": "dedicated", "operator": "Equal", "value": "ml"}
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi"}
+
+
+def test_cpu_run_has_no_gpu_request_and_one_process_per_node():
+    raw = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "cpu"}, "spec": {}}
+    job = objects(raw)["PyTorchJob"]
+    pod = worker(job)["template"]["spec"]
+    assert job["spec"]["nprocPerNode"] == "1"
+    assert "limits" not in pod["containers"][0]["resources"] and "nodeSelector" not in pod
+
+
+def test_configmap_holds_the_resolved_spec_with_every_default():
+    cm = objects(BASE)["ConfigMap"]
+    resolved = yaml.safe_load(cm["data"]["spec.yaml"])
+    again = parse(resolved)  # the trainer reads exactly this
+    s = again.spec
+    assert s.image == "registry.test/trainer:1"
+    assert (s.model.dim, s.model.heads, s.model.kv_heads, s.model.layers) == (2048, 32, 8, 16)
+    assert s.resources.processes_per_node == 8
+    assert (s.elastic.min_nodes, s.elastic.max_nodes) == (1, 4)
+    assert s.training.lr == 3.0e-4 and s.checkpoint.keep == 3  # defaults written out
+    # resolving twice changes nothing
+    assert dump(resolve(again, OperatorConfig(image="other"))) == dump(again)
+
+
+def test_owner_references_and_labels_on_every_object():
+    objs = objects(BASE)
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"}
+    for obj in objs.values():
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "name": "base", "uid": UID,
+                         "controller": True, "blockOwnerDeletion": True}
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["labels"]["kiln.dev/trainingspec"] == "base"
+
+
+def test_trainer_may_only_touch_its_own_status():
+    role = objects(BASE)["Role"]
+    assert role["rules"] == [{"apiGroups": ["kiln.dev"], "resources": ["trainingspecs/status"],
+                              "resourceNames": ["base"], "verbs": ["get", "patch"]}]
+
+
+def test_plan_is_deterministic():
+    assert plan(doc_of(BASE)).objects == plan(doc_of(BASE)).objects
+
+
+def test_pytorchjob_round_trips_through_the_kubeflow_models():
+    job = objects(BASE)["PyTorchJob"]
+
+    class Response:
+        data = __import__("json").dumps(job)
+
+    model = ApiClient().deserialize(Response, "KubeflowOrgV1PyTorchJob")
+    assert isinstance(model, k.KubeflowOrgV1PyTorchJob)
+    assert model.spec.elastic_policy.max_replicas == 4
+    assert model.spec.pytorch_replica_specs["Worker"].restart_policy == "ExitCode"
+
+
+def test_change_the_running_job_cannot_absorb_is_refused():
+    applied = yaml.safe_load(objects(BASE)["ConfigMap"]["data"]["spec.yaml"])
+    grown = with_({"model": {"preset": "llama-8b"}, "parallelism.tensor": 4})
+    result = plan(doc_of(grown), Observed(applied=applied, job_active=True))
+    assert result.objects == []
+    assert 'spec.model.preset ("llama-1b" → "llama-8b")' in result.refused
+    assert "spec.parallelism.tensor (2 → 4)" in result.refused
+    # the same change before the job runs, or after it finished, is simply applied
+    assert plan(doc_of(grown), Observed(applied=applied, job_active=False)).refused is None
+    # absorbable changes (node count, suspend) go through while running
+    scaled = with_({"resources.nodes": 3, "suspend": True})
+    assert plan(doc_of(scaled), Observed(applied=applied, job_active=True)).refused is None
+
+
+def test_elastic_decision_sets_the_replicas():
+    job = objects(BASE, Observed(nodes=4))["PyTorchJob"]
+    assert worker(job)["replicas"] == 4
+
+
+def test_cluster_rules_are_enforced_by_plan():
+    with pytest.raises(KilnError, match="spec.checkpoint.credentialsSecret"):
+        plan(doc_of(with_({"checkpoint": {"uri": "s3://x/"}})))
+
+
+def test_render_cli_prints_applyable_yaml(capsys, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert main(["render", str(path), "-n", "team", "--image", "img:2"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"]
+    assert all(d["metadata"]["namespace"] == "team" for d in docs)
+    assert docs[-1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"] == "img:2"
