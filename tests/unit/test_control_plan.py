@@ -158,7 +158,7 @@ def test_change_the_running_job_cannot_absorb_is_refused():
     # the same change before the job runs, or after it finished, is simply applied
     assert plan(doc_of(grown), Observed(applied=applied, job_active=False)).refused is None
     # absorbable changes (node count, suspend) go through while running
-    scaled = with_({"resources.nodes": 3, "suspend": True})
+    scaled = with_({"resources.nodes": 4, "suspend": True})
     assert plan(doc_of(scaled), Observed(applied=applied, job_active=True)).refused is None
 
 
