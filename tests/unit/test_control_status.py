@@ -1,0 +1,124 @@
+"""derive(): PyTorchJob conditions + pods → TrainingSpec phase, conditions, Events (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.control.status import derive, job_condition
+
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+APPLIED = ("True", "Applied", "ok")
+
+
+def ts(status: dict | None = None, suspend: bool = False, generation: int = 3) -> dict:
+    return {"metadata": {"name": "run", "namespace": "ml", "generation": generation},
+            "spec": {"suspend": suspend, "training": {"steps": 200}}, "status": status or {}}
+
+
+def job(*conditions: tuple[str, str], replicas: int = 2) -> dict:
+    return {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": replicas}}},
+            "status": {"conditions": [{"type": t, "status": "True", "lastTransitionTime": when,
+                                       "message": f"job {t.lower()}"} for t, when in conditions]}}
+
+
+def pod(name: str, phase: str = "Running", **status) -> dict:
+    return {"metadata": {"name": name}, "status": {"phase": phase, **status}}
+
+
+RUNNING_PODS = [pod("run-worker-0"), pod("run-worker-1")]
+
+
+@pytest.mark.parametrize("conditions,pods,suspend,phase", [
+    ((), [], False, "Pending"),
+    ((("Created", T0),), [pod("run-worker-0", "Pending")], False, "Pending"),
+    ((("Created", T0), ("Running", T1)), RUNNING_PODS, False, "Running"),
+    ((("Created", T0), ("Running", T1)), RUNNING_PODS[:1] + [pod("run-worker-1", "Pending")], False, "Scaling"),
+    ((("Running", T0), ("Restarting", T1)), RUNNING_PODS[:1], False, "Restarting"),
+    ((("Running", T0), ("Succeeded", T1)), [], False, "Succeeded"),
+    ((("Running", T0), ("Failed", T1)), [], False, "Failed"),
+    ((("Running", T0), ("Suspended", T1)), [], True, "Suspended"),
+    ((("Running", T0),), RUNNING_PODS, True, "Suspended"),  # suspend requested: pods are going away
+    ((("Running", T1), ("Succeeded", T1)), [], False, "Succeeded"),  # same second: the final state wins
+])
+def test_phase(conditions, pods, suspend, phase):
+    j = job(*conditions) if conditions else None
+    assert derive(ts(suspend=suspend), j, pods, T2, APPLIED).status["phase"] == phase
+
+
+def test_conditions_follow_metav1_semantics():
+    first = derive(ts(), job(("Running", T0)), RUNNING_PODS, T1, APPLIED).status
+    conds = {c["type"]: c for c in first["conditions"]}
+    assert conds["Running"]["status"] == "True" and conds["Running"]["lastTransitionTime"] == T1
+    assert conds["SpecAccepted"] == {"type": "SpecAccepted", "status": "True", "reason": "Applied", "message": "ok",
+                                     "lastTransitionTime": T1, "observedGeneration": 3}
+    assert conds["Failed"]["status"] == "False"
+    assert first["observedGeneration"] == 3 and first["nodes"] == 2
+    # unchanged status keeps its transition time; a flip gets the new time
+    second = derive(ts(first), job(("Running", T0), ("Succeeded", T2)), [], T2, APPLIED).status
+    conds2 = {c["type"]: c for c in second["conditions"]}
+    assert conds2["SpecAccepted"]["lastTransitionTime"] == T1
+    assert conds2["Succeeded"] == {**conds2["Succeeded"], "status": "True", "lastTransitionTime": T2}
+    assert conds2["Running"]["status"] == "False"
+
+
+def test_events_only_on_transitions():
+    d1 = derive(ts(), job(("Running", T0)), RUNNING_PODS, T1, APPLIED)
+    assert [(e.type, e.reason) for e in d1.events] == [("Normal", "Running")]
+    d2 = derive(ts(d1.status), job(("Running", T0)), RUNNING_PODS, T2, APPLIED)
+    assert d2.events == [] and d2.status == {**d1.status}
+    d3 = derive(ts(d2.status), job(("Running", T0), ("Restarting", T2)), RUNNING_PODS[:1], T2, None)
+    assert [(e.type, e.reason) for e in d3.events] == [("Warning", "Restarting")]
+    assert d3.status["restarts"] == 1
+    d4 = derive(ts(d3.status), job(("Running", T0), ("Restarting", T2)), RUNNING_PODS[:1], T2, None)
+    assert d4.status["restarts"] == 1  # still the same restart
+
+
+def test_unschedulable_pods_are_reported():
+    pending = pod("run-worker-1", "Pending", conditions=[{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}])
+    d = derive(ts(), job(("Created", T0)), [pending], T1, APPLIED)
+    cond = next(c for c in d.status["conditions"] if c["type"] == "PodsScheduled")
+    assert cond["status"] == "False" and "Insufficient nvidia.com/gpu" in cond["message"]
+    assert any(e.reason == "Unschedulable" and e.type == "Warning" for e in d.events)
+    again = derive(ts(d.status), job(("Created", T0)), [pending], T2, APPLIED)
+    assert not any(e.reason == "Unschedulable" for e in again.events)
+
+
+def test_missing_secret_and_bad_image_reach_the_user():
+    waiting = pod("run-worker-0", "Pending", containerStatuses=[{"name": "pytorch", "state": {"waiting": {
+        "reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}}}])
+    d = derive(ts(), job(("Created", T0)), [waiting], T1, APPLIED)
+    assert any(e.reason == "ContainerConfigError" and 'secret "s3" not found' in e.message for e in d.events)
+    pull = pod("run-worker-0", "Pending", containerStatuses=[{"name": "pytorch", "state": {"waiting": {
+        "reason": "InvalidImageName", "message": "couldn't parse image"}}}])
+    assert any(e.reason == "InvalidImage" for e in derive(ts(), job(), [pull], T1, APPLIED).events)
+
+
+def test_refused_spec_change_is_a_condition_and_one_event():
+    refused = ("False", "ImmutableFieldChanged", "the running job cannot absorb a change of spec.model.dim")
+    d = derive(ts(generation=4), job(("Running", T0)), RUNNING_PODS, T1, refused)
+    cond = next(c for c in d.status["conditions"] if c["type"] == "SpecAccepted")
+    assert (cond["status"], cond["reason"], cond["observedGeneration"]) == ("False", "ImmutableFieldChanged", 4)
+    assert d.status["phase"] == "Running"  # the job runs on, untouched
+    assert [e.reason for e in d.events if e.type == "Warning"] == ["ImmutableFieldChanged"]
+    again = derive(ts(d.status, generation=4), job(("Running", T0)), RUNNING_PODS, T2, refused)
+    assert not any(e.reason == "ImmutableFieldChanged" for e in again.events)
+
+
+def test_pod_driven_refresh_keeps_spec_acceptance_and_generation():
+    first = derive(ts(generation=2), job(("Running", T0)), RUNNING_PODS, T1, APPLIED).status
+    later = derive(ts(first, generation=5), job(("Running", T0)), RUNNING_PODS, T2, None).status
+    assert later["observedGeneration"] == 2  # only a reconcile acts on a new generation
+
+
+def test_progress_from_the_trainers_step():
+    status = derive(ts({"step": 50, "phase": "Running"}), job(("Running", T0)), RUNNING_PODS, T1, None).status
+    assert status["progress"] == "25.0%"
+    assert "step" not in status  # trainer-owned
+
+
+def test_job_condition_ignores_false_conditions():
+    j = job(("Running", T0))
+    j["status"]["conditions"].append({"type": "Failed", "status": "False", "lastTransitionTime": T2})
+    assert job_condition(j) == "Running"
