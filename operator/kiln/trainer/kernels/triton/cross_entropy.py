@@ -90,7 +90,7 @@ def flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
         dh2 = dh.view(-1, n_cols)
         dw = torch.zeros_like(weight)
     else:
-        dh = dw = hidden.new_empty(0)
+        dh, dw = hidden.new_empty(0), weight.new_empty(0)
     chunk = chunk_size if chunk_size > 0 else _chunk_rows(n_rows, vocab, n_cols)
     block = min(_VOCAB_BLOCK, triton.next_power_of_2(vocab))
     for start in range(0, n_rows, chunk):
@@ -113,7 +113,7 @@ def _(hidden, weight, targets, ignore_index, z_loss, compute_grad, chunk_size):
     loss = hidden.new_empty((), dtype=torch.float32)
     if compute_grad:
         return loss, torch.empty_like(hidden), torch.empty_like(weight)
-    return loss, hidden.new_empty(0), hidden.new_empty(0)
+    return loss, hidden.new_empty(0), weight.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
