@@ -31,8 +31,11 @@ def format_validation_error(err: ValidationError, source: str = "") -> str:
     return "\n".join(lines)
 
 
-def parse(doc: Any, source: str = "") -> TrainingSpec:
-    """A TrainingSpec from a parsed YAML/JSON document; KilnError naming the field when it is invalid."""
+def parse(doc: Any, source: str = "", scope: str = "local") -> TrainingSpec:
+    """A TrainingSpec from a parsed YAML/JSON document; KilnError naming the field when it is invalid.
+
+    scope "local": the rules for any run (kiln run); "all": also those for Kubernetes (kiln validate).
+    """
     prefix = f"{source}: " if source else ""
     if not isinstance(doc, dict):
         raise KilnError(f"{prefix}expected a TrainingSpec mapping (apiVersion: {API_VERSION}, kind: {KIND}), "
@@ -41,7 +44,7 @@ def parse(doc: Any, source: str = "") -> TrainingSpec:
         raise KilnError(f"{prefix}expected apiVersion: {API_VERSION} and kind: {KIND}, "
                         f"got apiVersion: {doc.get('apiVersion')}, kind: {doc.get('kind')}")
     try:
-        return TrainingSpec.model_validate(doc)
+        return TrainingSpec.model_validate(doc, context={"rules": scope})
     except ValidationError as err:
         raise KilnError(format_validation_error(err, prefix)) from None
 
@@ -59,12 +62,12 @@ def load_documents(path: str | Path) -> list[Any]:
         raise KilnError(f"{p}: not valid YAML: {err}") from None
 
 
-def load_file(path: str | Path) -> list[TrainingSpec]:
-    """Every TrainingSpec in a YAML file, validated by the local rules."""
+def load_file(path: str | Path, scope: str = "local") -> list[TrainingSpec]:
+    """Every TrainingSpec in a YAML file, validated by the rules of `scope` (see parse)."""
     docs = load_documents(path)
     if not docs:
         raise KilnError(f"{path}: no TrainingSpec in the file")
-    return [parse(d, f"{path}" + (f"[{i}]" if len(docs) > 1 else "")) for i, d in enumerate(docs)]
+    return [parse(d, f"{path}" + (f"[{i}]" if len(docs) > 1 else ""), scope) for i, d in enumerate(docs)]
 
 
 def check_cluster(spec: TrainingSpec, source: str = "") -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 from kiln.api.presets import PRESETS
 
 if TYPE_CHECKING:
-    from kiln.api.spec import TrainingSpec, TrainingSpecSpec
+    from kiln.api.spec import TrainingSpecSpec
 
 Scope = Literal["local", "cluster"]
 
@@ -391,8 +391,7 @@ def check(spec: "TrainingSpecSpec", scope: Scope | Literal["all"] = "all") -> li
     return problems
 
 
-def check_metadata(doc: "TrainingSpec") -> list[str]:
-    name = doc.metadata.name
+def check_name(name: str) -> list[str]:
     if len(name) > NAME_MAX or not re.match(NAME_PATTERN, name):
         return [f"{NAME_MESSAGE} (got {name!r})"]
     return []

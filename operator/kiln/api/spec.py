@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kiln.api.presets import PRESETS
@@ -220,11 +220,12 @@ class TrainingSpecSpec(ApiModel):
     suspend: bool = Field(False, description="true: checkpoint, then release every GPU; false again: resume.")
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> "TrainingSpecSpec":
+    def _cross_field_rules(self, info: ValidationInfo) -> "TrainingSpecSpec":
         # The rules live in kiln.api.rules (they also generate the CRD's CEL); imported here to avoid a cycle.
+        # Validation context {"rules": "all"} adds the rules that only hold on Kubernetes (kiln validate).
         from kiln.api.rules import check
 
-        problems = check(self, scope="local")
+        problems = check(self, scope=(info.context or {}).get("rules", "local"))
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -299,11 +300,13 @@ class TrainingSpec(ApiModel):
     spec: TrainingSpecSpec = Field(default_factory=TrainingSpecSpec)
     status: TrainingSpecStatus | None = Field(None, description="Observed state; written by kiln, never by users.")
 
-    @model_validator(mode="after")
-    def _document_rules(self) -> "TrainingSpec":
-        from kiln.api.rules import check_metadata
+    @field_validator("metadata")
+    @classmethod
+    def _name_rule(cls, meta: ObjectMeta) -> ObjectMeta:
+        # a field validator, so a bad name is reported together with any problem in spec
+        from kiln.api.rules import check_name
 
-        problems = check_metadata(self)
+        problems = check_name(meta.name)
         if problems:
             raise ValueError("\n".join(problems))
-        return self
+        return meta

@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from kiln.api.crd import _Dumper, crd_yaml
-from kiln.api.load import check_cluster, load_file
+from kiln.api.load import load_file
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import plan
 from kiln.errors import KilnError
@@ -39,10 +39,7 @@ def validate(args: argparse.Namespace) -> int:
     ok = True
     for path in args.files:
         try:
-            docs = load_file(path)
-            for doc in docs:
-                if not args.local:
-                    check_cluster(doc, path)
+            docs = load_file(path, scope="local" if args.local else "all")
         except KilnError as err:
             ok = False
             print(str(err), file=sys.stderr)
