@@ -71,11 +71,11 @@ def evaluate(checkpoint_uri: str, endpoint: str, metrics: dsl.Output[dsl.Metrics
 
 @dsl.component(base_image=KILN_IMAGE)
 def publish(checkpoint_uri: str, endpoint: str, step: int, release_uri: str) -> str:
-    """Copy one committed checkpoint to release_uri/step-N/, its COMMIT last; return where it is."""
+    """Copy one committed checkpoint to release_uri/step-N/, its COMMIT last, then `latest`; return where it is."""
     import tempfile
 
     from kiln.storage import open_store
-    from kiln.storage.commit import COMMIT, step_dir
+    from kiln.storage.commit import COMMIT, LATEST, step_dir
 
     source = open_store(checkpoint_uri, endpoint=endpoint or None)
     target = open_store(release_uri, endpoint=endpoint or None)
@@ -86,6 +86,7 @@ def publish(checkpoint_uri: str, endpoint: str, step: int, release_uri: str) -> 
             local = f"{tmp}/object"
             source.get_file(key, local)
             target.put_file(key, local)
+    target.put_bytes(LATEST, (prefix + "\n").encode())
     return target.url(prefix + "/")
 
 

