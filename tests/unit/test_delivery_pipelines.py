@@ -132,7 +132,8 @@ def test_gitlab_schema_refuses_a_broken_job(tmp_path):
 
 
 def run_lines(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if re.match(r"\s*kiln \w+", line)]
+    """The `kiln ...` command lines of a script or a doc's code block, without trailing comments."""
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in text.splitlines() if re.match(r"\s*kiln \w+", line)]
 
 
 def test_github_workflow_runs_the_documented_commands():
