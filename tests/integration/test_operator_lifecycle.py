@@ -1,0 +1,355 @@
+"""The kiln operator on the rig, running as its own least-privilege ServiceAccount (manifests/rbac).
+
+Real kube-apiserver, kube-scheduler, kube-controller-manager (garbage collection), the Kubeflow
+training-operator (PyTorchJob → pods) and kwok GPU nodes (pods run, fail or succeed on demand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.cli.main import main
+
+from tests.integration.test_operator_api import install_crd
+
+pytestmark = pytest.mark.rig
+
+ROOT = Path(__file__).resolve().parents[2]
+RBAC = ROOT / "manifests" / "rbac"
+SAMPLES = ROOT / "manifests" / "samples"
+IMAGE = "kiln-trainer:rig"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """`kiln operator` as a child process, authenticated as the kiln-operator ServiceAccount."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path):
+        self.kubeconfig, self.namespace, self.log = kubeconfig, namespace, log
+        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+
+    def start(self) -> None:
+        env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBECONFIG", None)
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kiln.cli.main", "operator", "--kubeconfig", str(self.kubeconfig),
+                 "-n", self.namespace, "--health-port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"operator exited:\n{self.tail()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"operator health endpoint never answered:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-n:]) if self.log.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def ns(rig):
+    name = f"kiln-op-{uuid.uuid4().hex[:6]}"
+    rig.kubectl("create", "namespace", name)
+    yield name
+    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(rig, ns, tmp_path_factory):
+    """The operator with exactly the RBAC of manifests/rbac, bound to a ServiceAccount in `ns`."""
+    install_crd(rig)
+    binding = f"kiln-operator-{ns}"
+    for path in sorted(RBAC.glob("*.yaml")):
+        for obj in yaml.safe_load_all(path.read_text()):
+            if obj["kind"] == "ServiceAccount":
+                obj["metadata"]["namespace"] = ns
+            elif obj["kind"] == "ClusterRoleBinding":
+                obj["metadata"]["name"] = binding
+                obj["subjects"] = [{"kind": "ServiceAccount", "name": "kiln-operator", "namespace": ns}]
+            rig.apply(obj)
+    kubeconfig = rig.kubeconfig_for_service_account(ns, "kiln-operator")
+    op = Operator(kubeconfig, ns, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    rig.kubectl("delete", "clusterrolebinding", binding, check=False)
+    print(f"--- operator log (tail) ---\n{op.tail()}")
+
+
+def get(rig, ns: str, kind: str, name: str) -> dict | None:
+    proc = rig.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def items(rig, ns: str, kind: str, selector: str) -> list[dict]:
+    return json.loads(rig.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "json").stdout)["items"]
+
+
+def status(rig, ns: str, name: str) -> dict:
+    return (get(rig, ns, "trainingspec", name) or {}).get("status") or {}
+
+
+def condition(rig, ns: str, name: str, ctype: str) -> dict:
+    return next((c for c in status(rig, ns, name).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def events(rig, ns: str, name: str) -> list[dict]:
+    out = rig.kubectl("get", "events", "-n", ns, "--field-selector",
+                      f"involvedObject.kind=TrainingSpec,involvedObject.name={name}", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def wait_phase(rig, ns: str, name: str, phase: str, timeout: float = 60) -> dict:
+    return rig.wait_for(f"{name} phase {phase} (now {status(rig, ns, name).get('phase')})",
+                        lambda: (s := status(rig, ns, name)).get("phase") == phase and s, timeout=timeout)
+
+
+def small_run(name: str, **spec) -> dict:
+    """A tiny GPU run (1 GPU per node) so that several fit on the rig's kwok nodes at once."""
+    body = {"model": {"preset": "tiny"}, "data": {"uri": "synthetic"},
+            "training": {"steps": 100, "globalBatchSize": 8, "microBatchSize": 1},
+            "resources": {"nodes": 1, "gpusPerNode": 1, "gpuType": "NVIDIA-H200"},
+            "checkpoint": {"uri": "file:///ckpt/"}}
+    for key, value in spec.items():
+        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": name}, "spec": body}
+
+
+def submit(rig, ns: str, body: dict) -> None:
+    rig.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
+
+
+def patch_spec(rig, ns: str, name: str, spec: dict) -> None:
+    rig.kubectl("patch", "trainingspec", name, "-n", ns, "--type", "merge", "-p", json.dumps({"spec": spec}))
+
+
+def running_pods(rig, ns: str, name: str) -> list[dict]:
+    return [p for p in items(rig, ns, "pods", f"kiln.dev/trainingspec={name}")
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+
+def test_sample_becomes_a_running_pytorchjob_then_delete_removes_everything(rig, ns, operator, capsys):
+    with rig.exclusive_gpus():
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials", "namespace": ns},
+                  "stringData": {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "not-in-any-kiln-object"}}
+        rig.apply(secret)
+        rig.kubectl("apply", "-n", ns, "-f", str(SAMPLES / "gpu-single-node.yaml"))
+        name = "llama-1b-single-node"
+        ts = get(rig, ns, "trainingspec", name)
+        job = rig.wait_for("PyTorchJob", lambda: get(rig, ns, "pytorchjob", name), timeout=30)
+        cm = get(rig, ns, "configmap", f"{name}-spec")
+
+        assert job["metadata"]["ownerReferences"][0]["uid"] == ts["metadata"]["uid"]
+        pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert job["spec"]["nprocPerNode"] == "8" and container["image"] == IMAGE
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+        assert "not-in-any-kiln-object" not in json.dumps(job) + json.dumps(cm)
+        resolved = yaml.safe_load(cm["data"]["spec.yaml"])["spec"]
+        assert resolved["model"]["dim"] == 2048 and resolved["resources"]["processesPerNode"] == 8
+
+        final = wait_phase(rig, ns, name, "Running", timeout=90)
+        assert final["nodes"] == 1 and final["observedGeneration"] == ts["metadata"]["generation"]
+        (worker,) = running_pods(rig, ns, name)
+        assert worker["spec"]["nodeName"] in rig.gpu_nodes
+        assert any(e["reason"] == "Running" for e in events(rig, ns, name))
+
+        kubeconfig = str(rig.kubeconfig)
+        assert main(["status", name, "-n", ns, "--kubeconfig", kubeconfig]) == 0
+        out = capsys.readouterr().out
+        assert name in out and "Running" in out and "SpecAccepted" in out
+        assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "running", "--timeout", "30s"]) == 0
+
+        rig.kubectl("delete", "trainingspec", name, "-n", ns)
+        for kind, obj in [("pytorchjob", name), ("configmap", f"{name}-spec"), ("serviceaccount", f"{name}-trainer"),
+                          ("role", f"{name}-trainer"), ("rolebinding", f"{name}-trainer")]:
+            rig.wait_for(f"{kind}/{obj} deleted", lambda: get(rig, ns, kind, obj) is None, timeout=60)
+        rig.wait_for("pods deleted", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=60)
+
+
+def test_pod_failure_restarts_then_fails_as_the_pytorchjob_says(rig, ns, operator):
+    name = "fails"
+    submit(rig, ns, small_run(name))
+    wait_phase(rig, ns, name, "Running", timeout=90)
+    # 137 (killed): retryable under restartPolicy ExitCode → the training-operator recreates the pod
+    rig.fail_pod(ns, f"{name}-worker-0", exit_code=137)
+    rig.wait_for("a restart counted", lambda: status(rig, ns, name).get("restarts", 0) >= 1, timeout=60)
+    assert any(e["reason"] == "Restarting" and e["type"] == "Warning" for e in events(rig, ns, name))
+    rig.wait_for("pod back", lambda: running_pods(rig, ns, name), timeout=60)
+    wait_phase(rig, ns, name, "Running", timeout=60)
+    # 1: a permanent error → the job fails, and so does the run
+    rig.fail_pod(ns, f"{name}-worker-0", exit_code=1)
+    final = wait_phase(rig, ns, name, "Failed", timeout=60)
+    assert next(c for c in final["conditions"] if c["type"] == "Failed")["status"] == "True"
+    kubeconfig = str(rig.kubeconfig)
+    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", "20s"]) == 1
+
+
+def test_success_and_wait_exit_codes(rig, ns, operator):
+    name = "succeeds"
+    submit(rig, ns, small_run(name))
+    wait_phase(rig, ns, name, "Running", timeout=90)
+    kubeconfig = str(rig.kubeconfig)
+    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", "1s", "--interval", "0.2"]) == 2
+    rig.succeed_pod(ns, f"{name}-worker-0")
+    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "succeeded", "--timeout", "90s"]) == 0
+
+
+def test_suspend_releases_every_gpu_and_resume_brings_them_back(rig, ns, operator):
+    name = "pausable"
+    submit(rig, ns, small_run(name, suspend=True, resources={"nodes": 2}))
+    wait_phase(rig, ns, name, "Suspended", timeout=60)
+    job = get(rig, ns, "pytorchjob", name)
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}")
+
+    patch_spec(rig, ns, name, {"suspend": False})
+    rig.wait_for("2 pods running", lambda: len(running_pods(rig, ns, name)) == 2, timeout=90)
+    wait_phase(rig, ns, name, "Running", timeout=60)
+
+    patch_spec(rig, ns, name, {"suspend": True})
+    wait_phase(rig, ns, name, "Suspended", timeout=60)
+    rig.wait_for("no pods", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=90)
+    assert get(rig, ns, "pytorchjob", name)["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_operator_restart_creates_no_duplicates(rig, ns, operator):
+    name = "survivor"
+    submit(rig, ns, small_run(name, elastic={"maxNodes": 2}))
+    wait_phase(rig, ns, name, "Running", timeout=90)
+    job = get(rig, ns, "pytorchjob", name)
+
+    operator.stop()
+    patch_spec(rig, ns, name, {"resources": {"nodes": 2}})  # changed while no operator runs
+    operator.start()
+    rig.wait_for("replicas 2", lambda: get(rig, ns, "pytorchjob", name)["spec"]["pytorchReplicaSpecs"]["Worker"]
+                 ["replicas"] == 2, timeout=60)
+    selector = f"kiln.dev/trainingspec={name}"
+    assert [j["metadata"]["uid"] for j in items(rig, ns, "pytorchjobs", selector)] == [job["metadata"]["uid"]]
+    assert len(items(rig, ns, "configmaps", selector)) == 1
+
+    # a restart with nothing to do writes nothing
+    before = get(rig, ns, "pytorchjob", name)["metadata"]["generation"], get(rig, ns, "configmap",
+                                                                             f"{name}-spec")["metadata"]
+    operator.stop()
+    operator.start()
+    time.sleep(5)  # resume handlers have run by now (they are the first thing kopf does)
+    after = get(rig, ns, "pytorchjob", name)["metadata"]["generation"], get(rig, ns, "configmap",
+                                                                            f"{name}-spec")["metadata"]
+    assert before[0] == after[0] and before[1]["resourceVersion"] == after[1]["resourceVersion"]
+
+
+def test_change_the_job_cannot_absorb_is_refused_not_half_applied(rig, ns, operator):
+    name = "steady"
+    submit(rig, ns, small_run(name))
+    wait_phase(rig, ns, name, "Running", timeout=90)
+    job_gen = get(rig, ns, "pytorchjob", name)["metadata"]["generation"]
+    cm_rv = get(rig, ns, "configmap", f"{name}-spec")["metadata"]["resourceVersion"]
+
+    patch_spec(rig, ns, name, {"model": {"preset": "small"}})
+    cond = rig.wait_for("SpecAccepted False", lambda: (c := condition(rig, ns, name, "SpecAccepted")).get(
+        "status") == "False" and c, timeout=30)
+    assert cond["reason"] == "ImmutableFieldChanged" and "spec.model.preset" in cond["message"]
+    assert any(e["reason"] == "ImmutableFieldChanged" for e in events(rig, ns, name))
+    assert get(rig, ns, "pytorchjob", name)["metadata"]["generation"] == job_gen
+    assert get(rig, ns, "configmap", f"{name}-spec")["metadata"]["resourceVersion"] == cm_rv
+    assert status(rig, ns, name)["phase"] == "Running"
+
+    patch_spec(rig, ns, name, {"model": {"preset": "tiny"}})
+    rig.wait_for("accepted again", lambda: condition(rig, ns, name, "SpecAccepted").get("status") == "True",
+                 timeout=30)
+
+
+def test_missing_secret_is_reported_and_the_run_starts_once_it_exists(rig, ns, operator):
+    name = "needs-secret"
+    submit(rig, ns, small_run(name, checkpoint={"uri": "s3://kiln/needs-secret/", "endpoint": rig.s3_endpoint,
+                                                "credentialsSecret": "late-secret"}))
+    cond = rig.wait_for("SecretMissing", lambda: (c := condition(rig, ns, name, "SpecAccepted")).get(
+        "reason") == "SecretMissing" and c, timeout=30)
+    assert "late-secret" in cond["message"] and "does not exist" in cond["message"]
+    assert any(e["reason"] == "SecretMissing" for e in events(rig, ns, name))
+    assert get(rig, ns, "pytorchjob", name) is None  # never a half-created run
+    rig.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "late-secret", "namespace": ns},
+               "stringData": {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}})
+    rig.wait_for("job after the Secret", lambda: get(rig, ns, "pytorchjob", name), timeout=45)
+    rig.wait_for("accepted", lambda: condition(rig, ns, name, "SpecAccepted").get("status") == "True", timeout=30)
+
+
+def test_unschedulable_gpus_are_reported(rig, ns, operator):
+    name = "too-big"
+    with rig.exclusive_gpus():
+        submit(rig, ns, small_run(name, resources={"nodes": len(rig.gpu_nodes) + 1,
+                                                   "gpusPerNode": rig.gpus_per_node},
+                                  training={"globalBatchSize": 8 * 3 * 8}))
+        cond = rig.wait_for("PodsScheduled False", lambda: (c := condition(rig, ns, name, "PodsScheduled")).get(
+            "status") == "False" and c, timeout=90)
+        assert "nvidia.com/gpu" in cond["message"]
+        assert any(e["reason"] == "Unschedulable" for e in events(rig, ns, name))
+        rig.kubectl("delete", "trainingspec", name, "-n", ns)
+        rig.wait_for("pods gone", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=60)
+
+
+def test_trainer_may_patch_only_its_own_status(rig, ns, operator):
+    name = "reporter"
+    submit(rig, ns, small_run(name, suspend=True))
+    rig.wait_for("trainer identity", lambda: get(rig, ns, "rolebinding", f"{name}-trainer"), timeout=30)
+    kubeconfig = rig.kubeconfig_for_service_account(ns, f"{name}-trainer")
+
+    def as_trainer(*args):
+        return rig.kubectl(*args, "-n", ns, kubeconfig=kubeconfig, check=False)
+
+    ok = as_trainer("patch", "trainingspec", name, "--subresource=status", "--type", "merge",
+                    "-p", json.dumps({"status": {"step": 10, "tokensPerSecond": 1234.5}}))
+    assert ok.returncode == 0, ok.stderr
+    assert status(rig, ns, name)["step"] == 10
+    denied = as_trainer("patch", "trainingspec", name, "--type", "merge", "-p", '{"spec":{"suspend":false}}')
+    assert denied.returncode != 0 and "forbidden" in denied.stderr
+    other = as_trainer("patch", "trainingspec", "steady", "--subresource=status", "--type", "merge",
+                       "-p", '{"status":{"step":1}}')
+    assert other.returncode != 0 and "forbidden" in other.stderr
+    assert as_trainer("get", "pods").returncode != 0
+
+
+def test_invalid_spec_is_refused_by_kiln_submit_and_the_apiserver(rig, ns, operator, tmp_path, capsys):
+    bad = small_run("bad-split", parallelism={"tensor": 2})  # 1 GPU per node: tensor 2 cannot fit
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["submit", str(path), "-n", ns, "--kubeconfig", str(rig.kubeconfig)]) == 1
+    assert "spec.parallelism.tensor" in capsys.readouterr().err
+    proc = rig.kubectl("apply", "-n", ns, "-f", str(path), check=False)
+    assert proc.returncode != 0 and "spec.parallelism.tensor" in proc.stderr
+    assert "must divide the processes per node" in proc.stderr
