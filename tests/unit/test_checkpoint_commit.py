@@ -67,6 +67,15 @@ def test_retention_plan(seen, committed, keep, doomed):
     assert max(committed, default=None) not in plan
 
 
+def test_retention_after_a_commit_drops_the_abandoned_timeline():
+    """Resumed from step 20 because step 30 was damaged, the run commits 25: 30 (and a crashed 35) must go,
+    or a later resume would jump back into the abandoned future."""
+    assert retention_plan({10, 20, 25, 30, 35}, {10, 20, 25, 30}, keep=2, current=25) == [10, 30, 35]
+    # the step just committed is kept even if the listing has not caught up with it
+    assert retention_plan({10, 20}, {10, 20}, keep=1, current=21) == [10, 20]
+    assert retention_plan({10, 20, 30}, {10, 20, 30}, keep=3, current=30) == []
+
+
 def test_young_daly():
     assert young_daly_interval(2.0, 3600.0) == pytest.approx(120.0)  # sqrt(2 * 2 * 3600)
     # cheaper saves or more failures → save more often

@@ -90,16 +90,22 @@ def steps_from_listing(objects: list[ObjectInfo]) -> tuple[set[int], set[int]]:
     return seen, committed
 
 
-def retention_plan(seen: set[int], committed: set[int], keep: int) -> list[int]:
-    """Steps to delete: committed ones beyond the newest `keep`, and uncommitted leftovers older than the newest
-    commit (crashed saves). The newest committed step is never deleted; uncommitted steps newer than it are
-    left alone (they may be a save in flight)."""
-    if not committed:
+def retention_plan(seen: set[int], committed: set[int], keep: int, current: int | None = None) -> list[int]:
+    """Steps to delete after committing `current` (None: judge by the listing alone).
+
+    Kept: the newest `keep` committed steps up to `current` (always `current` itself). Deleted: older commits,
+    uncommitted leftovers older than the newest kept commit (crashed saves), and every step after `current`:
+    those belong to an abandoned timeline (the run resumed from an earlier commit, e.g. because a newer one
+    was damaged) and must never be resumed from again. With current=None, uncommitted steps newer than the
+    newest commit are left alone (they may be a save in flight)."""
+    if current is not None:
+        committed = committed | {current}
+    timeline = {s for s in committed if current is None or s <= current}
+    if not timeline:
         return []
-    keep = max(1, keep)
-    kept = sorted(committed, reverse=True)[:keep]
+    kept = sorted(timeline, reverse=True)[: max(1, keep)]
     newest = kept[0]
-    return sorted(s for s in seen if s not in kept and (s in committed or s < newest))
+    return sorted(s for s in seen | committed if s not in kept and (s in committed or s < newest or s > newest and current is not None))
 
 
 def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
@@ -196,10 +202,10 @@ def read_latest(store: ObjectStore) -> int | None:
         return None
 
 
-def apply_retention(store: ObjectStore, keep: int) -> list[int]:
+def apply_retention(store: ObjectStore, keep: int, current: int | None = None) -> list[int]:
     """Delete what retention_plan says; returns the deleted steps."""
     seen, committed = steps_from_listing(store.list("step-"))
-    doomed = retention_plan(seen, committed, keep)
+    doomed = retention_plan(seen, committed, keep, current)
     for step in doomed:
         # COMMIT goes first, so a half-deleted step is never mistaken for a committed one.
         store.delete(f"{step_dir(step)}/{COMMIT}")

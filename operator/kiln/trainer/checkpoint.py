@@ -448,7 +448,7 @@ class Checkpointer:
                 for part in everyone:
                     files.update(part)
                 write_commit(self.store, step, files, payload)
-                deleted = apply_retention(self.store, self.spec.keep)
+                deleted = apply_retention(self.store, self.spec.keep, current=step)
                 if deleted:
                     log.info("checkpoint retention (keep %d): deleted steps %s", self.spec.keep, deleted)
             if self._distributed:
