@@ -23,6 +23,7 @@ class OperatorConfig:
     scratch_dir: str = "/var/lib/kiln"
     field_manager: str = "kiln-operator"
     health_port: int = 8080
+    metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorConfig":
@@ -34,6 +35,7 @@ class OperatorConfig:
             ("clean_pod_policy", "KILN_CLEAN_POD_POLICY", str),
             ("termination_grace_seconds", "KILN_TERMINATION_GRACE_SECONDS", int),
             ("health_port", "KILN_HEALTH_PORT", int),
+            ("metrics_port", "KILN_METRICS_PORT", int),
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])

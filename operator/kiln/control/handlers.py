@@ -12,7 +12,7 @@ import logging
 import kopf
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control import sync
+from kiln.control import metrics, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import RUN_LABEL
@@ -48,19 +48,31 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile(body, logger, **_) -> None:
     try:
-        logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post))
+        with metrics.reconcile("spec"):
+            logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post))
     except sync.Wait as wait:
         raise kopf.TemporaryError(str(wait), delay=10) from None
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
 def job_changed(namespace, labels, **_) -> None:
-    sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+    with metrics.reconcile("job"):
+        sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
 
 
 @kopf.on.event("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
 def pod_changed(namespace, labels, **_) -> None:
-    sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+    with metrics.reconcile("pod"):
+        sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def phase_seen(type, body, namespace, name, **_) -> None:
+    # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
+    if type == "DELETED":
+        metrics.forget(namespace, name)
+    else:
+        metrics.set_phase(namespace, name, (body.get("status") or {}).get("phase") or "Pending")
 
 
 def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
@@ -74,6 +86,8 @@ def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
 
         os.environ["KUBECONFIG"] = kubeconfig
     _kube()  # fail early, with a message, on missing credentials
+    if _state["config"].metrics_port:
+        metrics.serve(_state["config"].metrics_port)
     asyncio.run(kopf.operator(
         standalone=True,  # no peering objects; run one replica (leader election is the Deployment's job)
         clusterwide=not namespaces,
