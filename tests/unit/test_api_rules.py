@@ -178,3 +178,11 @@ def test_crd_is_structural_and_carries_rules_and_subresources():
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Nodes", "Step", "Progress", "Age"]
     phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
     assert phases == ["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+
+def test_docs_field_reference_matches_the_models():
+    from kiln.api.reference import BEGIN, END, reference_markdown
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert text[text.index(BEGIN):text.index(END) + len(END)] == reference_markdown(), \
+        "regenerate the field reference in docs/api.md from kiln.api.reference"

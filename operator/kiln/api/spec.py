@@ -241,7 +241,7 @@ class Condition(ApiModel):
     """A standard metav1.Condition."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-    type: str = Field(..., max_length=316, description="Condition type, e.g. Ready, Suspended, SpecAccepted.")
+    type: str = Field(..., max_length=316, description="Condition type, e.g. SpecAccepted, Running, Suspended.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(..., max_length=1024, description="CamelCase reason for the last transition.")
     message: str = Field("", max_length=32768, description="Human-readable details.")
@@ -273,9 +273,9 @@ class TrainingSpecStatus(ApiModel):
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
     last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
     goodput: float | None = Field(None, ge=0, le=1, description="Productive step time / wall time since the start.")
-    restarts: int | None = Field(None, ge=0, description="Times the job restarted (from the PyTorchJob's pods).")
+    restarts: int | None = Field(None, ge=0, description="Times the PyTorchJob entered Restarting.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Standard conditions: Ready, Suspended, SpecAccepted, Succeeded, Failed."
+        default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Running, Suspended, Succeeded, Failed."
     )
     observed_generation: int | None = Field(
         None, ge=0, description="The metadata.generation the operator acted on last."
