@@ -38,6 +38,7 @@ RUNNING_PODS = [pod("run-worker-0"), pod("run-worker-1")]
     ((("Running", T0), ("Failed", T1)), [], False, "Failed"),
     ((("Running", T0), ("Suspended", T1)), [], True, "Suspended"),
     ((("Running", T0),), RUNNING_PODS, True, "Suspended"),  # suspend requested: pods are going away
+    ((("Created", T0), ("Suspended", T1)), [], False, "Pending"),  # held by a queue (Kueue), not by the user
     ((("Running", T1), ("Succeeded", T1)), [], False, "Succeeded"),  # same second: the final state wins
 ])
 def test_phase(conditions, pods, suspend, phase):

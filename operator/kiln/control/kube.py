@@ -7,6 +7,7 @@ so the pure functions in plan/status see exactly what `kubectl get -o json` show
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import yaml
@@ -43,13 +44,15 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.field_manager = field_manager
         self._dyn: DynamicClient | None = None
+        self._dyn_lock = threading.Lock()  # handlers run on several threads; discover once
 
     # ---- writes ----
 
     def apply(self, obj: dict) -> None:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets)."""
-        if self._dyn is None:
-            self._dyn = DynamicClient(self.api)
+        with self._dyn_lock:
+            if self._dyn is None:
+                self._dyn = DynamicClient(self.api)
         try:
             resource = self._dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
         except ResourceNotFoundError:  # a CRD installed after discovery was cached

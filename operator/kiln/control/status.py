@@ -84,8 +84,10 @@ def phase_of(spec: dict, job: dict | None, pods: list[dict]) -> str:
     state = job_condition(job)
     if state in ("Succeeded", "Failed"):
         return state
-    if spec.get("suspend") or state == "Suspended":
+    if spec.get("suspend"):
         return "Suspended"
+    if state == "Suspended":  # suspended by someone else: a queue (Kueue) holding it until admission
+        return "Pending"
     if state == "Restarting":
         return "Restarting"
     if state == "Running":
