@@ -105,7 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Share the cores between the ranks instead of oversubscribing them (torchrun warns otherwise).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     print(f"kiln: training {doc.metadata.name} with {nproc} process(es); output in {output}", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    # Its own session: Ctrl-C reaches only this launcher, which then stops the run in order (below).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         rc = proc.wait()
     except KeyboardInterrupt:
@@ -121,17 +122,35 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Let torchrun stop its workers (it got the Ctrl-C too, or gets SIGTERM now); kill only as a last resort."""
-    for sig, wait_s in ((None, 15), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        if sig is not None:
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting politely
-            continue
+    """SIGTERM to the ranks: they agree on a step, save it and exit, and torchrun then ends on its own. A second
+    Ctrl-C, or no exit within a minute, kills the whole process group."""
+    try:
+        ranks = _children(proc.pid)
+        for pid in ranks or [proc.pid]:  # no /proc (not Linux): torchrun forwards SIGTERM itself
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        return
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        pass
+    except ProcessLookupError:
+        proc.wait()
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of pid (torchrun's workers), from /proc on Linux; [] elsewhere."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+    return found
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -137,8 +138,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed)
         loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
 
-        from kiln.trainer.checkpoint import Checkpointer
+        from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
 
+        if threading.current_thread() is threading.main_thread():
+            install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
         default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
         checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world)
         start_step, tokens_seen = 0, 0
@@ -151,7 +154,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         global_tokens = tr.global_batch_size * dims.seq_len
         flops_step = flops_per_token(dims) * global_tokens
         peak = peak_flops(device, tr.precision) * world
-        logger = MetricsLogger(output_dir, rank=rank, total_steps=tr.steps, start_step=start_step)
+        logger = MetricsLogger(output_dir, rank=rank, total_steps=tr.steps, start_step=start_step,
+                               exporter=_exporter(spec_doc.metadata.name) if rank == 0 else None)
         timer = StepTimer(device)
         losses: list[float] = []
         try:
@@ -184,22 +188,40 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
                               mfu=flops_step / step_s / peak, world_size=world, global_batch_tokens=global_tokens,
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
-                if step % tr.log_every == 0 or step == tr.steps:
-                    logger.log(record)
-                final = step == tr.steps
+                stop = checkpointer.stop_requested(step)
+                final = step == tr.steps or stop
                 if final or checkpointer.should_save(step):
                     trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
                                      "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
                                      "model": dims.model_dump()}
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
+                    record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+                if step % tr.log_every == 0 or final:
+                    logger.log(record)
+                if stop:
+                    if rank == 0:
+                        print(f"kiln: stop requested; saved step {step}, rerun to resume", flush=True)
+                    break
             checkpointer.wait()
         finally:
             checkpointer.close()
             logger.close()
-        return TrainResult(start_step, max(start_step, tr.steps), losses)
+        return TrainResult(start_step, start_step + len(losses), losses)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exporter(run: str):
+    """Prometheus metrics on rank 0 when KILN_METRICS_PORT is set (the operator sets it in pods)."""
+    port = os.environ.get("KILN_METRICS_PORT")
+    if not port:
+        return None
+    from kiln.trainer.exporter import TrainerExporter
+
+    exporter = TrainerExporter(run)
+    exporter.start(int(port))
+    return exporter
 
 
 def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -93,10 +93,11 @@ class MetricsLogger:
     """JSON lines + TensorBoard + a console display; a no-op on ranks other than 0."""
 
     def __init__(self, out_dir: Path | None, *, rank: int, total_steps: int, start_step: int, tensorboard: bool = True,
-                 console: bool = True):
+                 console: bool = True, exporter=None):
         self.enabled = rank == 0 and out_dir is not None
         self.total_steps = total_steps
         self._jsonl = self._tb = self._progress = None
+        self._exporter = exporter  # kiln.trainer.exporter.TrainerExporter (Prometheus), rank 0 only
         if not self.enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,8 @@ class MetricsLogger:
             self._progress = _Console(total_steps, start_step)
 
     def log(self, record: dict) -> None:
+        if self._exporter is not None:
+            self._exporter.observe(record)
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
@@ -122,6 +125,8 @@ class MetricsLogger:
             self._progress.update(record)
 
     def close(self) -> None:
+        if self._exporter is not None:
+            self._exporter.stop()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

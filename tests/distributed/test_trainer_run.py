@@ -1,0 +1,88 @@
+"""`kiln run`, the local launcher, end to end: real torchrun processes, real file:// checkpoints."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "quickstart.yaml"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_quickstart_writes_metrics_and_rerun_resumes_the_same_curve(tmp_path):
+    resumed, fresh = tmp_path / "resumed", tmp_path / "fresh"
+    # Steps 1-4 lie inside the quickstart's warm-up, so the learning rate does not depend on --steps and a
+    # run stopped at 2 and resumed to 4 must match an uninterrupted run of 4.
+    first = kiln("run", str(QUICKSTART), "--nproc", "2", "--steps", "2", "--output", str(resumed))
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(resumed)] == [1, 2]
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+
+    second = kiln("run", str(QUICKSTART), "--nproc", "2", "--steps", "4", "--output", str(resumed))
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "step 3/4" in second.stdout and "step 1/4" not in second.stdout  # it resumed, not restarted
+
+    ref = kiln("run", str(QUICKSTART), "--nproc", "2", "--steps", "4", "--output", str(fresh))
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    got, want = read_metrics(resumed), read_metrics(fresh)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
+    assert got[-1]["tokens_seen"] == want[-1]["tokens_seen"] == 4 * 16 * 128
+    assert want[-1]["loss"] < want[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "make_spec,expected",
+    [
+        (lambda d: d / "missing.yaml", ["missing.yaml", "cannot read"]),
+        (lambda d: _yaml(d, "spec:\n  training: {steps: -3}\n"), ["spec.training.steps", "greater than or equal to 1"]),
+        (lambda d: _yaml(d, "spec:\n  training: {stpes: 3}\n"), ["spec.training.stpes", "unknown field"]),
+        (lambda d: _yaml(d, "spec:\n  model: {preset: huge}\n"), ["huge", "tiny"]),
+        # 3 processes cannot split a global batch of 16 into microbatches of 8 per rank
+        (lambda d: QUICKSTART, ["globalBatchSize", "16"]),
+    ],
+    ids=["missing-file", "bad-value", "unknown-field", "unknown-preset", "batch-vs-world"],
+)
+def test_bad_input_is_a_clear_error(tmp_path, make_spec, expected):
+    proc = kiln("run", str(make_spec(tmp_path)), "--nproc", "3", "--output", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("kiln: error:"), proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def _yaml(d: Path, body: str) -> Path:
+    p = d / "spec.yaml"
+    p.write_text("apiVersion: kiln.dev/v1alpha1\nkind: TrainingSpec\n" + body)
+    return p
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 100000, "schedule": "constant"}, nproc=2)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted; rerun the same command to resume" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+    # The ranks agreed on a step, saved it and committed it before exiting.
+    saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
+    assert saved >= 1 and saved == read_metrics(out)[-1]["step"]

@@ -1,0 +1,57 @@
+"""Shared by the trainer's distributed tests: write a spec, start real torchrun processes, read metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+# A model smaller than the `tiny` preset, so a 4-rank gloo run of a few steps takes seconds on two cores.
+MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
+
+
+def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | None = None,
+               model: dict | None = None, checkpoint: dict | None = None, data: str = "builtin:pydoc",
+               nproc: int = 1) -> Path:
+    doc = {
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "t"},
+        "spec": {
+            "model": model or MICRO_MODEL,
+            "data": {"uri": data},
+            "training": {"steps": 4, "globalBatchSize": 4, "microBatchSize": 1, "lr": 1e-3, "warmupSteps": 0,
+                         "precision": "fp32", "seed": 3, **(training or {})},
+            "parallelism": {"compile": False, **(parallelism or {})},
+            "checkpoint": {"intervalSteps": 1000, **(checkpoint or {})},
+            "resources": {"processesPerNode": nproc},
+        },
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", **extra)
+    return e
+
+
+def torchrun_train(spec: Path, out: Path, nproc: int, timeout: int = 240) -> list[dict]:
+    """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "kiln.cli.main", "train", "--config", str(spec), "--output", str(out)]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return read_metrics(out)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def kiln(*args: str, timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], env=env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
