@@ -1,0 +1,212 @@
+"""Checkpoints on a real S3 server: the rig's (versitygw), and for the outage test a private one started from
+the rig's versitygw build so that stopping it does not disturb other tests using the rig."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.api.spec import CheckpointSpec
+from kiln.errors import KilnError
+from kiln.storage import ObjectNotFound, open_store
+from kiln.storage.commit import committed_steps
+from kiln.storage.retry import RetryPolicy
+from kiln.trainer.checkpoint import Checkpointer
+
+MiB = 1 << 20
+ACCESS, SECRET = "kiln-ckpt-test", "kiln-ckpt-test-secret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrivateS3:
+    """A versitygw of our own (posix backend in a temp dir) that a test may stop and start again."""
+
+    def __init__(self, data_dir):
+        from tests.rig import build
+
+        if not build.is_built("versitygw"):
+            build.build(["versitygw"])
+        self.exe = str(build.bin_dir() / "versitygw")
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / "versitygw.log"
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [self.exe, "--access", ACCESS, "--secret", SECRET, "--port", f"127.0.0.1:{self.port}", "posix",
+                 str(self.data_dir)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers (anonymous requests are refused)
+            except OSError:
+                assert self.proc.poll() is None, self.log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "private versitygw did not come up"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def private_s3(tmp_path):
+    data = tmp_path / "s3-data"
+    (data / "ckpt").mkdir(parents=True)  # the posix backend: a bucket is a directory
+    server = PrivateS3(data)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def rig_env(rig, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", rig.s3_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", rig.s3_secret_key)
+    return {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}
+
+
+@pytest.fixture
+def rig_uri(rig, rig_env):
+    uri = f"s3://{rig.s3_bucket}/test-ckpt/{uuid.uuid4().hex}/"
+    yield uri
+    open_store(uri, endpoint=rig.s3_endpoint, env=rig_env).delete_prefix("")
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, i):
+    opt.zero_grad()
+    model(torch.full((2, 64), float(i))).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.rig
+def test_s3_store_multipart_ranged_list_delete(rig, rig_env, rig_uri, tmp_path):
+    store = open_store(rig_uri, endpoint=rig.s3_endpoint, env=rig_env, part_size=5 * MiB, parallelism=4)
+    data = os.urandom(12 * MiB + 12345)  # three parts, uploaded in parallel
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    store.put_file("step-00000001/big.bin", src)
+    store.put_bytes("step-00000001/small", b"hello")
+    assert store.size("step-00000001/big.bin") == len(data)
+    assert [(o.key, o.size) for o in store.list("step-")] == [
+        ("step-00000001/big.bin", len(data)), ("step-00000001/small", 5)]
+    dst = tmp_path / "back.bin"
+    store.get_file("step-00000001/big.bin", dst)  # ranged GETs in parallel
+    assert dst.read_bytes() == data
+    assert store.get_bytes("step-00000001/big.bin", 7 * MiB, 100) == data[7 * MiB: 7 * MiB + 100]
+    with pytest.raises(ObjectNotFound, match="step-00000001/missing"):
+        store.size("step-00000001/missing")
+    assert store.delete_prefix("step-00000001/") == 2
+    assert store.list() == []
+
+
+@pytest.mark.rig
+def test_s3_permanent_errors_name_endpoint_and_bucket(rig, rig_env):
+    bad = {**rig_env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+    with pytest.raises(KilnError) as err:
+        open_store(f"s3://{rig.s3_bucket}/x/", endpoint=rig.s3_endpoint, env=bad)
+    assert rig.s3_endpoint in str(err.value) and rig.s3_bucket in str(err.value)
+    assert "AWS_SECRET_ACCESS_KEY" in str(err.value) or "credentials" in str(err.value)
+    with pytest.raises(KilnError) as err:
+        open_store("s3://no-such-bucket-kiln/x/", endpoint=rig.s3_endpoint, env=rig_env)
+    assert "no-such-bucket-kiln" in str(err.value) and "does not exist" in str(err.value)
+
+
+@pytest.mark.rig
+def test_checkpoint_round_trip_and_flipped_byte_on_s3(rig, rig_env, rig_uri, caplog):
+    model, opt = _model()
+    spec = CheckpointSpec(uri=rig_uri, endpoint=rig.s3_endpoint, interval_steps=1, keep=3)
+    ck = Checkpointer(spec, default_uri="", rank=0, world_size=1)
+    want = {}
+    for i in (1, 2):
+        _step(model, opt, i)
+        want[i] = [p.detach().clone() for p in model.parameters()]
+        ck.save(i, [model], [opt], {"step": i})
+    ck.close()
+
+    store = ck.store
+    assert committed_steps(store) == [2, 1]
+    assert store.get_bytes("latest") == b"step-00000002\n"
+    shard = next(o.key for o in store.list("step-00000002/") if o.key.endswith(".distcp"))
+    blob = bytearray(store.get_bytes(shard))
+    blob[len(blob) // 3] ^= 0x80
+    store.put_bytes(shard, bytes(blob))  # same size, one bit different
+
+    fresh, fopt = _model()
+    with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
+        state = Checkpointer(spec, default_uri="", rank=0, world_size=1).restore([fresh], [fopt])
+    assert state["step"] == 1
+    for a, b in zip(fresh.parameters(), want[1]):
+        assert torch.equal(a, b)
+    assert any("step 2" in r.message and "sha256" in r.message for r in caplog.records)
+
+
+def test_s3_outage_mid_save_is_retried_and_nothing_committed_is_lost(private_s3, monkeypatch, caplog):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    uri = "s3://ckpt/run/"
+    spec = CheckpointSpec(uri=uri, endpoint=private_s3.endpoint, interval_steps=1)
+    store = open_store(uri, endpoint=private_s3.endpoint, retry=RetryPolicy(initial_s=0.1, max_delay_s=1.0, budget_s=60))
+    ck = Checkpointer(spec, default_uri="", rank=0, world_size=1, store=store)
+    model, opt = _model()
+    _step(model, opt, 1)
+    ck.save(1, [model], [opt], {"step": 1})
+    ck.wait()
+
+    _step(model, opt, 2)
+    want = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="kiln.storage"):
+        private_s3.stop()  # the server goes away as the save starts uploading
+        t0 = time.perf_counter()
+        ck.save(2, [model], [opt], {"step": 2})
+        blocked = time.perf_counter() - t0
+        # training continues while the store is down
+        for i in range(3, 6):
+            _step(model, opt, i)
+        restart = threading.Timer(3.0, private_s3.start)
+        restart.start()
+        ck.wait()
+        restart.join()
+    assert blocked < 2.0, "the loop must not wait for the store"
+    assert ck.save_failures == 0 and ck.last_committed_step == 2
+    retries = [r.message for r in caplog.records if r.name == "kiln.storage" and "retry" in r.message]
+    assert retries and private_s3.endpoint in retries[0]
+
+    assert committed_steps(store) == [2, 1]
+    fresh, fopt = _model()
+    assert Checkpointer(spec, default_uri="", rank=0, world_size=1, store=store).restore([fresh], [fopt])["step"] == 2
+    for a, b in zip(fresh.parameters(), want):
+        assert torch.equal(a, b)
+    ck.close()
