@@ -1,0 +1,265 @@
+"""The Helm chart against the rig's real apiserver: lint, schema, install, the operator running as the
+chart's own ServiceAccount, uninstall. Also: the chart's default render is the kustomize install.
+
+helm and kubectl are the rig's (KILN_RIG_BIN); `helm template` and `kubectl kustomize` need no cluster,
+but every test here uses the rig's binaries, so all are rig tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.rig
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "kiln"
+MANIFESTS = REPO / "manifests"
+SAMPLE = MANIFESTS / "samples" / "quickstart.yaml"
+OPERATOR_DOCKERFILE = REPO / "images" / "operator" / "Dockerfile"
+CRD_NAME = "trainingspecs.kiln.dev"
+
+
+def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [str(rig.bin / "helm"), "--kubeconfig", str(rig.kubeconfig), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def render(rig, *args: str, release: str = "kiln", namespace: str = "kiln-system") -> list[dict]:
+    out = helm(rig, "template", release, str(CHART), "--namespace", namespace, "--include-crds", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def kustomize(rig) -> list[dict]:
+    return [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
+
+
+def ident(obj: dict) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace", "")
+
+
+def by_ident(objs: list[dict]) -> dict[tuple, dict]:
+    return {ident(o): o for o in objs}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def entrypoint() -> list[str]:
+    line = [l for l in OPERATOR_DOCKERFILE.read_text().splitlines() if l.startswith("ENTRYPOINT ")][-1]
+    return json.loads(line.split(None, 1)[1])
+
+
+def get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=3) as r:
+        return r.status, r.read().decode()
+
+
+@contextmanager
+def operator_from_deployment(deployment: dict, kubeconfig: Path, log: Path, extra_args: tuple[str, ...] = ()):
+    """Run what the Deployment runs, out of cluster: the image's entrypoint, the container's args and env
+    (ports moved to free ones), authenticated by `kubeconfig`. Yields (health_url, metrics_url)."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    health, metrics = free_port(), free_port()
+    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    env.update(KILN_HEALTH_PORT=str(health), KILN_METRICS_PORT=str(metrics), PYTHONUNBUFFERED="1",
+               KUBECONFIG=str(kubeconfig))
+    program, *rest = entrypoint()
+    cmd = [shutil.which(program), *rest, "--kubeconfig", str(kubeconfig), *container.get("args", []), *extra_args]
+    probe = container["readinessProbe"]["httpGet"]["path"]
+    health_url, metrics_url = f"http://127.0.0.1:{health}{probe}", f"http://127.0.0.1:{metrics}/metrics"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"the operator exited:\n{log.read_text()[-4000:]}"
+            try:
+                if get(health_url)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"{health_url} never answered:\n{log.read_text()[-4000:]}"
+            time.sleep(0.3)
+        yield health_url, metrics_url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(get(url)[1]) for s in family.samples}
+
+
+def reconcile_sample(rig, namespace: str, metrics_url: str) -> dict:
+    """Create the quickstart sample in `namespace`; return its PyTorchJob once the operator made it."""
+    rig.kubectl("apply", "-n", namespace, "-f", str(SAMPLE))
+    name = yaml.safe_load(SAMPLE.read_text())["metadata"]["name"]
+
+    def job():
+        proc = rig.kubectl("get", "pytorchjob", name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    pytorchjob = rig.wait_for(f"PyTorchJob {namespace}/{name}", job, timeout=60)
+    samples = rig.wait_for("the reconcile in the operator's metrics", lambda: (
+        s := scrape(metrics_url)).get(("kiln_operator_reconciles_total", (("handler", "spec"), ("outcome", "ok"))))
+        and s, timeout=20)
+    assert samples[("kiln_operator_trainingspecs", (("namespace", namespace), ("phase", "Pending")))] \
+        + samples[("kiln_operator_trainingspecs", (("namespace", namespace), ("phase", "Running")))] == 1
+    return pytorchjob
+
+
+# --- render-only ----------------------------------------------------------------------------------
+
+
+def test_helm_lint_passes_with_default_and_optional_values(rig):
+    helm(rig, "lint", "--strict", str(CHART))
+    helm(rig, "lint", "--strict", str(CHART), "--set", "watchNamespaces={ml,research}",
+         "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true")
+
+
+@pytest.mark.parametrize("setting,says", [
+    ("watchNamespaces=ml", "watchNamespaces"),                 # a string where a list belongs
+    ("image.pullPolicy=Sometimes", "pullPolicy"),              # not an enum value
+    ("metrics.port=70000", "port"),                            # out of range
+    ("operator.resource.requests.cpu=1", "resource"),          # a misspelt key
+])
+def test_values_schema_refuses_bad_values(rig, setting, says):
+    proc = helm(rig, "template", "kiln", str(CHART), "--set", setting, check=False)
+    assert proc.returncode != 0 and says in proc.stderr and "values don't meet the specifications" in proc.stderr, \
+        proc.stderr
+
+
+def test_default_render_is_the_kustomize_install(rig):
+    chart, plain = by_ident(render(rig)), by_ident(kustomize(rig))
+    # The namespace is Helm's --create-namespace, a file of its own in manifests/.
+    assert ("Namespace", "kiln-system", "") in plain
+    assert set(chart) == set(plain) - {("Namespace", "kiln-system", "")}
+    for key, obj in chart.items():
+        other = plain[key]
+        if obj["kind"] in ("ClusterRole", "Role"):
+            assert obj["rules"] == other["rules"], key
+        elif obj["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+            assert (obj["roleRef"], obj["subjects"]) == (other["roleRef"], other["subjects"]), key
+        elif obj["kind"] == "CustomResourceDefinition":
+            assert obj["spec"] == other["spec"], key
+        elif obj["kind"] == "Service":
+            assert (obj["spec"]["ports"], obj["spec"]["selector"]) == (other["spec"]["ports"], other["spec"]["selector"])
+        elif obj["kind"] == "Deployment":
+            a, b = obj["spec"], other["spec"]
+            assert (a["replicas"], a["strategy"], a["selector"]) == (b["replicas"], b["strategy"], b["selector"])
+            pa, pb = a["template"]["spec"], b["template"]["spec"]
+            for field in ("serviceAccountName", "securityContext", "volumes"):
+                assert pa[field] == pb[field], field
+            assert pa["containers"] == pb["containers"]
+
+
+def test_default_deployment_is_hardened_and_probed(rig):
+    deployment = next(o for o in render(rig) if o["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert int(env["KILN_HEALTH_PORT"]) == ports["health"] and int(env["KILN_METRICS_PORT"]) == ports["metrics"]
+    assert "args" not in container  # every namespace
+
+
+def test_watched_namespaces_get_namespaced_grants_only(rig):
+    objs = render(rig, "--set", "watchNamespaces={ml,research}")
+    bindings = [o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert sorted(ident(b) for b in bindings) == [
+        ("ClusterRoleBinding", "kiln-operator-cluster", ""),
+        ("RoleBinding", "kiln-operator", "ml"), ("RoleBinding", "kiln-operator", "research")]
+    cluster_role = next(o for o in objs if ident(o) == ("ClusterRole", "kiln-operator-cluster", ""))
+    # Cluster-wide, only what is cluster-scoped: kopf's view of CRDs and namespaces.
+    assert sorted(r for rule in cluster_role["rules"] for r in rule["resources"]) == \
+        ["customresourcedefinitions", "namespaces"]
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"] == \
+        ["--namespace=ml", "--namespace=research"]
+
+
+def test_optional_servicemonitor_and_dashboard(rig):
+    objs = render(rig, "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true",
+                  "--set", "metrics.serviceMonitor.labels.release=prom")
+    monitor = next(o for o in objs if o["kind"] == "ServiceMonitor")
+    service = next(o for o in objs if o["kind"] == "Service")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    dashboard = next(o for o in objs if o["kind"] == "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["kiln.json"]) == json.loads((CHART / "dashboards" / "kiln.json").read_text())
+    default_kinds = {o["kind"] for o in render(rig)}
+    assert not default_kinds & {"ServiceMonitor", "ConfigMap"}  # off by default: no CRD needed
+
+
+# --- install into the real apiserver ----------------------------------------------------------------
+
+
+def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace, tmp_path):
+    release = f"kiln-{uuid.uuid4().hex[:6]}"  # its own cluster-scoped names: other tests' objects stay apart
+    install = helm(rig, "install", release, str(CHART), "--namespace", namespace,
+                   "--set", f"watchNamespaces={{{namespace}}}")
+    assert "kiln validate" in install.stdout and "kiln wait" in install.stdout  # NOTES: the next step
+    rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    manifest = [d for d in yaml.safe_load_all(helm(rig, "get", "manifest", release, "-n", namespace).stdout) if d]
+    deployment = next(o for o in manifest if o["kind"] == "Deployment")
+    sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    me = f"system:serviceaccount:{namespace}:{sa}"
+
+    def can(*args: str) -> bool:
+        return rig.kubectl("auth", "can-i", *args, f"--as={me}", check=False).stdout.strip() == "yes"
+
+    assert can("create", "pytorchjobs.kubeflow.org", "-n", namespace)
+    assert can("patch", "trainingspecs.kiln.dev", "--subresource=status", "-n", namespace)
+    assert can("list", "customresourcedefinitions")
+    assert not can("create", "pytorchjobs.kubeflow.org", "-n", "default")  # only the watched namespace
+    assert not can("delete", "pytorchjobs.kubeflow.org", "-n", namespace)  # garbage collection deletes
+    assert not can("list", "secrets", "-n", namespace)
+
+    kubeconfig = rig.kubeconfig_for_service_account(namespace, sa)
+    with operator_from_deployment(deployment, kubeconfig, tmp_path / "operator.log") as (health, metrics):
+        job = reconcile_sample(rig, namespace, metrics)
+        assert get(health)[0] == 200
+    owner = job["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("TrainingSpec", "quickstart")
+
+    helm(rig, "uninstall", release, "--namespace", namespace, "--wait")
+    for obj in manifest:
+        kind, name, ns = ident(obj)
+        args = ["get", kind, name] + (["-n", ns] if ns else [])
+        assert rig.kubectl(*args, check=False).returncode != 0, f"{kind} {name} survived helm uninstall"
+    # Helm's convention: CRDs (and with them every TrainingSpec) stay.
+    assert rig.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
+    assert rig.kubectl("get", "trainingspec", "quickstart", "-n", namespace, check=False).returncode == 0

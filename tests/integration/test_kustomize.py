@@ -1,0 +1,36 @@
+"""`kubectl apply -k manifests/` into the rig's apiserver, then the operator that install defines, run
+out of cluster as its ServiceAccount (kiln-system/kiln-operator), reconciles the quickstart sample."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.integration.test_helm import MANIFESTS, operator_from_deployment, reconcile_sample
+
+pytestmark = pytest.mark.rig
+
+
+def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path):
+    objs = [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
+    fresh = rig.kubectl("get", "namespace", "kiln-system", check=False).returncode != 0
+    rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(MANIFESTS))
+    try:
+        rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/trainingspecs.kiln.dev")
+        deployment = next(o for o in objs if o["kind"] == "Deployment")
+        assert rig.kubectl("get", "deployment", "kiln-operator", "-n", "kiln-system").returncode == 0
+        sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        kubeconfig = rig.kubeconfig_for_service_account("kiln-system", sa)
+        # The install watches every namespace; this run watches only the test's, as a user's --namespace
+        # flag would, so that it never reconciles another test's runs.
+        with operator_from_deployment(deployment, kubeconfig, tmp_path / "operator.log",
+                                      extra_args=(f"--namespace={namespace}",)) as (_, metrics):
+            job = reconcile_sample(rig, namespace, metrics)
+        assert job["metadata"]["ownerReferences"][0]["kind"] == "TrainingSpec"
+    finally:
+        if fresh:  # leave a shared install alone; remove ours, but never the CRD (every TrainingSpec)
+            for obj in reversed(objs):
+                if obj["kind"] != "CustomResourceDefinition":
+                    ns = obj["metadata"].get("namespace")
+                    rig.kubectl("delete", obj["kind"], obj["metadata"]["name"], *(["-n", ns] if ns else []),
+                                "--wait=false", "--ignore-not-found", check=False)
