@@ -76,5 +76,12 @@ def apply_replicate(model: nn.Module, dp_mesh, mode: str, powersgd: PowerSGDConf
     """Plain data-parallel replication (composable DDP, module kept in place) with the compression hook."""
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=dp_mesh)
+    import torch.distributed as dist
+
+    kwargs = {}
+    if mode == "powersgd" and dist.get_backend(dp_mesh.get_group()) == "gloo":
+        # PowerSGD issues a bucket's second all-reduce from a future callback; with several buckets gloo
+        # can then see the ranks' collectives in different orders. One bucket keeps the order fixed.
+        kwargs["bucket_cap_mb"] = 1 << 20
+    replicate(model, device_mesh=dp_mesh, **kwargs)
     return register_comm_hook(model, mode, dp_mesh.get_group(), powersgd)
