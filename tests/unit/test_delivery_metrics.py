@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.control import metrics as op
-from kiln.trainer.exporter import TrainerExporter
+from kiln.trainer.exporter import GAUGES, TrainerExporter
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kiln" / "dashboards" / "kiln.json"
 
@@ -91,17 +91,19 @@ def test_trainer_exporter_serves_each_steps_metrics():
     assert samples[("kiln_train_step_seconds_bucket", (("le", "0.5"),) + run)] == 2
 
 
-def test_two_exporters_do_not_share_state():
+def test_two_exporters_do_not_share_state_and_unreported_metrics_are_absent():
     a, b = TrainerExporter("a"), TrainerExporter("b")
     a.observe({"loss": 1.0})
-    assert b.registry.get_sample_value("kiln_train_loss", {"run": "b"}) == 0
+    assert b.registry.get_sample_value("kiln_train_loss", {"run": "b"}) is None
     assert a.registry.get_sample_value("kiln_train_loss", {"run": "a"}) == 1.0
+    # goodput was never reported: no series rather than a made-up 0 on the dashboard
+    assert a.registry.get_sample_value("kiln_train_goodput", {"run": "a"}) is None
 
 
 def exported_names() -> set[str]:
     """Every sample name the operator and a trainer export (after one observation of each kind)."""
     trainer = TrainerExporter("dash", registry=CollectorRegistry())
-    trainer.observe({"step_s": 1.0, "checkpoint_stall_s": 1.0})
+    trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0})
     with op.reconcile("t-dash"):
         op.set_phase("t-dash", "x", "Running")
     names = set()

@@ -36,9 +36,9 @@ class TrainerExporter:
 
     def __init__(self, run: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self._gauges = {
-            key: Gauge(name, doc, ["run"], registry=self.registry).labels(run) for key, (name, doc) in GAUGES.items()
-        }
+        self._run = run
+        # Labelled children are made on first use: a metric the loop never reports is absent, not a fake 0.
+        self._gauges = {key: Gauge(name, doc, ["run"], registry=self.registry) for key, (name, doc) in GAUGES.items()}
         self._step_seconds = Histogram(
             "kiln_train_step_seconds", "Wall time of one optimizer step.", ["run"],
             buckets=STEP_SECONDS_BUCKETS, registry=self.registry,
@@ -54,7 +54,7 @@ class TrainerExporter:
         for key, gauge in self._gauges.items():
             value = _number(record.get(key))
             if value is not None:
-                gauge.set(value)
+                gauge.labels(self._run).set(value)
         step_s = _number(record.get("step_s"))
         if step_s is not None and math.isfinite(step_s) and step_s >= 0:
             self._step_seconds.observe(step_s)
