@@ -9,7 +9,6 @@ everywhere (the `parallelism.kernels` field of the spec).
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
@@ -32,13 +31,18 @@ def get_mode() -> str:
     return _MODE
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_ops() -> ModuleType | None:
+def _load_triton_ops() -> ModuleType | None:
+    if not torch.cuda.is_available():  # CPU-only: never import triton (the reference serves every call)
+        return None
     try:
         from kiln.trainer.kernels import triton as triton_ops
     except ImportError:  # no triton in this environment: the reference is the only implementation
         return None
     return triton_ops
+
+
+# Resolved once at import, not per call, so that the model's torch.compile traces a plain global read.
+_TRITON_OPS = _load_triton_ops()
 
 
 def _fused(*tensors: torch.Tensor) -> ModuleType | None:
@@ -48,7 +52,7 @@ def _fused(*tensors: torch.Tensor) -> ModuleType | None:
     # Exact types: tensor subclasses (DTensor, other wrappers) are handled only by the reference.
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors):
         return None
-    return _triton_ops()
+    return _TRITON_OPS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
