@@ -1,0 +1,166 @@
+"""Elastic decisions of the operator: bounds, whole data-parallel groups, capacity, plan, failures, hangs, budget."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kiln.api.spec import TrainingSpecSpec
+from kiln.control import elastic as el
+from kiln.control.elastic import NodeView, PodView
+
+
+def spec(**over) -> TrainingSpecSpec:
+    doc = {"model": {"preset": "tiny"},
+           "training": {"globalBatchSize": 3360, "microBatchSize": 1},  # whole for dp = 4 x (2..8)
+           "parallelism": {"tensor": 2, "pipeline": 1},
+           "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "nvidia-h200"},
+           "elastic": {"minNodes": 2, "maxNodes": 8}}
+    for path, value in over.items():
+        d = doc
+        *head, last = path.split(".")
+        for k in head:
+            d = d.setdefault(k, {})
+        d[last] = value
+    return TrainingSpecSpec.model_validate(doc)
+
+
+def gpu_nodes(n, free=8, gpu="nvidia-h200", **kw):
+    return [NodeView(f"n{i}", labels={el.GPU_PRODUCT_LABEL: gpu}, gpus_free=free, **kw) for i in range(n)]
+
+
+def test_grows_to_free_capacity_up_to_max():
+    d = el.desired_nodes(spec(), gpu_nodes(6), current=4)
+    assert (d.nodes, d.changed) == (6, True) and "grow 4 → 6" in d.reason
+    assert el.desired_nodes(spec(), gpu_nodes(20), current=4).nodes == 8
+
+
+def test_shrinks_when_nodes_vanish_and_waits_at_min():
+    nodes = gpu_nodes(4)
+    nodes[3] = NodeView("n3", ready=False, labels=nodes[3].labels, gpus_free=8)
+    d = el.desired_nodes(spec(), nodes, current=4)
+    assert (d.nodes, d.changed) == (3, True) and "only 3 matching" in d.reason
+    d = el.desired_nodes(spec(), gpu_nodes(1), current=3)
+    assert d.nodes == 2 and "waiting for capacity" in d.reason and "minNodes 2" in d.reason
+
+
+def test_only_matching_nodes_with_enough_gpus_count():
+    nodes = gpu_nodes(2) + gpu_nodes(3, gpu="nvidia-a100") + gpu_nodes(3, free=4)
+    nodes = [NodeView(f"x{i}", labels=n.labels, gpus_free=n.gpus_free) for i, n in enumerate(nodes)]
+    assert el.placeable_nodes(spec(), nodes) == ["x0", "x1"]
+    cordoned = [NodeView("c", labels={el.GPU_PRODUCT_LABEL: "nvidia-h200"}, gpus_free=8, unschedulable=True)]
+    assert el.placeable_nodes(spec(), cordoned) == []
+    sel = spec(**{"resources.nodeSelector": {"pool": "a"}})
+    assert el.placeable_nodes(sel, [NodeView("p", labels={el.GPU_PRODUCT_LABEL: "nvidia-h200", "pool": "a"},
+                                              gpus_free=8)] + gpu_nodes(2)) == ["p"]
+
+
+def test_whole_groups_and_constant_global_batch():
+    # 2 GPUs per node, tensor 2 x pipeline 2: a model replica spans 2 nodes, so only even counts work;
+    # global batch 64 over dp = nodes / 2 replicas must stay whole: dp 3 (6 nodes) would change it.
+    s = spec(**{"training.globalBatchSize": 64, "resources.gpusPerNode": 2, "parallelism.pipeline": 2})
+    assert el.valid_node_counts(s) == [2, 4, 8]
+    d = el.desired_nodes(s, gpu_nodes(7), current=4)
+    assert d.nodes == 4 and not d.changed and "steady" in d.reason
+    assert el.desired_nodes(s, gpu_nodes(3), current=4).nodes == 2
+
+
+def test_growth_waits_for_cooldown_but_shrink_does_not():
+    d = el.desired_nodes(spec(), gpu_nodes(8), current=4, now=100, last_change=50, grow_cooldown_s=300)
+    assert d.nodes == 4 and "cooldown" in d.reason
+    d = el.desired_nodes(spec(), gpu_nodes(8), current=4, now=400, last_change=50, grow_cooldown_s=300)
+    assert d.nodes == 8
+    d = el.desired_nodes(spec(), gpu_nodes(3), current=4, now=100, last_change=50)
+    assert d.nodes == 3
+
+
+def test_phase_plan_switches_by_committed_step():
+    s = spec(**{"elastic.plan": [{"untilStep": 1000, "nodes": 2}, {"nodes": 8}]})
+    assert el.plan_boundaries(s) == [1000]
+    assert el.desired_nodes(s, gpu_nodes(8), current=4, committed_step=500).nodes == 2
+    assert el.desired_nodes(s, gpu_nodes(8), current=2, committed_step=999).nodes == 2
+    d = el.desired_nodes(s, gpu_nodes(8), current=2, committed_step=1000)
+    assert d.nodes == 8 and "phase plan asks for 8" in d.reason
+    assert el.desired_nodes(s, gpu_nodes(5), current=2, committed_step=1000).nodes == 5
+
+
+def test_avoided_nodes_are_not_capacity():
+    hist = el.record_node_failures({}, ["n1"])
+    hist = el.record_node_failures(hist, ["n1", "n1", "n2"])  # one event counts once per node
+    assert hist == {"n1": 2, "n2": 1}
+    avoid = el.nodes_to_avoid(hist)
+    assert avoid == ["n1"]
+    assert "n1" not in el.placeable_nodes(spec(), gpu_nodes(4), avoid)
+    aff = el.avoid_affinity(avoid)
+    expr = aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert expr["matchExpressions"] == [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}]
+    assert el.avoid_affinity([]) is None
+
+
+def test_force_delete_only_after_grace_on_notready_or_missing_nodes():
+    nodes = {"ok": NodeView("ok"), "bad": NodeView("bad", ready=False, not_ready_since=1000.0)}
+    pods = [PodView("w0", "ok"), PodView("w1", "bad"), PodView("w2", "gone"), PodView("w3", None)]
+    assert [p for p, _ in el.pods_to_force_delete(pods, nodes, now=1060, grace_s=120)] == ["w2"]
+    out = dict(el.pods_to_force_delete(pods, nodes, now=1130, grace_s=120))
+    assert set(out) == {"w1", "w2"} and "NotReady for 130s" in out["w1"] and "no longer exists" in out["w2"]
+
+
+def test_hang_uses_p99_times_factor_with_floor():
+    times = [1.0] * 98 + [2.0, 3.0]
+    assert el.p99(times) == 2.0
+    assert el.hang(times, last_progress=0, now=59, factor=10, floor_s=60) is None
+    assert el.hang(times, last_progress=0, now=61, factor=10, floor_s=10) is not None
+    slow = [30.0] * 10
+    assert el.hang(slow, last_progress=0, now=200, factor=10) is None
+    reason = el.hang(slow, last_progress=0, now=301, factor=10)
+    assert "no training step completed for 301s" in reason and "limit 300s" in reason
+    assert el.hang([1.0] * 3, last_progress=0, now=10_000) is None  # no baseline yet
+
+
+def test_restart_budget_with_backoff():
+    v = el.restart_decision(0, 3, None, now=0, why="hang")
+    assert v.action == "restart" and "1/3" in v.reason
+    assert el.restart_decision(1, 3, last_restart=100, now=105, why="x").action == "wait"
+    assert el.restart_decision(1, 3, last_restart=100, now=111, why="x").action == "restart"
+    assert el.restart_decision(2, 3, last_restart=100, now=115, why="x").action == "wait"  # 20 s now
+    v = el.restart_decision(3, 3, last_restart=0, now=1e9, why="node lost")
+    assert v.action == "fail" and "maxRestarts" in v.reason
+    assert [el.backoff_s(r) for r in range(8)] == [10, 20, 40, 80, 160, 320, 600, 600]
+
+
+def test_suspend_handshake_phases():
+    assert el.suspend_phase(True, 2, 100, None) == ("Suspended", "suspending: waiting for 2 pod(s) to checkpoint and exit")
+    phase, msg = el.suspend_phase(True, 0, 120, None)
+    assert phase == "Suspended" and "step 120" in msg and "released" in msg
+    assert el.suspend_phase(False, 0, 120, 120) == (None, "resuming from the checkpoint of step 120")
+
+
+@settings(max_examples=300, deadline=None)
+@given(ppn=st.sampled_from([1, 2, 4, 8]), tp_i=st.integers(0, 3), pp=st.sampled_from([1, 2, 4]),
+       lo=st.integers(1, 6), span=st.integers(0, 10), free=st.integers(0, 20), current=st.integers(1, 20),
+       step=st.integers(0, 3000), plan_i=st.integers(0, 20), gbs=st.sampled_from([64, 96, 3360, 720720]))
+def test_decision_is_always_within_bounds_and_whole_groups(ppn, tp_i, pp, lo, span, free, current, step, plan_i,
+                                                           gbs):
+    from hypothesis import assume
+    from pydantic import ValidationError
+
+    tp = [d for d in (1, 2, 4, 8) if ppn % d == 0][tp_i % len([d for d in (1, 2, 4, 8) if ppn % d == 0])]
+    hi = lo + span
+    start = next((n for n in range(lo, hi + 1) if (n * ppn) % (tp * pp) == 0
+                  and gbs % (n * ppn // (tp * pp)) == 0), None)
+    assume(start is not None)
+    try:
+        s = TrainingSpecSpec.model_validate({
+            "model": {"preset": "tiny", "layers": 8, "heads": 8, "kvHeads": 8},
+            "training": {"globalBatchSize": gbs, "microBatchSize": 1},
+            "parallelism": {"tensor": tp, "pipeline": pp, "fsdp": False},
+            "resources": {"nodes": start, "gpusPerNode": ppn},
+            "elastic": {"minNodes": lo, "maxNodes": hi,
+                        "plan": [{"untilStep": 1000, "nodes": lo + plan_i % (span + 1)}, {"nodes": hi}]}})
+    except ValidationError:
+        assume(False)
+    nodes = [NodeView(f"n{i}", gpus_free=ppn) for i in range(free)]
+    d = el.desired_nodes(s, nodes, current, committed_step=step)
+    assert lo <= d.nodes <= hi
+    assert el.valid_node_count(s, d.nodes)  # whole tensor x pipeline groups, global batch unchanged
+    assert (d.nodes * ppn) % (tp * pp) == 0
+    assert d.nodes <= max(free, min(el.valid_node_counts(s)))  # never more than fits, except waiting at min
+    assert d.changed == (d.nodes != current)
