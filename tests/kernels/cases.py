@@ -164,14 +164,22 @@ def compile_case(device: str = "cpu") -> None:
         a = ops.swiglu(q, k).reshape(2, 6, 64)[..., :32]
         return ops.fused_linear_cross_entropy(a, head, targets)
 
+    graphs: list[str] = []
+
+    def backend(gm, example_inputs):  # record what dynamo captured, then compile it as aot_eager does
+        graphs.append(str(gm.graph))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     results = []
-    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
         leaves = [t.clone().requires_grad_() for t in (x, norm_w, head)]
         loss = fn(*leaves)
         loss.backward()
         results.append([loss, *(t.grad for t in leaves)])
     for name, eager, compiled in zip(("loss", "dx", "dnorm", "dhead"), *results):
         _close(name, compiled, eager, TOLERANCES[torch.float32])
+    for op in ("rms_norm_fwd", "rope_fwd", "swiglu_fwd", "fused_linear_cross_entropy_fwd"):
+        assert f"kiln.{op}" in graphs[0], f"the compiled graph does not call torch.ops.kiln.{op}"
 
 
 def switch_case(device: str = "cpu") -> None:

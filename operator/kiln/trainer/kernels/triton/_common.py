@@ -27,8 +27,9 @@ def _sm_count(index: int) -> int:
 
 
 def program_count(device: torch.device, n_rows: int) -> int:
-    """Persistent programs for reductions over rows: one per SM on a GPU, a few under the interpreter."""
+    """Persistent programs for reductions over rows: two per SM on a GPU (a second resident program hides
+    memory latency; more would grow the partial sums to reduce), a few under the interpreter."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(n_rows, _sm_count(index)))
+        return max(1, min(n_rows, 2 * _sm_count(index)))
     return max(1, min(n_rows, 4))

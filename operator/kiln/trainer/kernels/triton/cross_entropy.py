@@ -72,8 +72,7 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
         raise ValueError(f"fused_linear_cross_entropy needs hidden and weight of one dtype, got {hidden.dtype} and {weight.dtype}")
 
 
-@torch.library.custom_op("kiln::fused_linear_cross_entropy_fwd", mutates_args=())
-def flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float,
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float,
              compute_grad: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (mean loss, d loss/d hidden, d loss/d weight); the gradients are empty if not compute_grad."""
     _check(hidden, weight, targets)
@@ -107,6 +106,29 @@ def flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     return losses.sum() / n_valid, dh, dw
 
 
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The eager path (a fraction of a custom op's per-call Python overhead)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, z_loss, compute_grad, chunk_size):
+        loss, dh, dw = _forward(hidden, weight, targets, ignore_index, z_loss, compute_grad, chunk_size)
+        ctx.save_for_backward(dh, dw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        return (*_scale(dloss, *ctx.saved_tensors), None, None, None, None, None)
+
+
+def _scale(dloss: torch.Tensor, dh: torch.Tensor, dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # In place, as Liger does: the saved gradients are used once (a second backward fails the version check).
+    return dh.mul_(dloss), dw.mul_(dloss)
+
+
+# The torch.compile path: a registered op that the compiler treats as an opaque call.
+flce_fwd = torch.library.custom_op("kiln::fused_linear_cross_entropy_fwd", _forward, mutates_args=())
+
+
 @flce_fwd.register_fake
 def _(hidden, weight, targets, ignore_index, z_loss, compute_grad, chunk_size):
     _check(hidden, weight, targets)
@@ -117,17 +139,14 @@ def _(hidden, weight, targets, ignore_index, z_loss, compute_grad, chunk_size):
 
 
 def _setup_context(ctx, inputs, output):
-    _loss, dh, dw = output
-    ctx.save_for_backward(dh, dw)
+    ctx.save_for_backward(output[1], output[2])
 
 
-def _backward(ctx, dloss, _ddh, _ddw):
-    dh, dw = ctx.saved_tensors
-    # In place, as Liger does: the saved gradients are used once (a second backward fails the version check).
-    return dh.mul_(dloss), dw.mul_(dloss), None, None, None, None, None
+def _op_backward(ctx, dloss, _ddh, _ddw):
+    return (*_scale(dloss, *ctx.saved_tensors), None, None, None, None, None)
 
 
-flce_fwd.register_autograd(_backward, setup_context=_setup_context)
+flce_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def fused_linear_cross_entropy(
@@ -142,4 +161,7 @@ def fused_linear_cross_entropy(
     """Mean cross-entropy of hidden @ weight.T against targets over non-ignored tokens (0 if all are ignored),
     plus z_loss * logsumexp^2 per valid token. chunk_size (tokens per chunk) defaults to logits ≈ hidden."""
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return flce_fwd(hidden, weight, targets, ignore_index, float(z_loss), compute_grad, chunk_size or 0)[0]
+    args = (hidden, weight, targets, ignore_index, float(z_loss), compute_grad, chunk_size or 0)
+    if torch.compiler.is_compiling():
+        return flce_fwd(*args)[0]
+    return _FusedLinearCrossEntropy.apply(*args)

@@ -50,8 +50,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, rows_pe
     tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
-@torch.library.custom_op("kiln::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     block, num_warps = row_settings(n_cols)
     x2 = x.reshape(-1, n_cols).contiguous()
@@ -62,13 +61,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     return y, rstd
 
 
-@rms_norm_fwd.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("kiln::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     block, num_warps = row_settings(n_cols)
     x2 = x.reshape(-1, n_cols).contiguous()
@@ -84,6 +77,30 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     return dx, partial.sum(0).to(weight.dtype)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """The eager path (a fraction of a custom op's per-call Python overhead)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_backward(dy, *ctx.saved_tensors), None)
+
+
+# The torch.compile path: registered ops that the compiler treats as opaque calls.
+rms_norm_fwd = torch.library.custom_op("kiln::rms_norm_fwd", _forward, mutates_args=())
+rms_norm_bwd = torch.library.custom_op("kiln::rms_norm_bwd", _backward, mutates_args=())
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 @rms_norm_bwd.register_fake
 def _(dy, x, weight, rstd):
     return torch.empty_like(x), torch.empty_like(weight)
@@ -91,19 +108,18 @@ def _(dy, x, weight, rstd):
 
 def _setup_context(ctx, inputs, output):
     x, weight, _eps = inputs
-    _y, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
+    ctx.save_for_backward(x, weight, output[1])
 
 
-def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
-    return dx, dweight, None
+def _op_backward(ctx, dy, _drstd):
+    return (*rms_norm_bwd(dy, *ctx.saved_tensors), None)
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+rms_norm_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """RMSNorm over the last dimension, statistics in fp32, returned in x's dtype."""
-    return rms_norm_fwd(x, weight, eps)[0]
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd(x, weight, eps)[0]
+    return _RMSNorm.apply(x, weight, eps)

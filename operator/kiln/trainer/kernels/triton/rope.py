@@ -59,40 +59,53 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q_out, k_out
 
 
-@torch.library.custom_op("kiln::rope_fwd", mutates_args=())
-def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(q, k, cos, sin, inverse=False)
 
 
-@rope_fwd.register_fake
-def _(q, k, cos, sin):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("kiln::rope_bwd", mutates_args=())
-def rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(dq, dk, cos, sin, inverse=True)
 
 
-@rope_bwd.register_fake
-def _(dq, dk, cos, sin):
-    return torch.empty_like(dq, memory_format=torch.contiguous_format), torch.empty_like(dk, memory_format=torch.contiguous_format)
+class _Rope(torch.autograd.Function):
+    """The eager path (a fraction of a custom op's per-call Python overhead)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _forward(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        return (*_backward(dq, dk, *ctx.saved_tensors), None, None)
+
+
+# The torch.compile path: registered ops that the compiler treats as opaque calls.
+rope_fwd = torch.library.custom_op("kiln::rope_fwd", _forward, mutates_args=())
+rope_bwd = torch.library.custom_op("kiln::rope_bwd", _backward, mutates_args=())
+
+
+def _fake(a, b, cos, sin):
+    return torch.empty_like(a, memory_format=torch.contiguous_format), torch.empty_like(b, memory_format=torch.contiguous_format)
+
+
+rope_fwd.register_fake(_fake)
+rope_bwd.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    _q, _k, cos, sin = inputs
-    ctx.save_for_backward(cos, sin)
+    ctx.save_for_backward(inputs[2], inputs[3])
 
 
-def _backward(ctx, dq, dk):
-    cos, sin = ctx.saved_tensors
-    dq_in, dk_in = rope_bwd(dq, dk, cos, sin)
-    return dq_in, dk_in, None, None
+def _op_backward(ctx, dq, dk):
+    return (*rope_bwd(dq, dk, *ctx.saved_tensors), None, None)
 
 
-rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+rope_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (..., seq, heads, head_dim) and k (..., seq, kv_heads, head_dim) by cos/sin (seq, head_dim // 2)."""
-    return rope_fwd(q, k, cos, sin)
+    if torch.compiler.is_compiling():
+        return rope_fwd(q, k, cos, sin)
+    return _Rope.apply(q, k, cos, sin)

@@ -41,8 +41,7 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
                          f"and {tuple(up.shape)} {up.dtype}")
 
 
-@torch.library.custom_op("kiln::swiglu_fwd", mutates_args=())
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check(gate, up)
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
@@ -51,14 +50,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@swiglu_fwd.register_fake
-def _(gate, up):
-    _check(gate, up)
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op("kiln::swiglu_bwd", mutates_args=())
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     n = gate.numel()
@@ -67,6 +59,30 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
             dy.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, n, BLOCK=_BLOCK, num_warps=4
         )
     return dgate, dup
+
+
+class _SwiGLU(torch.autograd.Function):
+    """The eager path (a fraction of a custom op's per-call Python overhead)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward(dy, *ctx.saved_tensors)
+
+
+# The torch.compile path: registered ops that the compiler treats as opaque calls.
+swiglu_fwd = torch.library.custom_op("kiln::swiglu_fwd", _forward, mutates_args=())
+swiglu_bwd = torch.library.custom_op("kiln::swiglu_bwd", _backward, mutates_args=())
+
+
+@swiglu_fwd.register_fake
+def _(gate, up):
+    _check(gate, up)
+    return torch.empty_like(gate)
 
 
 @swiglu_bwd.register_fake
@@ -78,14 +94,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    return swiglu_bwd(dy, gate, up)
+def _op_backward(ctx, dy):
+    return swiglu_bwd(dy, *ctx.saved_tensors)
 
 
-swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+swiglu_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 and returned in the inputs' dtype."""
-    return swiglu_fwd(gate, up)
+    if torch.compiler.is_compiling():
+        return swiglu_fwd(gate, up)
+    return _SwiGLU.apply(gate, up)
