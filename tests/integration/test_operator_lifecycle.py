@@ -47,7 +47,8 @@ class Operator:
         self.port = free_port()
 
     def start(self) -> None:
-        env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1",
+               "KILN_METRICS_PORT": str(free_port())}  # several operators may run on this machine
         env.pop("KUBECONFIG", None)
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(
