@@ -41,6 +41,18 @@ def test_reconcile_counts_outcomes_and_error_types():
     assert value("kiln_operator_reconcile_duration_seconds_count", handler="t-create") == before_ok + 2
 
 
+def test_a_reconcile_that_must_wait_is_a_retry_not_an_error():
+    class Wait(Exception):
+        pass
+
+    with pytest.raises(Wait):
+        with op.reconcile("t-wait", retry=(Wait,)):
+            raise Wait("the Secret does not exist yet")
+    assert value("kiln_operator_reconciles_total", handler="t-wait", outcome="retry") == 1
+    assert value("kiln_operator_reconciles_total", handler="t-wait", outcome="error") is None
+    assert value("kiln_operator_reconcile_errors_total", handler="t-wait", error="Wait") is None
+
+
 def test_trainingspecs_by_phase_follow_updates_and_deletes():
     op.set_phase("t-ns", "a", "Pending")
     op.set_phase("t-ns", "b", "Running")

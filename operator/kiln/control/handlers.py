@@ -48,7 +48,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile(body, logger, **_) -> None:
     try:
-        with metrics.reconcile("spec"):
+        with metrics.reconcile("spec", retry=(sync.Wait,)):
             logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post))
     except sync.Wait as wait:
         raise kopf.TemporaryError(str(wait), delay=10) from None

@@ -24,7 +24,7 @@ ProcessCollector(registry=REGISTRY)
 
 RECONCILES = Counter(
     "kiln_operator_reconciles_total",
-    "Reconciles run by the operator, by handler and outcome (ok | error).",
+    "Reconciles run by the operator, by handler and outcome (ok | retry | error).",
     ["handler", "outcome"],
     registry=REGISTRY,
 )
@@ -80,11 +80,15 @@ REGISTRY.register(_PHASES)
 
 
 @contextmanager
-def reconcile(handler: str) -> Iterator[None]:
-    """Count and time one reconcile; an exception is counted as an error (by type) and re-raised."""
+def reconcile(handler: str, retry: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Count and time one reconcile. An exception of a `retry` type (the reconcile must wait for something)
+    counts as outcome "retry"; any other counts as an error, by type. Both are re-raised."""
     start = time.perf_counter()
     try:
         yield
+    except retry:
+        RECONCILES.labels(handler, "retry").inc()
+        raise
     except Exception as err:
         RECONCILES.labels(handler, "error").inc()
         ERRORS.labels(handler, type(err).__name__).inc()
