@@ -95,8 +95,8 @@ def test_nan_skips_everywhere_and_spike_series_requests_rollback(tmp_path):
         assert not any(by_step[s]["changed"] for s in (6, 9, 11, 13))
         assert all(e["action"] == "ok" and e["changed"] for s, e in by_step.items() if s not in (6, 9, 11, 13))
         m = r["metrics"]
-        assert (m["guard/skipped_nonfinite"], m["guard/skipped_spike"], m["guard/rollbacks"]) == (1, 2, 1)
-        assert r["sdc"] == {"sdc/checks": 2, "sdc/mismatches": 0}  # real DDP steps keep replicas identical
+        assert (m["guard_skipped_nonfinite"], m["guard_skipped_spike"], m["guard_rollbacks"]) == (1, 2, 1)
+        assert r["sdc"] == {"sdc_checks": 2, "sdc_mismatches": 0}  # real DDP steps keep replicas identical
         assert all(math.isfinite(v) for v in r["final"])
     assert res[0]["log"] == res[1]["log"] and res[0]["final"] == res[1]["final"]
 

@@ -23,7 +23,7 @@ def test_nonfinite_is_skipped_and_counted(loss, norm, what):
     step = _warm(g)
     d = g.check(step, loss, norm)
     assert d.action is Action.SKIP and f"non-finite {what}" in d.reason
-    assert g.metrics()["guard/skipped_nonfinite"] == 1
+    assert g.metrics()["guard_skipped_nonfinite"] == 1
     assert len(g.history) == 20  # the bad value did not enter the baseline
 
 
@@ -33,7 +33,7 @@ def test_single_spike_is_skipped_but_normal_noise_is_not():
     assert g.check(step, 2.85, 1.0).action is Action.OK  # within noise
     d = g.check(step + 1, 9.0, 1.0)
     assert d.action is Action.SKIP and d.zscore > 6
-    assert g.metrics()["guard/skipped_spike"] == 1
+    assert g.metrics()["guard_skipped_spike"] == 1
     # a big *drop* in loss is never a spike
     assert g.check(step + 2, 0.5, 1.0).action is Action.OK
 
@@ -54,7 +54,7 @@ def test_repeated_spikes_request_rollback_with_data_window():
     assert d.action is Action.ROLLBACK
     assert d.skip_data == (step, step + 6)
     m = g.metrics()
-    assert m["guard/rollbacks"] == 1 and m["guard/skipped_spike"] == 2
+    assert m["guard_rollbacks"] == 1 and m["guard_skipped_spike"] == 2
 
 
 def test_spikes_spread_out_do_not_roll_back():
@@ -62,7 +62,7 @@ def test_spikes_spread_out_do_not_roll_back():
     step = _warm(g)
     for k in range(5):
         assert g.check(step + 11 * k, 50.0).action is Action.SKIP
-    assert g.metrics()["guard/rollbacks"] == 0
+    assert g.metrics()["guard_rollbacks"] == 0
 
 
 def test_state_roundtrip_keeps_baseline_and_counters():
@@ -72,7 +72,7 @@ def test_state_roundtrip_keeps_baseline_and_counters():
     g.check(step + 1, 40.0)
     h = StepGuard()
     h.load_state_dict(g.state_dict())
-    keys = ("guard/skipped_nonfinite", "guard/skipped_spike", "guard/rollbacks")
+    keys = ("guard_skipped_nonfinite", "guard_skipped_spike", "guard_rollbacks")
     assert [h.metrics()[k] for k in keys] == [g.metrics()[k] for k in keys] == [1, 1, 0]
     assert h.check(step + 2, 40.0).action is Action.SKIP  # baseline restored: still a spike
 

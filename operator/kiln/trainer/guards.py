@@ -122,10 +122,10 @@ class StepGuard:
         """Counters for the metrics sink and the status patch (names are stable)."""
         c = self.counters
         return {
-            "guard/skipped_nonfinite": c.skipped_nonfinite,
-            "guard/skipped_spike": c.skipped_spike,
-            "guard/rollbacks": c.rollbacks,
-            "guard/loss_zscore": c.last_zscore,
+            "guard_skipped_nonfinite": c.skipped_nonfinite,
+            "guard_skipped_spike": c.skipped_spike,
+            "guard_rollbacks": c.rollbacks,
+            "guard_loss_zscore": c.last_zscore,
         }
 
     # Saved in trainer.json so the baseline and counters survive a restart.
@@ -287,7 +287,7 @@ class SdcCheck:
             raise SilentDataCorruption(step, ranks, "; ".join(sorted({d for d in details if d})))
 
     def metrics(self) -> dict[str, float]:
-        return {"sdc/checks": self.checks, "sdc/mismatches": self.mismatches}
+        return {"sdc_checks": self.checks, "sdc_mismatches": self.mismatches}
 
 
 def _local_and_replica_groups(p, default_group):
@@ -306,3 +306,40 @@ def _local_and_replica_groups(p, default_group):
         return p.to_local(), groups
     pg = default_group if default_group is not None else dist.group.WORLD
     return p, [(("plain", tuple(dist.get_process_group_ranks(pg))), pg)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer loop's hooks (kiln.trainer.loop.StepHooks): duck-typed on its StepContext.
+
+
+class GuardHooks:
+    """StepGuard before the optimizer step, SdcCheck after it; counters go into the step's metrics record.
+
+    A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
+    data cursor, so the offending data window is skipped.
+    """
+
+    def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100) -> None:
+        self.guard = StepGuard(config)
+        self.sdc = SdcCheck(every=sdc_every)
+        self.last: Decision | None = None
+
+    def before_update(self, ctx) -> bool:
+        d = self.guard.check(ctx.step, ctx.loss, ctx.grad_norm)
+        self.last = d
+        ctx.record.update(self.guard.metrics(), guard_action=d.action.value)
+        if d.reason:
+            ctx.record["guard_reason"] = d.reason
+        if d.action is Action.ROLLBACK:
+            ctx.rollback = True
+        return d.action is Action.OK
+
+    def after_update(self, ctx) -> None:
+        if self.sdc.due(ctx.step):
+            for part in ctx.model_parts:  # raises SilentDataCorruption (every rank) before anything is saved
+                self.sdc.verify(part, ctx.step, loss=ctx.loss)
+            ctx.record.update(self.sdc.metrics())
+
+    def install(self, hooks) -> None:
+        hooks.before_update.append(self.before_update)
+        hooks.after_update.append(self.after_update)

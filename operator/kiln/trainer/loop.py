@@ -41,6 +41,7 @@ class StepContext:
     optimizers: list[torch.optim.Optimizer]
     mesh: object
     record: dict  # the metrics record of this step; hooks may add fields
+    rollback: bool = False  # a hook sets it: restore the last commit, keep the data cursor (kiln.trainer.guards)
 
 
 @dataclass
@@ -107,6 +108,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     spec = spec_doc.spec
     tr, par = spec.training, spec.parallelism
     hooks = hooks or StepHooks()
+    if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
+        from kiln.trainer.guards import GuardHooks
+
+        GuardHooks().install(hooks)
     rank, world, device = _init_distributed()
     try:
         try:
@@ -159,7 +164,9 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         timer = StepTimer(device)
         losses: list[float] = []
         try:
-            for step in range(start_step + 1, tr.steps + 1):
+            step = start_step
+            while step < tr.steps:
+                step += 1
                 timer.start()
                 inputs, targets = (t.to(device) for t in loader.next_batch(tr.global_batch_size))
                 timer.mark("data_s")
@@ -181,6 +188,12 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 optimizer.zero_grad(set_to_none=True)
                 for hook in hooks.after_update:
                     hook(ctx)
+                if ctx.rollback:  # repeated loss spikes: back to the last commit; the loader keeps its
+                    state = checkpointer.restore(model_parts, optimizers)  # cursor, skipping the bad data
+                    if state is not None:
+                        step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+                        _set_rng_state(state["rng"], device)
+                    record["rolled_back_to"] = step
                 timer.mark("optim_s")
                 losses.append(loss)
 
@@ -206,7 +219,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         finally:
             checkpointer.close()
             logger.close()
-        return TrainResult(start_step, start_step + len(losses), losses)
+        return TrainResult(start_step, step, losses)  # `step`, not a count: a rollback re-runs steps
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

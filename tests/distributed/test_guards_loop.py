@@ -1,0 +1,64 @@
+"""The guards inside the real training loop (kiln.trainer.loop.train, 2 gloo ranks, real Checkpointer):
+a NaN step is skipped, a spike series rolls the run back to its last commit and training finishes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.distributed.test_guards_dist import _free_port
+from tests.distributed.trainer_helpers import read_metrics, write_spec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+POISON = {2: math.nan, 7: 50.0, 8: 60.0, 9: 70.0}
+
+
+def _rank(rank, world, port, spec_path, out):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    from kiln.api.load import load_file
+    from kiln.trainer.guards import GuardConfig, GuardHooks
+    from kiln.trainer.loop import StepHooks, train
+
+    pending = dict(POISON)  # one-shot: the steps re-run after the rollback are clean
+
+    def inject(ctx):  # stands in for a bad batch / numerics: the global loss every rank sees
+        if ctx.step in pending:
+            ctx.loss = pending.pop(ctx.step)
+        return True
+
+    hooks = StepHooks(before_update=[inject])
+    guards = GuardHooks(GuardConfig(min_history=3, spike_limit=3, spike_window=5), sdc_every=3)
+    guards.install(hooks)
+    result = train(load_file(spec_path)[0], output_dir=out, hooks=hooks)
+    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
+        json.dump({"final": result.final_step, "n": len(result.losses), "sdc": guards.sdc.metrics()}, f)
+
+
+def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 10}, checkpoint={"intervalSteps": 3,
+                                                                                  "asyncSave": False}, nproc=2)
+    out = tmp_path / "out"
+
+    mp.start_processes(_rank, args=(2, _free_port(), str(spec), out), nprocs=2, start_method="spawn")
+    records = read_metrics(out)
+    actions = [(r["step"], r["guard_action"]) for r in records]
+    assert actions == [(1, "ok"), (2, "skip"), (3, "ok"), (4, "ok"), (5, "ok"), (6, "ok"), (7, "skip"),
+                       (8, "skip"), (9, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
+    rollback = records[8]
+    assert rollback["rolled_back_to"] == 6 and "steps 7..9" in rollback["guard_reason"]
+    last = records[-1]
+    assert (last["guard_skipped_nonfinite"], last["guard_skipped_spike"], last["guard_rollbacks"]) == (1, 2, 1)
+    assert math.isfinite(last["loss"])
+    for rank in range(2):
+        res = json.loads((out / f"result{rank}.json").read_text())
+        assert res["final"] == 10 and res["n"] == 13
+        assert res["sdc"]["sdc_checks"] >= 3 and res["sdc"]["sdc_mismatches"] == 0
