@@ -1,4 +1,4 @@
-"""Rotary embedding (rotate-half convention) for q and k in one launch, one program per (token, position).
+"""Rotary embedding (rotate-half convention) for q and k in one launch, one program per token.
 
 The backward is the same rotation by the opposite angle (the rotation matrix is orthogonal), so it reuses
 the forward kernel with the sine negated; nothing but cos and sin is saved.
