@@ -214,3 +214,25 @@ def test_restart_from_a_non_final_checkpoint_counts_as_a_failure(tmp_path):
     ck2 = checkpointer(tmp_path)
     ck2.restore([model], [opt])
     assert ck2._failures == 1  # a clean, final save is not a failure
+
+
+def test_ranged_reader_reads_like_a_file(tmp_path):
+    """The S3 read path (block-aligned ranged GETs with read-ahead), driven here through a file store."""
+    from kiln.storage import FileStore
+    from kiln.trainer.checkpoint import RangedReader
+
+    data = bytes(range(256)) * 40 + b"tail"  # 10244 bytes: 11 blocks of 1000, the last one short
+    store = FileStore(tmp_path)
+    store.put_bytes("obj", data)
+    reader = RangedReader(store, "obj", block=1000, ahead=3)
+    assert reader.read(10) == data[:10]
+    reader.seek(995)
+    assert reader.read(2010) == data[995:3005]  # spans three blocks
+    reader.seek(-4, os.SEEK_END)
+    assert reader.read() == b"tail" and reader.read(5) == b""
+    reader.seek(0)
+    assert reader.read() == data
+    reader.seek(5000)
+    buf = bytearray(100)
+    assert reader.readinto(buf) == 100 and bytes(buf) == data[5000:5100] and reader.tell() == 5100
+    reader.close()

@@ -20,6 +20,7 @@ ckpt.save(step, ..., final=True); break` — every rank agrees on the same step 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -55,7 +56,6 @@ from kiln.storage.commit import (
     read_commit,
     read_latest,
     read_trainer_state,
-    sha256_file,
     step_dir,
     verify_files,
     write_commit,
@@ -88,7 +88,7 @@ class StoreFS(FileSystemBase):
         self.staging_dir = staging_dir
         self.read_block = read_block
         self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
-        self._pending: dict[str, Path] = {}  # *.tmp key → local file
+        self._pending: dict[str, tuple[Path, FileEntry]] = {}  # *.tmp key → local file
         self._lock = threading.Lock()
 
     def _local_for_write(self, key: str) -> tuple[Path, bool]:
@@ -101,8 +101,7 @@ class StoreFS(FileSystemBase):
         os.close(fd)
         return Path(name), True
 
-    def _publish(self, key: str, path: Path, staged: bool) -> None:
-        entry = FileEntry(path.stat().st_size, sha256_file(path))  # hashed from the page cache
+    def _publish(self, key: str, path: Path, staged: bool, entry: FileEntry) -> None:
         if staged:
             try:
                 self.store.put_file(key, path)
@@ -120,26 +119,33 @@ class StoreFS(FileSystemBase):
                 with open(local, "rb") as f:
                     yield f
             else:
-                yield RangedReader(self.store, key, self.read_block)
+                reader = RangedReader(self.store, key, self.read_block)
+                try:
+                    yield reader
+                finally:
+                    reader.close()
             return
         local, staged = self._local_for_write(key)
         with open(local, "wb") as f:
-            yield f
+            stream = HashingWriter(f)
+            yield stream
+        entry = FileEntry(stream.size, stream.sha.hexdigest())
         if key.endswith(".tmp"):
             with self._lock:
-                self._pending[key] = local
+                self._pending[key] = (local, entry)
             return
-        self._publish(key, local, staged)
+        self._publish(key, local, staged, entry)
 
     def rename(self, path, new_path) -> None:
         src, dst = str(path), str(new_path)
         with self._lock:
-            local = self._pending.pop(src)
-        if self.store.local_path(dst) is not None:
-            os.replace(local, self.store.local_path(dst))
-            self._publish(dst, self.store.local_path(dst), staged=False)
+            local, entry = self._pending.pop(src)
+        target = self.store.local_path(dst)
+        if target is not None:
+            os.replace(local, target)
+            self._publish(dst, target, False, entry)
         else:
-            self._publish(dst, local, staged=True)
+            self._publish(dst, local, True, entry)
 
     def concat_path(self, path, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
@@ -163,16 +169,52 @@ class StoreFS(FileSystemBase):
         self.store.delete(str(path))
 
 
-class RangedReader(io.RawIOBase):
-    """A seekable read-only stream over one stored object: block-aligned ranged GETs, fetched in parallel
-    when one read spans several blocks, with a small LRU cache (torch.load reads in many small pieces)."""
+class HashingWriter(io.RawIOBase):
+    """Passes writes through to a file while computing their sha256, so a shard is never read back to hash it
+    (DCP writes each file sequentially: torch.save streams its zip, offsets come from tell())."""
 
-    def __init__(self, store: ObjectStore, key: str, block: int, cache_blocks: int = 16):
-        self.store, self.key, self.block = store, key, block
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = self.f.write(b)
+        self.sha.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def close(self) -> None:  # the file is closed by its owner
+        pass
+
+
+class RangedReader(io.RawIOBase):
+    """A seekable read-only stream over one stored object, made of block-aligned ranged GETs.
+
+    torch.load reads in many small pieces, mostly forwards: each block is fetched once, and the next
+    `ahead` blocks are fetched in parallel in the background, so a sequential scan runs at parallel-GET speed.
+    """
+
+    def __init__(self, store: ObjectStore, key: str, block: int, ahead: int = 8, pool: ThreadPoolExecutor | None = None):
+        self.store, self.key, self.block, self.ahead = store, key, block, ahead
         self.length = store.size(key)
+        self.nblocks = (self.length + block - 1) // block
         self.pos = 0
-        self.cache: OrderedDict[int, bytes] = OrderedDict()
-        self.cache_blocks = cache_blocks
+        self.blocks: OrderedDict[int, Future] = OrderedDict()
+        self.pool = pool or ThreadPoolExecutor(ahead, thread_name_prefix="kiln-ckpt-read")
+        self._own_pool = pool is None
 
     def readable(self) -> bool:
         return True
@@ -188,35 +230,37 @@ class RangedReader(io.RawIOBase):
         self.pos = max(0, base + offset)
         return self.pos
 
-    def _blocks(self, first: int, last: int) -> dict[int, bytes]:
-        missing = [b for b in range(first, last + 1) if b not in self.cache]
-        if missing:
-            ranges = [(b * self.block, min(self.block, self.length - b * self.block)) for b in missing]
-            fetch = getattr(self.store, "get_ranges", None)
-            datas = fetch(self.key, ranges) if fetch else [self.store.get_bytes(self.key, o, n) for o, n in ranges]
-            for b, data in zip(missing, datas):
-                self.cache[b] = data
-        out = {b: self.cache[b] for b in range(first, last + 1)}
-        for b in out:
-            self.cache.move_to_end(b)
-        while len(self.cache) > max(self.cache_blocks, last - first + 1):
-            self.cache.popitem(last=False)
-        return out
+    def _block(self, b: int) -> bytes:
+        for nb in range(b, min(b + 1 + self.ahead, self.nblocks)):
+            if nb not in self.blocks:
+                off = nb * self.block
+                self.blocks[nb] = self.pool.submit(self.store.get_bytes, self.key, off, min(self.block, self.length - off))
+        self.blocks.move_to_end(b)
+        data = self.blocks[b].result()
+        while len(self.blocks) > 2 * (self.ahead + 1):  # drop the oldest blocks (reads move forwards)
+            self.blocks.popitem(last=False)
+        return data
 
     def readinto(self, buf) -> int:
         n = min(len(buf), self.length - self.pos)
         if n <= 0:
             return 0
-        first, last = self.pos // self.block, (self.pos + n - 1) // self.block
-        view = memoryview(buf)
+        view = memoryview(buf).cast("B")
         done = 0
-        for b, data in self._blocks(first, last).items():
-            start = self.pos + done - b * self.block
+        while done < n:
+            b, start = divmod(self.pos + done, self.block)
+            data = self._block(b)
             take = min(len(data) - start, n - done)
             view[done : done + take] = data[start : start + take]
             done += take
         self.pos += n
         return n
+
+    def close(self) -> None:
+        if self._own_pool:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.blocks.clear()
+        super().close()
 
 
 class StoreWriter(_FileSystemWriter):
