@@ -135,6 +135,15 @@ def flce_all_ignored_case(dtype: torch.dtype, device: str = "cpu") -> None:
     assert bool(torch.isfinite(h.grad).all()) and bool(torch.isfinite(w.grad).all())
 
 
+def flce_bad_target_case(device: str = "cpu") -> None:
+    """A target outside the vocabulary makes the loss NaN (visible to the step guards), never a wrong number."""
+    h = torch.randn(4, 16, device=device)
+    w = torch.randn(50, 16, device=device)
+    for bad in (50, -3):
+        targets = torch.tensor([1, bad, 2, -100], device=device)
+        assert torch.isnan(_ops().fused_linear_cross_entropy(h, w, targets)), f"target {bad} was not flagged"
+
+
 def flce_no_grad_case(device: str = "cpu") -> None:
     """Evaluation (no_grad): the same loss, no gradient work kept alive."""
     g = torch.Generator().manual_seed(3)
@@ -264,6 +273,7 @@ def gpu_cases(device: str) -> list[tuple[str, object]]:
             cases.append((f"flce{lead}x{hid}x{voc}-{dtype}", lambda l=lead, h=hid, v=voc, kw=kw, d=dtype: flce_case(l, h, v, d, device, **kw)))
         cases.append((f"flce-all-ignored-{dtype}", lambda d=dtype: flce_all_ignored_case(d, device)))
     cases.append(("flce-no-grad", lambda: flce_no_grad_case(device)))
+    cases.append(("flce-bad-target", lambda: flce_bad_target_case(device)))
     cases.append(("compile", lambda: compile_case(device)))
     cases.append(("switch", lambda: switch_case(device)))
     return cases

@@ -82,6 +82,10 @@ def test_fused_linear_cross_entropy_all_ignored_is_zero_with_zero_grads(interpre
     interpreter(cases.flce_all_ignored_case, dtype)
 
 
+def test_fused_linear_cross_entropy_target_outside_vocab_is_nan(interpreter):
+    interpreter(cases.flce_bad_target_case)
+
+
 def test_fused_linear_cross_entropy_without_grad(interpreter):
     interpreter(cases.flce_no_grad_case)
 

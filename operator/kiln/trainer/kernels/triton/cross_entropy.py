@@ -40,7 +40,10 @@ def _cross_entropy_kernel(LOGITS, stride_row, TARGETS, LOSS, N_VALID, n_cols, ig
         d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
         m = new_m
     lse = m + tl.log(d)
-    loss = lse - tl.load(ptr + target).to(tl.float32)
+    # A target outside [0, vocab) gives a NaN loss (which the step guards catch) instead of reading past the
+    # row; checking on the host would cost a device sync every step.
+    in_range = (target >= 0) & (target < n_cols)
+    loss = lse - tl.load(ptr + target, mask=in_range, other=float("nan")).to(tl.float32)
     grad_factor = 1.0
     if HAS_Z_LOSS:
         # z-loss = z * lse^2; its gradient is 2 * z * lse * softmax, folded into the softmax term.
