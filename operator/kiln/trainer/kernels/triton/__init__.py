@@ -1,8 +1,9 @@
 """Triton implementations of the fused ops, each a registered custom op with its own backward.
 
 Import this module directly to run the kernels whatever the device switch would pick (the tests run them
-on CPU tensors under TRITON_INTERPRET=1). Being `torch.library.custom_op`s, `torch.compile` treats them
-as opaque calls and traces around them.
+on CPU tensors under TRITON_INTERPRET=1). Eagerly each op is a `torch.autograd.Function` (little Python
+overhead per call); under `torch.compile` the same launchers run as registered `torch.library.custom_op`s
+with fake implementations, which the compiler treats as opaque calls and traces around.
 """
 
 from kiln.trainer.kernels.triton._common import MAX_FUSED_COLS
