@@ -203,13 +203,17 @@ def apply_compile(model: nn.Module) -> None:
 # --- data parallel ----------------------------------------------------------------------------------------
 
 
-def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str) -> None:
-    """FSDP2 per block and at the root; bf16 compute with fp32 master weights and fp32 gradient reduction."""
+def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str, compression: str = "none") -> None:
+    """FSDP2 per block and at the root; bf16 compute with fp32 master weights and fp32 gradient reduction
+    (bf16 reduction with gradientCompression: bf16)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from kiln.trainer.compression import fsdp_reduce_dtype
+
     dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
-        else MixedPrecisionPolicy()
+    reduce_dtype = fsdp_reduce_dtype(compression, precision)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if precision == "bf16" \
+        else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     # Pipeline schedules run several microbatches forward before backward: keep params gathered meanwhile.
     reshard = layout.pp == 1
     for block in model.layers.values():
@@ -219,6 +223,10 @@ def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str) -> None:
 
 def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) -> nn.Module:
     """Split for the pipeline, then TP, activation checkpointing, compile, FSDP: TorchTitan's order."""
+    from kiln.trainer.compression import apply_replicate, check_supported
+
+    compression = spec.parallelism.gradient_compression
+    check_supported(compression, fsdp=spec.parallelism.fsdp, tensor=layout.tp)
     if layout.pp > 1:
         split_for_stage(model, layout.pp, mesh["pp"].get_local_rank())
     if layout.tp > 1 or layout.pp > 1:
@@ -228,5 +236,8 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
     apply_activation_checkpointing(model, spec.parallelism.activation_checkpoint)
     if spec.parallelism.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, layout, spec.training.precision)
+    if compression == "powersgd":  # plain replication (fsdp: false) with torch's PowerSGD comm hook
+        apply_replicate(model, mesh["dp_replicate"], compression)
+    else:
+        apply_fsdp(model, mesh, layout, spec.training.precision, compression)
     return model
