@@ -1,0 +1,133 @@
+"""Throughput of kiln's trainer against a plain eager PyTorch loop of the same model, in the same run.
+
+kiln: the real training loop (`kiln.trainer.loop.train`, one process, FSDP2 wrapper, torch.compile per
+block, the kernels switch, fused AdamW on CUDA). Reference: the same `Transformer` class, no wrapper, no
+compile, `parallelism.kernels: reference` ops, `torch.optim.AdamW` defaults, autocast for bf16. Same batch,
+same sequence length, same number of steps. Reported: median tokens/s after warm-up, MFU, and the ratio.
+
+    python -m tests.bench.bench_trainer                                   # CPU, tiny preset
+    python -m tests.bench.bench_trainer --preset llama-1b --device cuda   # one GPU, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.api import TrainingSpec, resolve_model
+from kiln.trainer import kernels
+from kiln.trainer.metrics import flops_per_token, peak_flops
+from kiln.trainer.model import build_model, cross_entropy
+
+
+def make_spec(args) -> TrainingSpec:
+    return TrainingSpec.model_validate({
+        "metadata": {"name": "bench"},
+        "spec": {
+            "model": {"preset": args.preset, **({"seqLen": args.seq_len} if args.seq_len else {})},
+            "data": {"uri": "synthetic"},
+            "training": {"steps": args.warmup + args.steps, "globalBatchSize": args.batch,
+                         "microBatchSize": args.batch, "lr": 1e-4, "warmupSteps": 0, "schedule": "constant",
+                         "precision": args.precision},
+            "parallelism": {"compile": not args.no_compile, "kernels": "fused"},
+            "checkpoint": {"intervalSteps": 10**9},
+        },
+    })
+
+
+def bench_kiln(args, out_dir: Path) -> list[float]:
+    from kiln.trainer.loop import train
+
+    os.environ.setdefault("MASTER_PORT", "29533")
+    train(make_spec(args), output_dir=out_dir, checkpoint_uri=f"file://{out_dir}/checkpoints")
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_second"] for r in records[args.warmup:]]
+
+
+def bench_eager(args, device: torch.device) -> list[float]:
+    spec = make_spec(args).spec
+    dims = resolve_model(spec.model)
+    kernels.set_mode("reference")
+    model = build_model(dims)
+    model.fused_loss = False
+    model.to_empty(device=device)
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    rates = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        batch = torch.randint(0, dims.vocab_size, (args.batch, dims.seq_len + 1), generator=gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = model(batch[:, :-1])
+        loss = cross_entropy(logits, batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # synchronise, as the trainer does for its log
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            rates.append(args.batch * dims.seq_len / (time.perf_counter() - t0))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on cpu, 4 on cuda)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=20, help="measured steps")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (compilation, allocator)")
+    p.add_argument("--no-compile", action="store_true", help="kiln without torch.compile")
+    p.add_argument("--out", default="runs/bench/trainer.json")
+    args = p.parse_args(argv)
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    args.batch = args.batch or (4 if args.device == "cuda" else 8)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+    dims = resolve_model(make_spec(args).spec.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        kiln_rates = bench_kiln(args, Path(tmp))
+    if device.type == "cuda":
+        kiln_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    eager_rates = bench_eager(args, device)
+
+    flops, peak = flops_per_token(dims), peak_flops(device, args.precision)
+    kiln_tps, eager_tps = statistics.median(kiln_rates), statistics.median(eager_rates)
+    result = {
+        "bench": "trainer",
+        "preset": args.preset, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "precision": args.precision, "batch": args.batch, "seq_len": dims.seq_len, "steps": args.steps,
+        "compile": not args.no_compile, "threads": torch.get_num_threads(),
+        "flops_per_token": flops, "peak_flops": peak,
+        "kiln": {"tokens_per_second": kiln_tps, "mfu": kiln_tps * flops / peak},
+        "eager_reference": {"tokens_per_second": eager_tps, "mfu": eager_tps * flops / peak},
+        "ratio_kiln_over_eager": kiln_tps / eager_tps,
+    }
+    if device.type == "cuda":
+        result["kiln"]["peak_memory_gib"] = kiln_peak_gib
+        result["eager_reference"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
