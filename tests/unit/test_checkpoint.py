@@ -160,6 +160,8 @@ def test_failed_background_save_is_logged_and_training_continues(tmp_path, caplo
 def test_bad_uri_is_a_kiln_error():
     with pytest.raises(KilnError, match="unknown scheme 'gcs'"):
         Checkpointer(CheckpointSpec(uri="gcs://x/"), default_uri="", rank=0, world_size=1)
+    with pytest.raises(KilnError, match="checkpoint.uri is not set"):
+        Checkpointer(CheckpointSpec(), default_uri="", rank=0, world_size=1)
 
 
 def test_default_uri_is_used_when_the_spec_has_none(tmp_path):

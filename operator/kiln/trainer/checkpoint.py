@@ -3,10 +3,11 @@
 Model and optimizer state go through `torch.distributed.checkpoint` (DCP) as sharded, FQN-keyed state dicts
 from `get_state_dict`, so a checkpoint saved with one parallel layout loads into any other (DCP reshards).
 DCP's FileSystemWriter/Reader do the (de)serialisation; their file system is swapped for one over a kiln
-ObjectStore (`StoreFS`): each shard file is written to local disk and, once complete, hashed and uploaded as a
-parallel multipart PUT by the same writer thread — so serialising shard k+1 overlaps uploading shard k, memory
-stays bounded by the staged state, and a transient S3 failure re-reads the local file instead of re-serialising.
-On file:// the shard is written in place and only hashed. Reads use parallel ranged GETs with a block cache.
+ObjectStore (`StoreFS`): each shard file is written to a local staging file (hashed as it is written) and, once
+complete, uploaded as a parallel multipart PUT by the same writer thread — so serialising one shard overlaps
+uploading another, memory stays bounded by the staged state, and a transient S3 failure re-reads the local file
+instead of re-serialising. On file:// the shard is written in place. Reads use ranged GETs with parallel
+read-ahead; restore first checks every file's size and sha256 against COMMIT, the files split over the ranks.
 
 A save blocks the training loop only to copy the state off the accelerator (into reused pinned host buffers on
 GPU, a CPU copy on CPU); the upload, the COMMIT (rank 0, after every rank's file list with sizes and sha256s
@@ -358,11 +359,15 @@ class Checkpointer:
     ):
         self.spec = spec
         self.uri = spec.uri or default_uri
+        if not self.uri:
+            raise KilnError("checkpoint.uri is not set and there is no default; set it to s3://bucket/prefix/ or file:///path/")
         self.rank, self.world_size = rank, world_size
         self.store = store or open_store(self.uri, endpoint=spec.endpoint)
         self.thread_count = thread_count
         self.stop_check_every = max(1, stop_check_every)
-        self._staging_root = Path(staging_dir or tempfile.gettempdir()) / f"kiln-ckpt-stage-{os.getpid()}"
+        # S3 shards are staged here before upload (KILN_CKPT_STAGING_DIR: a fast local disk, or /dev/shm)
+        staging = staging_dir or os.environ.get("KILN_CKPT_STAGING_DIR") or tempfile.gettempdir()
+        self._staging_root = Path(staging) / f"kiln-ckpt-stage-{os.getpid()}"
         self._distributed = dist.is_available() and dist.is_initialized() and world_size > 1
         # DCP's collectives run in the background thread: give them their own gloo group, so they never
         # interleave with the training loop's collectives on the default group (and work under NCCL too).
