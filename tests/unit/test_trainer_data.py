@@ -78,8 +78,7 @@ def test_token_shards_from_a_folder(tmp_path):
 
 @pytest.mark.parametrize(
     "uri,message",
-    [("file:///nonexistent/shards", "no such folder"), ("s3://bucket/tokens/", "s3://"),
-     ("builtin:pydoc", "vocabSize")],
+    [("file:///nonexistent/shards", "no such folder"), ("builtin:pydoc", "vocabSize")],
 )
 def test_bad_data_uri_is_a_clear_error(uri, message):
     with pytest.raises(KilnError, match=message):
@@ -95,3 +94,23 @@ def test_synthetic_samples_are_a_function_of_seed_and_index():
     a, b = SyntheticSamples(16, 50, seed=1), SyntheticSamples(16, 50, seed=1)
     assert torch.equal(a.get(7), b.get(7)) and not torch.equal(a.get(7), a.get(8))
     assert int(a.get(3).max()) < 50
+
+
+@pytest.mark.rig
+def test_token_shards_from_s3_are_cached_locally(rig, tmp_path, monkeypatch):
+    import uuid
+
+    from kiln.storage import open_store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", rig.s3_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", rig.s3_secret_key)
+    monkeypatch.setenv("KILN_DATA_CACHE", str(tmp_path / "cache"))
+    uri = f"s3://{rig.s3_bucket}/tokens-{uuid.uuid4().hex[:8]}/"
+    store = open_store(uri, endpoint=rig.s3_endpoint)
+    np.save(tmp_path / "a.npy", np.arange(0, 100, dtype=np.int32))
+    store.put_file("a.npy", tmp_path / "a.npy")
+    src = open_source(uri, seq_len=9, vocab_size=1000, seed=0, endpoint=rig.s3_endpoint)
+    assert len(src) == 11 and src.get(10).tolist() == list(range(90, 100))
+    assert len(list((tmp_path / "cache").rglob("a.npy"))) == 1
+    with pytest.raises(KilnError, match="no \\*\\.npy"):
+        open_source(uri + "empty/", seq_len=9, vocab_size=1000, seed=0, endpoint=rig.s3_endpoint)

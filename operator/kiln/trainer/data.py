@@ -12,12 +12,17 @@ Sources:
 - `synthetic`: uniformly random tokens, for throughput measurements.
 - `file:///dir/` (or a plain path): tokenized shards `*.npy` (1-D integer arrays) or `*.bin` (raw
   little-endian uint16, nanoGPT style), read through memory maps in file-name order.
-  s3:// shards are not supported by the loader yet: copy them to a local folder first.
+- `s3://bucket/prefix/`: the same shards in an object store (kiln.storage; keys from AWS_ACCESS_KEY_ID /
+  AWS_SECRET_ACCESS_KEY, endpoint from KILN_DATA_ENDPOINT, else the checkpoint endpoint, else
+  AWS_ENDPOINT_URL). Each shard is downloaded once into a local cache (KILN_DATA_CACHE, default
+  ~/.cache/kiln/data) and then memory-mapped like a local one.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +75,33 @@ class SyntheticSamples:
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
 
 
-def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train"):
+def fetch_shards(uri: str, *, endpoint: str | None = None, cache_root: str | None = None) -> Path:
+    """Download the *.npy / *.bin shards under an s3:// uri into a local cache folder (once); its path.
+
+    Several ranks on a node may race: each shard is written to a unique temporary name and renamed into place
+    (atomic), so a reader never sees half a shard and a shard already present is not fetched again.
+    """
+    from kiln.storage import open_store
+
+    store = open_store(uri, endpoint=endpoint)
+    root = Path(cache_root or os.environ.get("KILN_DATA_CACHE") or Path.home() / ".cache" / "kiln" / "data")
+    folder = root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    for info in store.list(""):
+        name = Path(info.key).name
+        if Path(name).suffix not in (".npy", ".bin") or "/" in info.key.strip("/"):
+            continue
+        target = folder / name
+        if target.exists() and target.stat().st_size == info.size:
+            continue
+        tmp = folder / f".{name}.{os.getpid()}.part"
+        store.get_file(info.key, tmp)
+        os.replace(tmp, target)
+    return folder
+
+
+def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train",
+                endpoint: str | None = None):
     """The samples behind a data.uri; KilnError names the uri and what is accepted."""
     if uri == "synthetic":
         return SyntheticSamples(seq_len, vocab_size, seed + (0 if split == "train" else 1))
@@ -81,8 +112,9 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
         cut = int(len(tokens) * (1 - VALIDATION_FRACTION))
         return TokenSamples([tokens[:cut] if split == "train" else tokens[cut:]], seq_len, vocab_size)
     if uri.startswith("s3://"):
-        raise KilnError(f"data.uri {uri}: s3:// shards are not read by the loader yet; copy them to a folder and use file:///path/")
-    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+        path = fetch_shards(uri, endpoint=endpoint)
+    else:
+        path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
     if not path.is_dir():
         raise KilnError(f"data.uri {uri}: no such folder; use 'synthetic', 'builtin:pydoc' or file:///path/ to tokenized shards")
     files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))

@@ -140,7 +140,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         reports_loss = is_last and mesh["tp"].get_local_rank() == 0
 
         dp_rank, dp_size = dp_coordinates(mesh)
-        source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed)
+        source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint)
         loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
 
         from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
