@@ -23,6 +23,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.rig import versions
+
 pytestmark = pytest.mark.rig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +33,8 @@ MANIFESTS = REPO / "manifests"
 SAMPLE = MANIFESTS / "samples" / "quickstart.yaml"
 OPERATOR_DOCKERFILE = REPO / "images" / "operator" / "Dockerfile"
 CRD_NAME = "trainingspecs.kiln.dev"
+# Offline, helm assumes Kubernetes 1.20 and the chart's kubeVersion refuses it: render for the rig's.
+KUBE = ("--kube-version", versions.KUBERNETES)
 
 
 def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -42,7 +46,7 @@ def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def render(rig, *args: str, release: str = "kiln", namespace: str = "kiln-system") -> list[dict]:
-    out = helm(rig, "template", release, str(CHART), "--namespace", namespace, "--include-crds", *args).stdout
+    out = helm(rig, "template", release, str(CHART), "--namespace", namespace, "--include-crds", *KUBE, *args).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -137,8 +141,8 @@ def reconcile_sample(rig, namespace: str, metrics_url: str) -> dict:
 
 
 def test_helm_lint_passes_with_default_and_optional_values(rig):
-    helm(rig, "lint", "--strict", str(CHART))
-    helm(rig, "lint", "--strict", str(CHART), "--set", "watchNamespaces={ml,research}",
+    helm(rig, "lint", "--strict", str(CHART), *KUBE)
+    helm(rig, "lint", "--strict", str(CHART), *KUBE, "--set", "watchNamespaces={ml,research}",
          "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true")
 
 
@@ -149,7 +153,7 @@ def test_helm_lint_passes_with_default_and_optional_values(rig):
     ("operator.resource.requests.cpu=1", "resource"),          # a misspelt key
 ])
 def test_values_schema_refuses_bad_values(rig, setting, says):
-    proc = helm(rig, "template", "kiln", str(CHART), "--set", setting, check=False)
+    proc = helm(rig, "template", "kiln", str(CHART), *KUBE, "--set", setting, check=False)
     assert proc.returncode != 0 and says in proc.stderr and "values don't meet the specifications" in proc.stderr, \
         proc.stderr
 
