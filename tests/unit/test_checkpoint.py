@@ -238,3 +238,30 @@ def test_ranged_reader_reads_like_a_file(tmp_path):
     buf = bytearray(100)
     assert reader.readinto(buf) == 100 and bytes(buf) == data[5000:5100] and reader.tell() == 5100
     reader.close()
+
+
+def test_pipeline_stages_merge_and_load_into_one_model(tmp_path):
+    """Two model parts (pipeline stages, each with its own optimizer, keeping the full model's parameter
+    names) save one checkpoint that loads into the unsplit model: a pp=2 → pp=1 resume."""
+    full, full_opt = make()
+    stage0, stage1 = make()[0], make()[0]
+    stage0[2] = nn.Identity()  # stage 0 keeps layer 0, stage 1 keeps layer 2
+    stage1[0] = nn.Identity()
+    opts = [torch.optim.AdamW(s.parameters(), lr=1e-2) for s in (stage0, stage1)]
+    for step in (1, 2):  # both layouts train the same way
+        train_step(full, full_opt, step)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for o in opts:
+            o.zero_grad()
+        stage1[2](stage1[1](stage0[0](x))).pow(2).mean().backward()
+        for o in opts:
+            o.step()
+    ck = checkpointer(tmp_path)
+    ck.save(2, [stage0, stage1], opts, {"step": 2}, final=True)
+
+    model, opt = make(seed=5)
+    assert checkpointer(tmp_path).restore([model], [opt])["step"] == 2
+    assert_same(model, opt, snapshot(full, full_opt))
+    with pytest.raises(KilnError, match="one optimizer each"):
+        ck.save(3, [stage0, stage1], opts[:1], {"step": 3})
+    ck.close()
