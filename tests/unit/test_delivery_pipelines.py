@@ -249,3 +249,15 @@ def test_kfp_evaluate_and_publish_components_on_a_real_checkpoint(kfp_python, tm
     assert result["where"] == f"file://{dst}/step-00000020/"
     assert result["latest"] == 20 and result["problems"] == []
     assert "step 20" in result["damaged"] and "__0_0.distcp" in result["damaged"]
+
+
+def test_github_workflow_finds_the_runs_name_in_the_spec():
+    # The wait step's first line, run by bash as the runner would, on the README's sample.
+    steps = yaml.safe_load(GITHUB.read_text())["jobs"]["train"]["steps"]
+    script = next(s["run"] for s in steps if "kiln wait" in s.get("run", ""))
+    first = script.splitlines()[0]
+    assert first.startswith("NAME=$(")
+    proc = subprocess.run(["bash", "-euc", first + '\nprintf %s "$NAME"'], capture_output=True, text=True,
+                          env={**os.environ, "SPEC": str(REPO / "manifests" / "samples" / "quickstart.yaml")})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "quickstart"
