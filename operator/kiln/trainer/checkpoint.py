@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, _FileSystemWriter
@@ -480,11 +481,18 @@ class Checkpointer:
         log.info("checkpoint step %d: staged in %.3fs%s", step, self.last_blocking_s, "" if final else ", uploading")
 
     def _write(self, step: int, staged: dict, payload: dict, t0: float, raise_errors: bool) -> None:
+        """Shards (every rank) → file lists gathered → trainer.json, COMMIT, latest, retention (rank 0).
+
+        Every rank reaches every collective whatever fails where: DCP turns a failed write on any rank into
+        an error on all ranks, and rank 0's commit outcome is broadcast, so no rank is left waiting."""
         prefix = step_dir(step)
         fs = StoreFS(self.store, self._staging_root / prefix)
         try:
             if self.rank == 0:
-                self.store.delete(f"{prefix}/COMMIT")  # a stale COMMIT from an older attempt at this step
+                try:
+                    self.store.delete(f"{prefix}/COMMIT")  # a stale COMMIT from an older attempt at this step
+                except Exception as err:  # noqa: BLE001 - the save goes on; a stale COMMIT fails verification
+                    log.warning("checkpoint step %d: could not remove an old COMMIT: %s", step, err)
             writer = StoreWriter(fs, prefix, thread_count=self.thread_count, sync_files=self.store.local_path(prefix) is not None)
             dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
             mine = {key.split("/", 1)[1]: entry for key, entry in fs.written.items()}
@@ -492,22 +500,27 @@ class Checkpointer:
             if self._distributed:
                 everyone = [None] * self.world_size
                 dist.all_gather_object(everyone, mine, group=self._pg)
+            failure = None
             if self.rank == 0:
-                files: dict[str, FileEntry] = {}
-                for part in everyone:
-                    files.update(part)
-                write_commit(self.store, step, files, payload)
-                deleted = apply_retention(self.store, self.spec.keep, current=step)
-                if deleted:
-                    log.info("checkpoint retention (keep %d): deleted steps %s", self.spec.keep, deleted)
-            if self._distributed:
-                dist.barrier(group=self._pg)  # every rank knows the step is committed
+                try:
+                    files: dict[str, FileEntry] = {}
+                    for part in everyone:
+                        files.update(part)
+                    write_commit(self.store, step, files, payload)
+                    deleted = apply_retention(self.store, self.spec.keep, current=step)
+                    if deleted:
+                        log.info("checkpoint retention (keep %d): deleted steps %s", self.spec.keep, deleted)
+                except Exception as err:  # noqa: BLE001 - reported on every rank below
+                    failure = f"commit by rank 0 failed: {err}"
+            failure = self._bcast(failure)  # every rank learns whether the step is committed
+            if failure:
+                raise RuntimeError(failure)
             self.last_committed_step = step
             self.last_commit_time = time.time()
             self.last_save_s = time.perf_counter() - t0
             if self.rank == 0:
                 log.info("checkpoint step %d committed to %s in %.2fs", step, self.store.url(prefix), self.last_save_s)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             self.save_failures += 1
             msg = (
                 f"checkpoint step {step} to {self.store.url(prefix)} failed: {err}; "
