@@ -78,11 +78,17 @@ def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int) -> Layout:
 def build_mesh(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type,
         (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
         mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
     )
+    # Flattened views (TorchTitan does the same): mesh["dp"] is all of data parallel; with TP, DTensor finds
+    # "dp_shard_tp" and reduces the gradient norm over FSDP x TP in one collective instead of two.
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if layout.tp > 1:
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    return mesh
 
 
 def dp_coordinates(mesh) -> tuple[int, int]:
