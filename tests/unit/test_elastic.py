@@ -164,3 +164,30 @@ def test_decision_is_always_within_bounds_and_whole_groups(ppn, tp_i, pp, lo, sp
     assert (d.nodes * ppn) % (tp * pp) == 0
     assert d.nodes <= max(free, min(el.valid_node_counts(s)))  # never more than fits, except waiting at min
     assert d.changed == (d.nodes != current)
+
+
+def test_node_views_count_gpus_left_by_other_pods_and_readiness():
+    from kiln.control.elastic_sync import carried_nodes, node_views
+    from kiln.api.spec import TrainingSpec
+
+    node = lambda name, ready, since=None: {  # noqa: E731
+        "metadata": {"name": name, "labels": {el.GPU_PRODUCT_LABEL: "nvidia-h200"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8"},
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False",
+                                   "lastTransitionTime": since or "2026-01-01T00:00:00Z"}]}}
+    pod = lambda ns, run, node, gpus, phase="Running": {  # noqa: E731
+        "metadata": {"namespace": ns, "labels": {"kiln.dev/trainingspec": run} if run else {}},
+        "spec": {"nodeName": node, "containers": [{"resources": {"requests": {"nvidia.com/gpu": str(gpus)}}}]},
+        "status": {"phase": phase}}
+    views = node_views([node("a", True), node("b", False, "2026-01-01T00:01:40Z")],
+                       [pod("ml", "run", "a", 8), pod("other", None, "a", 2), pod("ml", "x", "b", 8, "Succeeded")],
+                       ("ml", "run"))
+    a, b = views
+    assert (a.gpus_free, a.ready) == (6, True)  # our own 8 count as free, the other team's 2 do not
+    assert (b.gpus_free, b.ready, b.not_ready_since) == (8, False, 1767225700.0)
+
+    doc = TrainingSpec.model_validate({"metadata": {"name": "r"}, "spec": spec().model_dump(by_alias=True)})
+    ann = lambda n: {"metadata": {"annotations": {"kiln.dev/elastic-state": f'{{"nodes": {n}}}'}}}  # noqa: E731
+    assert carried_nodes(ann(6), doc) == 6
+    assert carried_nodes(ann(9), doc) is None  # outside [minNodes, maxNodes] after a spec edit
+    assert carried_nodes({}, doc) is None

@@ -1,0 +1,144 @@
+"""The elastic loop's I/O: read nodes and pods → kiln.control.elastic (pure) → apply, patch, post Events.
+
+Called by a kopf timer (kiln.control.handlers) every few seconds per TrainingSpec, and by tests directly.
+The operator's own elastic state (the node count it chose, when, and which nodes failed the job) lives in
+the annotation `kiln.dev/elastic-state` of the TrainingSpec, so an operator restart continues where it was; the
+decision and its reason are the `Elastic` condition in status and an Event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from kiln.api.spec import TrainingSpec
+from kiln.control import elastic
+from kiln.control.config import OperatorConfig
+from kiln.control.kube import Kube
+from kiln.control.plan import GPU, RUN_LABEL, Observed, plan
+from kiln.control.status import Event, job_condition, set_condition
+
+ANNOTATION = "kiln.dev/elastic-state"  # not kiln.dev/<handler-id>: kopf keeps its progress there
+
+
+@dataclass(frozen=True)
+class Tuning:
+    grace_s: float = 120.0  # NotReady this long → force-delete the job's pods there
+    grow_cooldown_s: float = 300.0  # between a change and the next growth
+
+
+def state_of(body: dict) -> dict:
+    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def carried_nodes(body: dict, doc: TrainingSpec) -> int | None:
+    """The node count the elastic loop chose, if it still fits the (possibly edited) spec; for plan()."""
+    n = state_of(body).get("nodes")
+    lo, hi = elastic.bounds(doc.spec)
+    return n if isinstance(n, int) and lo <= n <= hi and elastic.valid_node_count(doc.spec, n) else None
+
+
+def _time(ts: str | None) -> float | None:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
+
+
+def node_views(nodes: list[dict], pods: list[dict], run: tuple[str, str]) -> list[elastic.NodeView]:
+    """NodeViews with the GPUs that pods other than this run's leave free."""
+    used: dict[str, int] = {}
+    for p in pods:
+        node = (p.get("spec") or {}).get("nodeName")
+        meta = p.get("metadata") or {}
+        ours = (meta.get("namespace"), (meta.get("labels") or {}).get(RUN_LABEL)) == run
+        if not node or ours or (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in (p.get("spec") or {}).get("containers") or []:
+            used[node] = used.get(node, 0) + int(((c.get("resources") or {}).get("requests") or {}).get(GPU, 0))
+    out = []
+    for n in nodes:
+        meta, status = n.get("metadata") or {}, n.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+        is_ready = ready is not None and ready.get("status") == "True"
+        out.append(elastic.NodeView(
+            name=meta["name"], ready=is_ready, labels=meta.get("labels") or {},
+            gpus_free=int((status.get("allocatable") or {}).get(GPU, 0)) - used.get(meta["name"], 0),
+            unschedulable=bool((n.get("spec") or {}).get("unschedulable")),
+            not_ready_since=None if is_ready or ready is None else _time(ready.get("lastTransitionTime"))))
+    return out
+
+
+def _list(call, **kw) -> list[dict]:
+    return json.loads(call(_preload_content=False, **kw).data)["items"]
+
+
+def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float,
+         tuning: Tuning = Tuning()) -> str:
+    """One pass of the elastic loop for one run; returns a one-line summary."""
+    from kiln.control.sync import _locks, now  # one lock per run, shared with reconcile
+
+    with _locks[(namespace, name)]:
+        body = kube.trainingspec(namespace, name)
+        if body is None:
+            return f"{namespace}/{name}: gone"
+        try:
+            doc = TrainingSpec.model_validate(body)
+        except ValidationError:
+            return f"{namespace}/{name}: invalid spec, left to reconcile"
+        job = kube.job(namespace, name)
+        if doc.spec.suspend or job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
+            return f"{namespace}/{name}: not running"
+        state = state_of(body)
+        all_pods = _list(kube.core.list_pod_for_all_namespaces)
+        views = node_views(_list(kube.core.list_node), all_pods, (namespace, name))
+        ours = [p for p in all_pods if (p["metadata"].get("namespace"), (p["metadata"].get("labels") or {})
+                                         .get(RUN_LABEL)) == (namespace, name)]
+
+        # Pods stuck on dead nodes: free their place, remember the node.
+        stuck = elastic.pods_to_force_delete(
+            [elastic.PodView(p["metadata"]["name"], (p.get("spec") or {}).get("nodeName")) for p in ours],
+            {v.name: v for v in views}, now_s, tuning.grace_s)
+        failed_nodes = []
+        for pod, reason in stuck:
+            node = next(p["spec"].get("nodeName") for p in ours if p["metadata"]["name"] == pod)
+            kube.core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+            post(body, Event("Warning", "PodForceDeleted", f"pod {pod}: {reason}; force-deleted"))
+            failed_nodes.append(node)
+        failures = elastic.record_node_failures(state.get("nodeFailures") or {}, failed_nodes)
+        avoid = elastic.nodes_to_avoid(failures)
+        for node in set(avoid) - set(elastic.nodes_to_avoid(state.get("nodeFailures") or {})):
+            post(body, Event("Warning", "NodeAvoided", f"node {node} failed this job {failures[node]} times; "
+                                                       "new pods avoid it"))
+
+        workers = ((job.get("spec") or {}).get("pytorchReplicaSpecs") or {}).get("Worker") or {}
+        current = int(workers.get("replicas") or doc.spec.resources.nodes)
+        committed = ((body.get("status") or {}).get("lastCheckpoint") or {}).get("step") or 0
+        decision = elastic.desired_nodes(doc.spec, views, current, committed_step=committed, avoid=avoid,
+                                         now=now_s, last_change=state.get("lastChange"),
+                                         grow_cooldown_s=tuning.grow_cooldown_s)
+        new_state = {"nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
+                     "lastChange": now_s if decision.changed else state.get("lastChange")}
+        if decision.changed:
+            applied = kube.applied_spec(namespace, name)
+            desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes), config)
+            if desired.refused is None:
+                for obj in desired.objects:
+                    kube.apply(obj)
+            post(body, Event("Normal", "Scaling", decision.reason))
+        if new_state != state:
+            kube.custom.patch_namespaced_custom_object(
+                "kiln.dev", "v1alpha1", namespace, "trainingspecs", name,
+                {"metadata": {"annotations": {ANNOTATION: json.dumps(new_state, sort_keys=True)}}})
+        reason = ("Shrink" if decision.nodes < current else "Grow") if decision.changed else \
+            ("WaitingForCapacity" if decision.reason.startswith("waiting") else "Steady")
+        old = body.get("status") or {}
+        conditions = set_condition(list(old.get("conditions") or []), "Elastic", "True", reason, decision.reason,
+                                   now(), old.get("observedGeneration"))
+        if conditions != (old.get("conditions") or []):
+            kube.patch_status(namespace, name, {"conditions": conditions})
+        return f"{namespace}/{name}: {decision.reason}"

@@ -1,0 +1,97 @@
+"""Elastic scaling on the rig: real apiserver, scheduler, controller-manager, training-operator, kwok GPU nodes.
+
+A 2-node job (minNodes 1) runs on both kwok GPU nodes; one node goes NotReady → the elastic loop
+(kiln.control.elastic_sync.tick, the operator's timer body) force-deletes the pod stuck there, records
+the node failure and shrinks the PyTorchJob to 1 worker; the node comes back → the job grows to 2 again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from kiln.api.spec import GROUP, PLURAL, VERSION
+from kiln.control import elastic_sync
+from kiln.control.config import OperatorConfig
+from kiln.control.kube import Kube, api_client
+from kiln.control.plan import RUN_LABEL
+from kiln.control.sync import reconcile
+
+from tests.integration.test_operator_api import install_crd
+
+pytestmark = [pytest.mark.rig, pytest.mark.slow]
+
+
+def _spec(rig, namespace: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingSpec",
+            "metadata": {"name": "elastic", "namespace": namespace},
+            "spec": {"image": "kiln-trainer:rig", "model": {"preset": "tiny"},
+                     "training": {"steps": 100, "globalBatchSize": 16, "microBatchSize": 1},
+                     "resources": {"nodes": 2, "gpusPerNode": rig.gpus_per_node, "gpuType": rig.gpu_product},
+                     "elastic": {"minNodes": 1, "maxNodes": 2},
+                     "checkpoint": {"uri": "file:///tmp/ckpt/"},
+                     "scheduling": {"gang": False}}}
+
+
+def _workers(kube: Kube, namespace: str) -> int:
+    job = kube.job(namespace, "elastic")
+    return job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+
+
+def _running_pods(kube: Kube, namespace: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["spec"].get("nodeName") for p in kube.pods(namespace, "elastic")
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+
+
+def _condition(kube: Kube, namespace: str) -> dict:
+    body = kube.trainingspec(namespace, "elastic")
+    return next(c for c in body["status"]["conditions"] if c["type"] == "Elastic")
+
+
+def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
+    install_crd(rig)
+    kube = Kube(api_client(str(rig.kubeconfig)))
+    events: list = []
+    post = lambda body, event: events.append(event)  # noqa: E731 - the handler posts Events via kopf
+    config = OperatorConfig(image="kiln-trainer:rig")
+    tuning = elastic_sync.Tuning(grace_s=0.0, grow_cooldown_s=0.0)
+    bad = rig.gpu_nodes[1]
+    with rig.exclusive_gpus():
+        try:
+            rig.apply(_spec(rig, namespace))
+            body = kube.trainingspec(namespace, "elastic")
+            reconcile(kube, body, config, post)
+            rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
+            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time(), tuning)
+            assert "steady at 2" in summary and _workers(kube, namespace) == 2
+            assert _condition(kube, namespace)["reason"] == "Steady"
+
+            victim = next(p for p, n in _running_pods(kube, namespace).items() if n == bad)
+            rig.set_node_ready(bad, False)
+            rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=60)
+            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+            assert "shrink 2 → 1" in summary
+            assert _workers(kube, namespace) == 1
+            rig.wait_for(f"{victim} gone", lambda: victim not in {p["metadata"]["name"]
+                                                                 for p in kube.pods(namespace, "elastic")}, timeout=60)
+            cond = _condition(kube, namespace)
+            assert cond["reason"] == "Shrink" and "only 1 matching node(s)" in cond["message"]
+            state = elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))
+            assert state["nodes"] == 1 and state["nodeFailures"] == {bad: 1}
+            assert any(e.reason == "PodForceDeleted" and victim in e.message for e in events)
+            assert any(e.reason == "Scaling" for e in events)
+            # a spec edit re-plans with the elastic count, not resources.nodes
+            reconcile(kube, kube.trainingspec(namespace, "elastic"), config, post)
+            assert _workers(kube, namespace) == 1
+
+            rig.set_node_ready(bad, True)
+            rig.wait_for(f"{bad} Ready", lambda: rig.node_ready(bad), timeout=60)
+            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 2, tuning)
+            assert "grow 1 → 2" in summary and _workers(kube, namespace) == 2
+            rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
+            assert _condition(kube, namespace)["reason"] == "Grow"
+        finally:
+            rig.set_node_ready(bad, True)
