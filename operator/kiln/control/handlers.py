@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import kopf
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control import metrics, sync
+from kiln.control import elastic_sync, metrics, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import RUN_LABEL
@@ -64,6 +65,13 @@ def job_changed(namespace, labels, **_) -> None:
 def pod_changed(namespace, labels, **_) -> None:
     with metrics.reconcile("pod"):
         sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=15, initial_delay=15)
+def elastic_tick(namespace, name, **_) -> None:
+    # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
+    with metrics.reconcile("elastic"):
+        elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

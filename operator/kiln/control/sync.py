@@ -7,6 +7,7 @@ because pod, job and spec events for one run can arrive at once on different wor
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Callable
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from kiln.api.load import format_validation_error
 from kiln.api.spec import TrainingSpec
 from kiln.control.config import OperatorConfig
+from kiln.control.elastic_sync import carried_nodes
 from kiln.control.kube import Kube
 from kiln.control.plan import Observed, plan
 from kiln.control.status import Event, changed, derive, job_condition
@@ -51,7 +53,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -
         accepted: tuple[str, str, str]
         try:
             doc = TrainingSpec.model_validate(body)
-            desired = plan(doc, observed, config)
+            # keep the node count the elastic loop chose (kiln.control.elastic_sync) across spec edits
+            desired = plan(doc, replace(observed, nodes=carried_nodes(body, doc)), config)
         except ValidationError as err:  # only when the CRD in the cluster lacks kiln's schema rules
             accepted, desired = ("False", "InvalidSpec", format_validation_error(err)), None
         except KilnError as err:
