@@ -1,5 +1,6 @@
 """The guards inside the real training loop (kiln.trainer.loop.train, 2 gloo ranks, real Checkpointer):
-a NaN step is skipped, a spike series rolls the run back to its last commit and training finishes."""
+a NaN step is skipped, a spike series rolls the run back to its last commit and training finishes; the
+elastic.plan boundary step is committed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 
 import pytest
+import yaml
 import torch.multiprocessing as mp
 
 from tests.distributed.test_guards_dist import _free_port
@@ -44,8 +46,11 @@ def _rank(rank, world, port, spec_path, out):
 
 
 def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
-    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 10}, checkpoint={"intervalSteps": 3,
-                                                                                  "asyncSave": False}, nproc=2)
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 10}, nproc=2,
+                      checkpoint={"intervalSteps": 3, "asyncSave": False, "keep": 10})
+    doc = yaml.safe_load(spec.read_text())  # a phase boundary at step 5: the trainer must commit it
+    doc["spec"]["elastic"] = {"plan": [{"untilStep": 5, "nodes": 1}, {"nodes": 1}]}
+    spec.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
 
     mp.start_processes(_rank, args=(2, _free_port(), str(spec), out), nprocs=2, start_method="spawn")
@@ -58,6 +63,8 @@ def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
     last = records[-1]
     assert (last["guard_skipped_nonfinite"], last["guard_skipped_spike"], last["guard_rollbacks"]) == (1, 2, 1)
     assert math.isfinite(last["loss"])
+    commits = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert commits == ["step-00000003", "step-00000005", "step-00000006", "step-00000009", "step-00000010"]
     for rank in range(2):
         res = json.loads((out / f"result{rank}.json").read_text())
         assert res["final"] == 10 and res["n"] == 13

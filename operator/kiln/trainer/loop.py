@@ -164,6 +164,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                                exporter=_exporter(spec_doc.metadata.name) if rank == 0 else None)
         timer = StepTimer(device)
         losses: list[float] = []
+        plan_steps = {p.until_step for p in spec.elastic.plan if p.until_step is not None}
         try:
             step = start_step
             while step < tr.steps:
@@ -204,7 +205,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
-                if final or checkpointer.should_save(step):
+                # elastic.plan switches the node count once its untilStep is committed: always commit it
+                if final or step in plan_steps or checkpointer.should_save(step):
                     trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
                                      "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
                                      "model": dims.model_dump()}
