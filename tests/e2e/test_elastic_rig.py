@@ -2,7 +2,8 @@
 
 A 2-node job (minNodes 1) runs on both kwok GPU nodes; one node goes NotReady → the elastic loop
 (kiln.control.elastic_sync.tick, the operator's timer body) force-deletes the pod stuck there, records
-the node failure and shrinks the PyTorchJob to 1 worker; the node comes back → the job grows to 2 again.
+the node failure and shrinks the PyTorchJob to 1 worker; the node comes back → the job grows to 2 again;
+the reported step stops moving → the workers are restarted (hang detection).
 """
 
 from __future__ import annotations
@@ -93,5 +94,20 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
             assert "grow 1 → 2" in summary and _workers(kube, namespace) == 2
             rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
             assert _condition(kube, namespace)["reason"] == "Grow"
+
+            # hang: rank 0 reports steps 10, 20, 30 ten seconds apart, then nothing for > max(10 x 1 s, 60 s)
+            uids = {p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")}
+            t0 = time.time() + 10
+            for i, step in enumerate((10, 20, 30)):
+                kube.patch_status(namespace, "elastic", {"step": step})
+                elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 10 * i, tuning)
+            elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 20 + 59, tuning)
+            assert not any(e.reason == "HangDetected" for e in events)
+            elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 20 + 61, tuning)
+            hang = next(e for e in events if e.reason == "HangDetected")
+            assert "no training step completed for 61s" in hang.message and "restart 1/10" in hang.message
+            assert elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))["restarts"] == 1
+            rig.wait_for("workers recreated", lambda: len(_running_pods(kube, namespace)) == 2 and not (
+                {p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")} & uids), timeout=120)
         finally:
             rig.set_node_ready(bad, True)

@@ -28,6 +28,8 @@ ANNOTATION = "kiln.dev/elastic-state"  # not kiln.dev/<handler-id>: kopf keeps i
 class Tuning:
     grace_s: float = 120.0  # NotReady this long → force-delete the job's pods there
     grow_cooldown_s: float = 300.0  # between a change and the next growth
+    hang_factor: float = 10.0  # no step for this many x p99 step time → restart
+    hang_floor_s: float = 60.0
 
 
 def state_of(body: dict) -> dict:
@@ -121,8 +123,9 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         decision = elastic.desired_nodes(doc.spec, views, current, committed_step=committed, avoid=avoid,
                                          now=now_s, last_change=state.get("lastChange"),
                                          grow_cooldown_s=tuning.grow_cooldown_s)
-        new_state = {"nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
+        new_state = {**state, "nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
                      "lastChange": now_s if decision.changed else state.get("lastChange")}
+        new_state.update(_hang_check(kube, body, doc, state, ours, now_s, tuning, post))
         if decision.changed:
             applied = kube.applied_spec(namespace, name)
             desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes), config)
@@ -142,3 +145,35 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         if conditions != (old.get("conditions") or []):
             kube.patch_status(namespace, name, {"conditions": conditions})
         return f"{namespace}/{name}: {decision.reason}"
+
+
+def _hang_check(kube: Kube, body: dict, doc: TrainingSpec, state: dict, pods: list[dict], now_s: float,
+                tuning: Tuning, post) -> dict:
+    """Track the step trainer rank 0 reports; restart the job's pods when it stopped moving (with budget)."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    step = (body.get("status") or {}).get("step")
+    prog = dict(state.get("progress") or {})
+    if step is None or not pods:
+        return {"progress": {}}  # nothing to watch yet (or no pods): the clock starts with the first report
+    if step != prog.get("step"):
+        recent = list(prog.get("recent") or [])
+        if prog.get("step") is not None and step > prog["step"]:
+            recent = (recent + [(now_s - prog["time"]) / (step - prog["step"])])[-20:]
+        return {"progress": {"step": step, "time": now_s, "recent": recent}}
+    why = elastic.hang(prog.get("recent") or [], prog["time"], now_s, factor=tuning.hang_factor,
+                       floor_s=tuning.hang_floor_s, min_samples=2)
+    if why is None:
+        return {}
+    restarts = int(state.get("restarts") or 0)
+    verdict = elastic.restart_decision(restarts, doc.spec.elastic.max_restarts, state.get("lastRestart"), now_s,
+                                       why)
+    if verdict.action == "restart":
+        for p in pods:  # the training-operator recreates them; the trainers resume from the last commit
+            kube.core.delete_namespaced_pod(p["metadata"]["name"], namespace)
+        post(body, Event("Warning", "HangDetected", verdict.reason))
+        return {"restarts": restarts + 1, "lastRestart": now_s,
+                "progress": {**prog, "time": now_s}}  # the restarted job gets a fresh window
+    if verdict.action == "fail" and not state.get("budgetSpent"):
+        post(body, Event("Warning", "RestartBudgetSpent", verdict.reason))
+        return {"budgetSpent": True}
+    return {}
