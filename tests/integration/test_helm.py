@@ -237,35 +237,41 @@ def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace
     release = f"kiln-{uuid.uuid4().hex[:6]}"  # its own cluster-scoped names: other tests' objects stay apart
     install = helm(rig, "install", release, str(CHART), "--namespace", namespace,
                    "--set", f"watchNamespaces={{{namespace}}}")
-    assert "kiln validate" in install.stdout and "kiln wait" in install.stdout  # NOTES: the next step
-    rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
-    manifest = [d for d in yaml.safe_load_all(helm(rig, "get", "manifest", release, "-n", namespace).stdout) if d]
-    deployment = next(o for o in manifest if o["kind"] == "Deployment")
-    sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    me = f"system:serviceaccount:{namespace}:{sa}"
+    uninstalled = False
+    try:
+        assert "kiln validate" in install.stdout and "kiln wait" in install.stdout  # NOTES: the next step
+        rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+        manifest = [d for d in yaml.safe_load_all(helm(rig, "get", "manifest", release, "-n", namespace).stdout) if d]
+        deployment = next(o for o in manifest if o["kind"] == "Deployment")
+        sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        me = f"system:serviceaccount:{namespace}:{sa}"
 
-    def can(*args: str) -> bool:
-        return rig.kubectl("auth", "can-i", *args, f"--as={me}", check=False).stdout.strip() == "yes"
+        def can(*args: str) -> bool:
+            return rig.kubectl("auth", "can-i", *args, f"--as={me}", check=False).stdout.strip() == "yes"
 
-    assert can("create", "pytorchjobs.kubeflow.org", "-n", namespace)
-    assert can("patch", "trainingspecs.kiln.dev", "--subresource=status", "-n", namespace)
-    assert can("list", "customresourcedefinitions")
-    assert not can("create", "pytorchjobs.kubeflow.org", "-n", "default")  # only the watched namespace
-    assert not can("delete", "pytorchjobs.kubeflow.org", "-n", namespace)  # garbage collection deletes
-    assert not can("list", "secrets", "-n", namespace)
+        assert can("create", "pytorchjobs.kubeflow.org", "-n", namespace)
+        assert can("patch", "trainingspecs.kiln.dev", "--subresource=status", "-n", namespace)
+        assert can("list", "customresourcedefinitions")
+        assert not can("create", "pytorchjobs.kubeflow.org", "-n", "default")  # only the watched namespace
+        assert not can("delete", "pytorchjobs.kubeflow.org", "-n", namespace)  # garbage collection deletes
+        assert not can("list", "secrets", "-n", namespace)
 
-    kubeconfig = rig.kubeconfig_for_service_account(namespace, sa)
-    with operator_from_deployment(deployment, kubeconfig, tmp_path / "operator.log") as (health, metrics):
-        job = reconcile_sample(rig, namespace, metrics)
-        assert get(health)[0] == 200
-    owner = job["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["name"]) == ("TrainingSpec", "quickstart")
+        kubeconfig = rig.kubeconfig_for_service_account(namespace, sa)
+        with operator_from_deployment(deployment, kubeconfig, tmp_path / "operator.log") as (health, metrics):
+            job = reconcile_sample(rig, namespace, metrics)
+            assert get(health)[0] == 200
+        owner = job["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("TrainingSpec", "quickstart")
 
-    helm(rig, "uninstall", release, "--namespace", namespace, "--wait")
-    for obj in manifest:
-        kind, name, ns = ident(obj)
-        args = ["get", kind, name] + (["-n", ns] if ns else [])
-        assert rig.kubectl(*args, check=False).returncode != 0, f"{kind} {name} survived helm uninstall"
-    # Helm's convention: CRDs (and with them every TrainingSpec) stay.
-    assert rig.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
-    assert rig.kubectl("get", "trainingspec", "quickstart", "-n", namespace, check=False).returncode == 0
+        helm(rig, "uninstall", release, "--namespace", namespace, "--wait")
+        uninstalled = True
+        for obj in manifest:
+            kind, name, ns = ident(obj)
+            args = ["get", kind, name] + (["-n", ns] if ns else [])
+            assert rig.kubectl(*args, check=False).returncode != 0, f"{kind} {name} survived helm uninstall"
+        # Helm's convention: CRDs (and with them every TrainingSpec) stay.
+        assert rig.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
+        assert rig.kubectl("get", "trainingspec", "quickstart", "-n", namespace, check=False).returncode == 0
+    finally:
+        if not uninstalled:  # the release's ClusterRoles and bindings outlive the test's namespace
+            helm(rig, "uninstall", release, "--namespace", namespace, check=False)
