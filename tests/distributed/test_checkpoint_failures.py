@@ -30,22 +30,25 @@ def _worker(rank, world, port, root, out):
         from kiln.api.spec import CheckpointSpec
         from kiln.trainer import checkpoint as ckpt_mod
 
-        if rank == 1:  # this rank's first shard upload fails for good (e.g. retries exhausted)
-            real, calls = ckpt_mod.StoreFS._publish, []
+        if rank == 1:
+            # One of this rank's two shard files fails for good (e.g. retries exhausted): at step 1 the first,
+            # at step 2 the second. DCP writes them from two threads, so one of the two failures happens in
+            # its extra writer thread, whose exceptions DCP itself would drop.
+            real = ckpt_mod.StoreFS._publish
+            doomed = {"step-00000001/__1_0.distcp", "step-00000002/__1_1.distcp"}
 
-            def flaky(self, *args):
-                calls.append(1)
-                if len(calls) == 1:
-                    raise OSError("injected: upload failed after retries")
-                return real(self, *args)
+            def flaky(self, key, *args):
+                if key in doomed:
+                    raise OSError(f"injected: upload of {key} failed after retries")
+                return real(self, key, *args)
 
             ckpt_mod.StoreFS._publish = flaky
         torch.manual_seed(0)
         model = nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ck = ckpt_mod.Checkpointer(CheckpointSpec(uri=f"file://{root}"), default_uri="", rank=rank, world_size=world)
-        ck.save(1, [model], [opt], {"step": 1})  # async: fails in the background on every rank
-        ck.save(2, [model], [opt], {"step": 2})  # waits for the failed one, then commits
+        for step in (1, 2, 3):  # async: 1 and 2 fail in the background on every rank, 3 commits
+            ck.save(step, [model], [opt], {"step": step})
         ck.wait()
         result = {"failures": ck.save_failures, "committed": ck.last_committed_step}
         ck.close()
@@ -64,6 +67,7 @@ def test_failure_on_one_rank_is_seen_by_all_and_the_next_save_commits(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert "error" not in r, r.get("error")
-        assert r == {"failures": 1, "committed": 2}
+        assert r == {"failures": 2, "committed": 3}
     assert not (root / "step-00000001" / "COMMIT").exists()
-    assert (root / "step-00000002" / "COMMIT").exists()
+    assert not (root / "step-00000002" / "COMMIT").exists()
+    assert (root / "step-00000003" / "COMMIT").exists()

@@ -91,6 +91,7 @@ class StoreFS(FileSystemBase):
         self.read_block = read_block
         self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
         self._pending: dict[str, tuple[Path, FileEntry]] = {}  # *.tmp key → local file
+        self.errors: list[tuple[str, BaseException]] = []  # files that failed, in any writer thread
         self._lock = threading.Lock()
 
     def _local_for_write(self, key: str) -> tuple[Path, bool]:
@@ -127,16 +128,22 @@ class StoreFS(FileSystemBase):
                 finally:
                     reader.close()
             return
-        local, staged = self._local_for_write(key)
-        with open(local, "wb") as f:
-            stream = HashingWriter(f)
-            yield stream
-        entry = FileEntry(stream.size, stream.sha.hexdigest())
-        if key.endswith(".tmp"):
+        try:
+            local, staged = self._local_for_write(key)
+            with open(local, "wb") as f:
+                stream = HashingWriter(f)
+                yield stream
+            entry = FileEntry(stream.size, stream.sha.hexdigest())
+            if key.endswith(".tmp"):
+                with self._lock:
+                    self._pending[key] = (local, entry)
+                return
+            self._publish(key, local, staged, entry)
+        except BaseException as err:
+            # DCP's extra writer threads drop exceptions; StoreWriter re-raises what is recorded here
             with self._lock:
-                self._pending[key] = (local, entry)
-            return
-        self._publish(key, local, staged, entry)
+                self.errors.append((key, err))
+            raise
 
     def rename(self, path, new_path) -> None:
         src, dst = str(path), str(new_path)
@@ -272,6 +279,13 @@ class StoreWriter(_FileSystemWriter):
         super().__init__(step_prefix, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count)
         self.fs = fs
         self.path = step_prefix
+
+    def write_data(self, plan, planner):
+        result = super().write_data(plan, planner)
+        if self.fs.errors:  # a shard failed in a writer thread: fail the save on every rank (DCP gathers this)
+            key, err = self.fs.errors[0]
+            raise OSError(f"writing {self.fs.store.url(key)} failed: {type(err).__name__}: {err}") from err
+        return result
 
 
 class StoreReader(FileSystemReader):
