@@ -37,7 +37,7 @@ def make_spec(args) -> TrainingSpec:
             "training": {"steps": args.warmup + args.steps, "globalBatchSize": args.batch,
                          "microBatchSize": args.batch, "lr": 1e-4, "warmupSteps": 0, "schedule": "constant",
                          "precision": args.precision},
-            "parallelism": {"compile": not args.no_compile, "kernels": "fused"},
+            "parallelism": {"compile": not args.no_compile, "kernels": args.kernels},
             "checkpoint": {"intervalSteps": 10**9},
         },
     })
@@ -47,7 +47,7 @@ def bench_kiln(args, out_dir: Path) -> list[float]:
     from kiln.trainer.loop import train
 
     os.environ.setdefault("MASTER_PORT", "29533")
-    train(make_spec(args), output_dir=out_dir, checkpoint_uri=f"file://{out_dir}/checkpoints")
+    train(make_spec(args), output_dir=out_dir, checkpointing=False)
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["tokens_per_second"] for r in records[args.warmup:]]
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="measured steps")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (compilation, allocator)")
     p.add_argument("--no-compile", action="store_true", help="kiln without torch.compile")
+    p.add_argument("--kernels", default="fused", choices=["fused", "reference"], help="kiln's kernels switch")
     p.add_argument("--out", default="runs/bench/trainer.json")
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "trainer",
         "preset": args.preset, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "precision": args.precision, "batch": args.batch, "seq_len": dims.seq_len, "steps": args.steps,
-        "compile": not args.no_compile, "threads": torch.get_num_threads(),
+        "compile": not args.no_compile, "kernels": args.kernels, "threads": torch.get_num_threads(),
         "flops_per_token": flops, "peak_flops": peak,
         "kiln": {"tokens_per_second": kiln_tps, "mfu": kiln_tps * flops / peak},
         "eager_reference": {"tokens_per_second": eager_tps, "mfu": eager_tps * flops / peak},

@@ -18,10 +18,15 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
+def reference_records(tmp_path_factory) -> list[dict]:
     """World 1, microbatch 1 x 4 accumulation steps."""
     d = tmp_path_factory.mktemp("ref")
-    losses = [r["loss"] for r in torchrun_train(write_spec(d / "spec.yaml"), d / "out", nproc=1)]
+    return torchrun_train(write_spec(d / "spec.yaml"), d / "out", nproc=1)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_records) -> list[float]:
+    losses = [r["loss"] for r in reference_records]
     assert len(losses) == 4
     assert losses[-1] < losses[0]  # it trains: otherwise equal curves would prove little
     return losses
@@ -38,10 +43,12 @@ def reference(tmp_path_factory) -> list[float]:
     ],
     ids=["dp2-fsdp", "dp2-replicate", "tp2", "pp2", "dp2xtp2"],
 )
-def test_layout_matches_single_process(tmp_path, reference, nproc, parallelism):
+def test_layout_matches_single_process(tmp_path, reference, reference_records, nproc, parallelism):
     spec = write_spec(tmp_path / "spec.yaml", parallelism=parallelism, nproc=nproc)
     records = torchrun_train(spec, tmp_path / "out", nproc)
     assert [r["loss"] for r in records] == pytest.approx(reference, abs=TOL)
+    # The held-out loss at the end: same weights, same validation batches, in any layout.
+    assert records[-1]["val_loss"] == pytest.approx(reference_records[-1]["val_loss"], abs=TOL)
     # Every logged step carries the numbers a user and the operator read.
     tp, pp = parallelism.get("tensor", 1), parallelism.get("pipeline", 1)
     for step, r in enumerate(records, start=1):

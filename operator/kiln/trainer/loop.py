@@ -103,8 +103,11 @@ def _init_distributed() -> tuple[int, int, torch.device]:
 
 
 def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
-          checkpoint_uri: str | None = None) -> TrainResult:
-    """Train (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0."""
+          checkpoint_uri: str | None = None, checkpointing: bool = True) -> TrainResult:
+    """Train (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0.
+
+    checkpointing=False neither restores nor saves (throughput benchmarks of models too big to save often).
+    """
     spec = spec_doc.spec
     tr, par = spec.training, spec.parallelism
     hooks = hooks or StepHooks()
@@ -143,13 +146,19 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
                              endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint)
         loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
+        # Held-out loss at the end of the run, for the corpus that has a validation split.
+        val_loader = GlobalBatchLoader(
+            open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                        split="validation"), seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size,
+        ) if spec.data.uri == "builtin:pydoc" else None
 
         from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
 
         if threading.current_thread() is threading.main_thread():
             install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
         default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
-        checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world)
+        checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world) \
+            if checkpointing else _NoCheckpoints()
         start_step, tokens_seen = 0, 0
         state = checkpointer.restore(model_parts, optimizers)
         if state is not None:
@@ -212,6 +221,9 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                                      "model": dims.model_dump()}
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+                if step == tr.steps and val_loader is not None:
+                    record["val_loss"] = _evaluate(model, schedule, val_loader, tr.global_batch_size, layout,
+                                                   device, is_first, is_last, reports_loss)
                 if step % tr.log_every == 0 or final:
                     logger.log(record)
                 if stop:
@@ -228,6 +240,30 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             dist.destroy_process_group()
 
 
+class _NoCheckpoints:
+    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
+
+    last_blocking_s = last_wait_s = 0.0
+
+    def restore(self, model_parts, optimizers):
+        return None
+
+    def should_save(self, step: int) -> bool:
+        return False
+
+    def stop_requested(self, step: int) -> bool:
+        return False
+
+    def save(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _exporter(run: str):
     """Prometheus metrics on rank 0 when KILN_METRICS_PORT is set (the operator sets it in pods)."""
     port = os.environ.get("KILN_METRICS_PORT")
@@ -238,6 +274,28 @@ def _exporter(run: str):
     exporter = TrainerExporter(run)
     exporter.start(int(port))
     return exporter
+
+
+EVAL_BATCHES = 4
+
+
+@torch.no_grad()
+def _evaluate(model, schedule, loader: GlobalBatchLoader, global_batch: int, layout: Layout, device,
+              is_first: bool, is_last: bool, reports_loss: bool) -> float:
+    """Mean loss over the first EVAL_BATCHES global batches of the validation split (the same every time)."""
+    loader.samples_seen = 0
+    total = 0.0
+    for _ in range(EVAL_BATCHES):
+        inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
+        if schedule is not None:
+            losses: list[torch.Tensor] = []
+            schedule.eval(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
+            local = torch.stack(losses).mean() if is_last else None
+        else:
+            m = layout.micro_batch
+            local = torch.stack([model(inputs[i:i + m], targets[i:i + m]) for i in range(0, len(inputs), m)]).mean()
+        total += _global_loss(local if reports_loss else None, layout, device)
+    return total / EVAL_BATCHES
 
 
 def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -161,6 +161,8 @@ class _Console:
     def update(self, r: dict) -> None:
         info = (f"loss {r['loss']:.4f}  lr {r['lr']:.2e}  {r['tokens_per_second']:,.0f} tok/s  "
                 f"mfu {100 * r['mfu']:.2f}%")
+        if "val_loss" in r:
+            info += f"  validation loss {r['val_loss']:.4f}"
         if self.live:
             self.progress.update(self.task, completed=r["step"], info=info)
         else:
