@@ -24,7 +24,7 @@ import torch
 from kiln.api.presets import PRESETS, ModelDims, llama_ffn_dim
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import open_store
-from kiln.storage.commit import read_commit, step_dir
+from kiln.storage.commit import read_commit
 from kiln.trainer.checkpoint import Checkpointer
 from kiln.trainer.model import build_model
 
@@ -39,7 +39,11 @@ def _server(args) -> tuple[str, dict, object | None]:
 
     rig = cluster.running()
     if rig is not None:
-        return rig.s3_endpoint, {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}, None
+        return (
+            rig.s3_endpoint,
+            {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key},
+            None,
+        )
     from tests.integration.test_checkpoint_s3 import ACCESS, SECRET, PrivateS3
 
     if not build.is_built("versitygw"):
@@ -96,8 +100,15 @@ def main() -> None:
     uri = f"s3://{args.bucket}/{prefix}/"
     try:
         model, opt, params = _state(args, device)
-        results: dict = {"device": args.device, "preset": args.preset, "layers": args.layers, "params": params,
-                         "endpoint": endpoint, "host": platform.node(), "cpus": os.cpu_count()}
+        results: dict = {
+            "device": args.device,
+            "preset": args.preset,
+            "layers": args.layers,
+            "params": params,
+            "endpoint": endpoint,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+        }
 
         def checkpointer(sub: str, async_save: bool) -> Checkpointer:
             spec = CheckpointSpec(uri=uri + sub + "/", endpoint=endpoint, keep=1, async_save=async_save)
@@ -129,8 +140,15 @@ def main() -> None:
                 f.write(chunk[: min(len(chunk), ckpt_bytes - off)])
             f.flush()
             put_s = [
-                _time(lambda: store.client.fput_object(store.bucket, store.prefix + "blob", f.name,
-                                                       part_size=store.part_size, num_parallel_uploads=store.parallelism))
+                _time(
+                    lambda: store.client.fput_object(
+                        store.bucket,
+                        store.prefix + "blob",
+                        f.name,
+                        part_size=store.part_size,
+                        num_parallel_uploads=store.parallelism,
+                    )
+                )
                 for _ in range(args.repeats)
             ]
             get_s = [_time(lambda: store.get_file("blob", f.name + ".back")) for _ in range(args.repeats)]
@@ -154,8 +172,14 @@ def main() -> None:
             restore_s=best(restore_s),
             plain_get_s=best(get_s),
             restore_ratio_vs_plain_get=best(get_s) / best(restore_s),
-            raw={"sync_s": sync_s, "async_block_s": block_s, "async_total_s": total_s, "put_s": put_s,
-                 "get_s": get_s, "restore_s": restore_s},
+            raw={
+                "sync_s": sync_s,
+                "async_block_s": block_s,
+                "async_total_s": total_s,
+                "put_s": put_s,
+                "get_s": get_s,
+                "restore_s": restore_s,
+            },
         )
     finally:
         try:

@@ -62,8 +62,9 @@ def _worker(rank, world, port, root, out):
 
 def test_failure_on_one_rank_is_seen_by_all_and_the_next_save_commits(tmp_path):
     root = tmp_path / "ckpt"
-    mp.start_processes(_worker, args=(2, _free_port(), str(root), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    mp.start_processes(
+        _worker, args=(2, _free_port(), str(root), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert "error" not in r, r.get("error")

@@ -93,7 +93,9 @@ def _worker(rank, world, port, root, layout, mode, result_path):
         from kiln.trainer.checkpoint import Checkpointer
 
         model, opt = _build(layout, rank, world)
-        ck = Checkpointer(CheckpointSpec(uri=f"file://{root}", interval_steps=3), default_uri="", rank=rank, world_size=world)
+        ck = Checkpointer(
+            CheckpointSpec(uri=f"file://{root}", interval_steps=3), default_uri="", rank=rank, world_size=world
+        )
         out = {}
         if mode == "save":
             for step in range(1, 4):
@@ -134,8 +136,9 @@ def _worker(rank, world, port, root, layout, mode, result_path):
 def _run(world, root, layout, mode, tmp_path) -> dict:
     path = str(tmp_path / f"{layout}-{world}-{mode}.pt")
     # fork: the children reuse this process's imported torch (spawn would re-import it in every rank)
-    mp.start_processes(_worker, args=(world, _free_port(), str(root), layout, mode, path), nprocs=world,
-                       join=True, start_method="fork")
+    mp.start_processes(
+        _worker, args=(world, _free_port(), str(root), layout, mode, path), nprocs=world, join=True, start_method="fork"
+    )
     return torch.load(path)
 
 

@@ -53,9 +53,21 @@ class PrivateS3:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [self.exe, "--access", ACCESS, "--secret", SECRET, "--port", f"127.0.0.1:{self.port}", "posix",
-                 str(self.data_dir)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                [
+                    self.exe,
+                    "--access",
+                    ACCESS,
+                    "--secret",
+                    SECRET,
+                    "--port",
+                    f"127.0.0.1:{self.port}",
+                    "posix",
+                    str(self.data_dir),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         deadline = time.monotonic() + 30
         while True:
@@ -121,11 +133,13 @@ def test_s3_store_multipart_ranged_list_delete(rig, rig_env, rig_uri, tmp_path):
     store.put_bytes("step-00000001/small", b"hello")
     assert store.size("step-00000001/big.bin") == len(data)
     assert [(o.key, o.size) for o in store.list("step-")] == [
-        ("step-00000001/big.bin", len(data)), ("step-00000001/small", 5)]
+        ("step-00000001/big.bin", len(data)),
+        ("step-00000001/small", 5),
+    ]
     dst = tmp_path / "back.bin"
     store.get_file("step-00000001/big.bin", dst)  # ranged GETs in parallel
     assert dst.read_bytes() == data
-    assert store.get_bytes("step-00000001/big.bin", 7 * MiB, 100) == data[7 * MiB: 7 * MiB + 100]
+    assert store.get_bytes("step-00000001/big.bin", 7 * MiB, 100) == data[7 * MiB : 7 * MiB + 100]
     with pytest.raises(ObjectNotFound, match="step-00000001/missing"):
         store.size("step-00000001/missing")
     assert store.delete_prefix("step-00000001/") == 2
@@ -178,7 +192,9 @@ def test_s3_outage_mid_save_is_retried_and_nothing_committed_is_lost(private_s3,
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     uri = "s3://ckpt/run/"
     spec = CheckpointSpec(uri=uri, endpoint=private_s3.endpoint, interval_steps=1)
-    store = open_store(uri, endpoint=private_s3.endpoint, retry=RetryPolicy(initial_s=0.1, max_delay_s=1.0, budget_s=60))
+    store = open_store(
+        uri, endpoint=private_s3.endpoint, retry=RetryPolicy(initial_s=0.1, max_delay_s=1.0, budget_s=60)
+    )
     ck = Checkpointer(spec, default_uri="", rank=0, world_size=1, store=store)
     model, opt = _model()
     _step(model, opt, 1)

@@ -70,7 +70,11 @@ def test_round_trip_restores_weights_optimizer_and_trainer_state(tmp_path):
     assert committed_steps(checkpointer(tmp_path).store) == [6, 3]
     assert (tmp_path / "latest").read_text().strip() == "step-00000006"
     commit = json.loads((tmp_path / "step-00000006" / "COMMIT").read_text())
-    assert set(commit["files"]) == {".metadata", "trainer.json", *(p.name for p in (tmp_path / "step-00000006").glob("*.distcp"))}
+    assert set(commit["files"]) == {
+        ".metadata",
+        "trainer.json",
+        *(p.name for p in (tmp_path / "step-00000006").glob("*.distcp")),
+    }
 
     model, opt = make(seed=1)  # different initial weights, no optimizer state yet
     state = checkpointer(tmp_path).restore([model], [opt])

@@ -83,8 +83,12 @@ def test_unreachable_endpoint_is_retried_then_named(caplog):
     surfaces as a KilnError naming the endpoint."""
     env = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}
     with caplog.at_level(logging.WARNING, logger="kiln.storage"), pytest.raises(KilnError) as err:
-        open_store("s3://bucket/p/", endpoint="http://127.0.0.1:9", env=env,
-                   retry=RetryPolicy(initial_s=0.01, max_delay_s=0.05, budget_s=0.3))
+        open_store(
+            "s3://bucket/p/",
+            endpoint="http://127.0.0.1:9",
+            env=env,
+            retry=RetryPolicy(initial_s=0.01, max_delay_s=0.05, budget_s=0.3),
+        )
     assert "127.0.0.1:9" in str(err.value) and "still failing" in str(err.value)
     assert any("retry" in r.message for r in caplog.records)
 
@@ -129,8 +133,13 @@ def test_call_with_retry_does_not_retry_permanent_errors():
         raise KilnError("bucket missing")
 
     with pytest.raises(KilnError, match="bucket missing"):
-        call_with_retry(lambda: (_ for _ in ()).throw(ConnectionResetError()), what="x", policy=RetryPolicy(),
-                        classify=classify, sleep=lambda s: None)
+        call_with_retry(
+            lambda: (_ for _ in ()).throw(ConnectionResetError()),
+            what="x",
+            policy=RetryPolicy(),
+            classify=classify,
+            sleep=lambda s: None,
+        )
 
 
 def test_backoff_is_bounded():

@@ -105,7 +105,11 @@ def retention_plan(seen: set[int], committed: set[int], keep: int, current: int 
         return []
     kept = sorted(timeline, reverse=True)[: max(1, keep)]
     newest = kept[0]
-    return sorted(s for s in seen | committed if s not in kept and (s in committed or s < newest or s > newest and current is not None))
+    return sorted(
+        s
+        for s in seen | committed
+        if s not in kept and (s in committed or s < newest or s > newest and current is not None)
+    )
 
 
 def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:

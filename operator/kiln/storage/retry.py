@@ -100,7 +100,12 @@ def call_with_retry(
                 ) from err
             log.warning(
                 "%s failed (%s: %s); retry %d in %.1fs (giving up after %.0fs)",
-                what, type(err).__name__, _short(err), attempt + 1, wait, policy.budget_s,
+                what,
+                type(err).__name__,
+                _short(err),
+                attempt + 1,
+                wait,
+                policy.budget_s,
             )
             sleep(wait)
             attempt += 1

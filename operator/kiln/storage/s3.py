@@ -159,7 +159,7 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         def fetch():
             return [
-                ObjectInfo(o.object_name[len(self.prefix):], o.size or 0)
+                ObjectInfo(o.object_name[len(self.prefix) :], o.size or 0)
                 for o in self.client.list_objects(self.bucket, prefix=self._name(prefix), recursive=True)
                 if not o.is_dir
             ]

@@ -160,8 +160,10 @@ class FileStore(ObjectStore):
             raise ObjectNotFound(f"{self.url(key)} does not exist") from None
 
 
-def open_store(uri: str, *, endpoint: str | None = None, env: Mapping[str, str] | None = None, **s3_options) -> ObjectStore:
-    """The store rooted at `uri` (file:///path/ or s3://bucket/prefix/); S3 keys come from `env` (default os.environ)."""
+def open_store(
+    uri: str, *, endpoint: str | None = None, env: Mapping[str, str] | None = None, **s3_options
+) -> ObjectStore:
+    """The store rooted at `uri` (file:///path/ or s3://bucket/prefix/); S3 keys come from `env` (os.environ)."""
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import math
 import os
@@ -216,7 +215,9 @@ class RangedReader(io.RawIOBase):
     `ahead` blocks are fetched in parallel in the background, so a sequential scan runs at parallel-GET speed.
     """
 
-    def __init__(self, store: ObjectStore, key: str, block: int, ahead: int = 8, pool: ThreadPoolExecutor | None = None):
+    def __init__(
+        self, store: ObjectStore, key: str, block: int, ahead: int = 8, pool: ThreadPoolExecutor | None = None
+    ):
         self.store, self.key, self.block, self.ahead = store, key, block, ahead
         self.length = store.size(key)
         self.nblocks = (self.length + block - 1) // block
@@ -243,7 +244,9 @@ class RangedReader(io.RawIOBase):
         for nb in range(b, min(b + 1 + self.ahead, self.nblocks)):
             if nb not in self.blocks:
                 off = nb * self.block
-                self.blocks[nb] = self.pool.submit(self.store.get_bytes, self.key, off, min(self.block, self.length - off))
+                self.blocks[nb] = self.pool.submit(
+                    self.store.get_bytes, self.key, off, min(self.block, self.length - off)
+                )
         self.blocks.move_to_end(b)
         data = self.blocks[b].result()
         while len(self.blocks) > 2 * (self.ahead + 1):  # drop the oldest blocks (reads move forwards)
@@ -375,7 +378,9 @@ class Checkpointer:
         self.spec = spec
         self.uri = spec.uri or default_uri
         if not self.uri:
-            raise KilnError("checkpoint.uri is not set and there is no default; set it to s3://bucket/prefix/ or file:///path/")
+            raise KilnError(
+                "checkpoint.uri is not set and there is no default; set it to s3://bucket/prefix/ or file:///path/"
+            )
         self.rank, self.world_size = rank, world_size
         self.store = store or open_store(self.uri, endpoint=spec.endpoint)
         self.thread_count = thread_count
@@ -507,7 +512,9 @@ class Checkpointer:
                     self.store.delete(f"{prefix}/COMMIT")  # a stale COMMIT from an older attempt at this step
                 except Exception as err:  # noqa: BLE001 - the save goes on; a stale COMMIT fails verification
                     log.warning("checkpoint step %d: could not remove an old COMMIT: %s", step, err)
-            writer = StoreWriter(fs, prefix, thread_count=self.thread_count, sync_files=self.store.local_path(prefix) is not None)
+            writer = StoreWriter(
+                fs, prefix, thread_count=self.thread_count, sync_files=self.store.local_path(prefix) is not None
+            )
             dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
             mine = {key.split("/", 1)[1]: entry for key, entry in fs.written.items()}
             everyone = [mine]
@@ -588,20 +595,31 @@ class Checkpointer:
         if self.rank == 0:
             latest = read_latest(self.store)
             if candidates and latest is not None and latest != candidates[0]:
-                log.warning("checkpoint: 'latest' says step %s, but step %s is committed; using the commit", latest, candidates[0])
+                log.warning(
+                    "checkpoint: 'latest' says step %s, but step %s is committed; using the commit",
+                    latest,
+                    candidates[0],
+                )
         for step in candidates:
             problems = self._verify(step)
             if problems:
                 if self.rank == 0:
                     log.warning(
                         "checkpoint step %d at %s is damaged (%s); falling back to the previous commit",
-                        step, self.store.url(step_dir(step)), "; ".join(problems),
+                        step,
+                        self.store.url(step_dir(step)),
+                        "; ".join(problems),
                     )
                 continue
             t0 = time.perf_counter()
             state, keys = collect_state(model_parts, optimizers)
             fs = StoreFS(self.store, self._staging_root / "restore")
-            dcp.load(state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg, no_dist=not self._distributed)
+            dcp.load(
+                state,
+                storage_reader=StoreReader(fs, step_dir(step)),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
             for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
                 set_state_dict(
                     model,
@@ -618,7 +636,12 @@ class Checkpointer:
             self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
             self.last_saved_step = self.last_committed_step = step
             if self.rank == 0:
-                log.info("checkpoint: restored step %d from %s in %.2fs", step, self.store.url(step_dir(step)), time.perf_counter() - t0)
+                log.info(
+                    "checkpoint: restored step %d from %s in %.2fs",
+                    step,
+                    self.store.url(step_dir(step)),
+                    time.perf_counter() - t0,
+                )
             return trainer_state
         return None
 
