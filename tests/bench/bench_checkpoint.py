@@ -3,6 +3,7 @@ PUT of the same bytes to the same server), restore time (vs a plain parallel ran
 
     python -m tests.bench.bench_checkpoint                       # CPU, kiln model (small preset, trimmed)
     python -m tests.bench.bench_checkpoint --device cuda --preset llama-1b   # H200: llama-1b + AdamW state
+    python -m tests.bench.bench_checkpoint --uri file:///scratch/ckpt          # a file store, no S3 server
 
 The S3 server is --endpoint (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), else the running rig's,
 else a private versitygw from the rig's build. Writes JSON to --out (default runs/bench/checkpoint.json).
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary (CPU default 8192)")
     parser.add_argument("--endpoint", default=None, help="S3 endpoint; default: the rig's, or a private versitygw")
     parser.add_argument("--bucket", default="kiln")
+    parser.add_argument("--uri", default=None, help="file:///dir: benchmark a file store instead of S3")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="runs/bench/checkpoint.json")
     args = parser.parse_args()
@@ -94,10 +96,12 @@ def main() -> None:
         args.vocab_size = args.vocab_size or 8192
     device = torch.device(args.device)
 
-    endpoint, env, server = _server(args)
-    os.environ.update(env)
-    prefix = f"bench-ckpt/{uuid.uuid4().hex}"
-    uri = f"s3://{args.bucket}/{prefix}/"
+    if args.uri:  # file://: no S3 server; the reference is a plain copy of the same bytes into the same place
+        endpoint, server, uri = None, None, args.uri.rstrip("/") + f"/bench-ckpt-{uuid.uuid4().hex}/"
+    else:
+        endpoint, env, server = _server(args)
+        os.environ.update(env)
+        uri = f"s3://{args.bucket}/bench-ckpt/{uuid.uuid4().hex}/"
     try:
         model, opt, params = _state(args, device)
         results: dict = {
@@ -133,24 +137,28 @@ def main() -> None:
         asy.close()
 
         # 3. the reference: one plain minio multipart PUT (fput_object) of the same number of bytes
+        #    (file://: an atomic copy of a file of that size into the same directory)
         store = open_store(uri + "ref/", endpoint=endpoint)
         with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
             chunk = os.urandom(16 * MiB)
             for off in range(0, ckpt_bytes, len(chunk)):
                 f.write(chunk[: min(len(chunk), ckpt_bytes - off)])
             f.flush()
-            put_s = [
-                _time(
-                    lambda: store.client.fput_object(
-                        store.bucket,
-                        store.prefix + "blob",
-                        f.name,
-                        part_size=store.part_size,
-                        num_parallel_uploads=store.parallelism,
+            if args.uri:
+                put_s = [_time(lambda: store.put_file("blob", f.name)) for _ in range(args.repeats)]
+            else:
+                put_s = [
+                    _time(
+                        lambda: store.client.fput_object(
+                            store.bucket,
+                            store.prefix + "blob",
+                            f.name,
+                            part_size=store.part_size,
+                            num_parallel_uploads=store.parallelism,
+                        )
                     )
-                )
-                for _ in range(args.repeats)
-            ]
+                    for _ in range(args.repeats)
+                ]
             get_s = [_time(lambda: store.get_file("blob", f.name + ".back")) for _ in range(args.repeats)]
             os.unlink(f.name + ".back")
 
