@@ -269,3 +269,11 @@ def test_pipeline_stages_merge_and_load_into_one_model(tmp_path):
     with pytest.raises(KilnError, match="one optimizer each"):
         ck.save(3, [stage0, stage1], opts[:1], {"step": 3})
     ck.close()
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    run(tmp_path, 2, interval_steps=2)
+    other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))  # a different width, same names
+    with pytest.raises(KilnError) as err:
+        checkpointer(tmp_path).restore([other], [torch.optim.AdamW(other.parameters())])
+    assert "step 2" in str(err.value) and "does not fit this model" in str(err.value)

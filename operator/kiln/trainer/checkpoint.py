@@ -336,6 +336,11 @@ def _signature(sd: Any) -> Any:
     return type(sd).__name__
 
 
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+    return (lines[-1] if lines else type(err).__name__)[:300]
+
+
 # -- preemption ------------------------------------------------------------------------------------------------
 
 _sigterm = threading.Event()
@@ -591,7 +596,15 @@ class Checkpointer:
         """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
         Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit."""
         self.wait()
-        candidates = self._bcast(committed_steps(self.store) if self.rank == 0 else None)
+        listing = None
+        if self.rank == 0:
+            try:
+                listing = committed_steps(self.store)
+            except (KilnError, OSError) as err:  # every rank raises it, none waits for rank 0
+                listing = f"cannot list checkpoints at {self.store.uri}: {err}"
+        candidates = self._bcast(listing)
+        if isinstance(candidates, str):
+            raise KilnError(candidates)
         if self.rank == 0:
             latest = read_latest(self.store)
             if candidates and latest is not None and latest != candidates[0]:
@@ -614,12 +627,18 @@ class Checkpointer:
             t0 = time.perf_counter()
             state, keys = collect_state(model_parts, optimizers)
             fs = StoreFS(self.store, self._staging_root / "restore")
-            dcp.load(
-                state,
-                storage_reader=StoreReader(fs, step_dir(step)),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
+            try:
+                dcp.load(
+                    state,
+                    storage_reader=StoreReader(fs, step_dir(step)),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
+            except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
+                raise KilnError(
+                    f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
+                    f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
+                ) from None
             for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
                 set_state_dict(
                     model,
