@@ -3,7 +3,8 @@
 kiln: the real training loop (`kiln.trainer.loop.train`, one process, FSDP2 wrapper, torch.compile per
 block, the kernels switch, fused AdamW on CUDA). Reference: the same `Transformer` class, no wrapper, no
 compile, `parallelism.kernels: reference` ops, `torch.optim.AdamW` defaults, autocast for bf16. Same batch,
-same sequence length, same number of steps. Reported: median tokens/s after warm-up, MFU, and the ratio.
+same sequence length, same number of steps (the reference twice: before and after kiln). Reported: median
+tokens/s after warm-up (and the range), MFU, and the ratio.
 
     python -m tests.bench.bench_trainer                                   # CPU, tiny preset
     python -m tests.bench.bench_trainer --preset llama-1b --device cuda   # one GPU, bf16
@@ -100,13 +101,18 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("LOCAL_RANK", "0")
 
     dims = resolve_model(make_spec(args).spec.model)
+    # The reference runs before and after kiln, so a change in machine load during the run affects both.
+    eager_rates = bench_eager(args, device)
+    if device.type == "cuda":
+        eager_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as tmp:
         kiln_rates = bench_kiln(args, Path(tmp))
     if device.type == "cuda":
         kiln_peak_gib = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    eager_rates = bench_eager(args, device)
+    eager_rates += bench_eager(args, device)
 
     flops, peak = flops_per_token(dims), peak_flops(device, args.precision)
     kiln_tps, eager_tps = statistics.median(kiln_rates), statistics.median(eager_rates)
@@ -116,13 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
         "precision": args.precision, "batch": args.batch, "seq_len": dims.seq_len, "steps": args.steps,
         "compile": not args.no_compile, "kernels": args.kernels, "threads": torch.get_num_threads(),
         "flops_per_token": flops, "peak_flops": peak,
-        "kiln": {"tokens_per_second": kiln_tps, "mfu": kiln_tps * flops / peak},
-        "eager_reference": {"tokens_per_second": eager_tps, "mfu": eager_tps * flops / peak},
+        "kiln": {"tokens_per_second": kiln_tps, "mfu": kiln_tps * flops / peak,
+                 "tokens_per_second_min_max": [min(kiln_rates), max(kiln_rates)]},
+        "eager_reference": {"tokens_per_second": eager_tps, "mfu": eager_tps * flops / peak,
+                            "tokens_per_second_min_max": [min(eager_rates), max(eager_rates)]},
         "ratio_kiln_over_eager": kiln_tps / eager_tps,
     }
     if device.type == "cuda":
         result["kiln"]["peak_memory_gib"] = kiln_peak_gib
-        result["eager_reference"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["eager_reference"]["peak_memory_gib"] = eager_peak_gib
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
