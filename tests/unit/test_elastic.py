@@ -191,3 +191,30 @@ def test_node_views_count_gpus_left_by_other_pods_and_readiness():
     assert carried_nodes(ann(6), doc) == 6
     assert carried_nodes(ann(9), doc) is None  # outside [minNodes, maxNodes] after a spec edit
     assert carried_nodes({}, doc) is None
+
+
+def test_avoided_nodes_are_anded_into_the_users_affinity_and_rendered_by_plan():
+    user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}},
+        "podAntiAffinity": {"x": 1}}
+    out = el.with_avoided_nodes(user, ["n2", "n1"])
+    terms = out["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    notin = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]}
+    assert [t["matchExpressions"][-1] for t in terms] == [notin, notin]  # ANDed into every ORed term
+    assert out["podAntiAffinity"] == {"x": 1}
+    assert len(user["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+               ["matchExpressions"]) == 1  # the spec's own value is not mutated
+    assert el.with_avoided_nodes(None, []) is None and el.with_avoided_nodes(user, []) == user
+
+    from kiln.api.spec import TrainingSpec
+    from kiln.control.plan import Observed, plan
+
+    doc = TrainingSpec.model_validate({"metadata": {"name": "r", "namespace": "ml", "uid": "u"},
+                                       "spec": spec().model_dump(by_alias=True, exclude_none=True)})
+    job = next(o for o in plan(doc, Observed(nodes=6, avoid_nodes=("n1",))).objects if o["kind"] == "PyTorchJob")
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 6
+    aff = worker["template"]["spec"]["affinity"]["nodeAffinity"]
+    assert aff["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}]}]

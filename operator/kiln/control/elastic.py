@@ -208,6 +208,28 @@ def avoid_affinity(avoid: Iterable[str]) -> dict | None:
         {"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}]}]}}}
 
 
+def with_avoided_nodes(affinity: Mapping | None, avoid: Iterable[str]) -> dict | None:
+    """`affinity` (a core/v1 Affinity, as the user wrote it) that also keeps pods off `avoid`.
+
+    Required nodeSelectorTerms are ORed, so the NotIn expression is added to every term (or forms the only
+    term), which ANDs it with whatever the user required.
+    """
+    names = sorted(set(avoid))
+    if not names:
+        return dict(affinity) if affinity else None
+    expr = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}
+    out = {k: v for k, v in (affinity or {}).items()}
+    node_aff = dict(out.get("nodeAffinity") or {})
+    required = dict(node_aff.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    terms = [dict(t) for t in required.get("nodeSelectorTerms") or []] or [{}]
+    for t in terms:
+        t["matchExpressions"] = list(t.get("matchExpressions") or []) + [expr]
+    required["nodeSelectorTerms"] = terms
+    node_aff["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    out["nodeAffinity"] = node_aff
+    return out
+
+
 # ---- hang detection ------------------------------------------------------------------------------------------------
 
 

@@ -47,6 +47,11 @@ def carried_nodes(body: dict, doc: TrainingSpec) -> int | None:
     return n if isinstance(n, int) and lo <= n <= hi and elastic.valid_node_count(doc.spec, n) else None
 
 
+def carried_avoid(body: dict) -> tuple[str, ...]:
+    """Nodes the elastic loop avoids for this run; for plan()."""
+    return tuple(elastic.nodes_to_avoid(state_of(body).get("nodeFailures") or {}))
+
+
 def _time(ts: str | None) -> float | None:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
 
@@ -126,13 +131,15 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         new_state = {**state, "nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
                      "lastChange": now_s if decision.changed else state.get("lastChange")}
         new_state.update(_hang_check(kube, body, doc, state, ours, now_s, tuning, post))
-        if decision.changed:
+        if decision.changed or avoid != elastic.nodes_to_avoid(state.get("nodeFailures") or {}):
             applied = kube.applied_spec(namespace, name)
-            desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes), config)
+            desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
+                                            avoid_nodes=tuple(avoid)), config)
             if desired.refused is None:
                 for obj in desired.objects:
                     kube.apply(obj)
-            post(body, Event("Normal", "Scaling", decision.reason))
+            if decision.changed:
+                post(body, Event("Normal", "Scaling", decision.reason))
         if new_state != state:
             kube.custom.patch_namespaced_custom_object(
                 "kiln.dev", "v1alpha1", namespace, "trainingspecs", name,

@@ -21,6 +21,7 @@ from kiln.api.presets import resolve_model
 from kiln.api.rules import check, processes_per_node
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
+from kiln.control.elastic import with_avoided_nodes
 from kiln.errors import KilnError
 
 SPEC_MOUNT = "/etc/kiln"
@@ -48,6 +49,7 @@ class Observed:
     applied: dict | None = None  # the resolved spec in the existing ConfigMap (what the job runs with)
     job_active: bool = False  # a PyTorchJob exists and has not finished
     nodes: int | None = None  # the elastic controller's current node decision; None: spec.resources.nodes
+    avoid_nodes: tuple[str, ...] = ()  # nodes that failed this run twice (kiln.control.elastic)
 
 
 @dataclass
@@ -211,7 +213,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         service_account_name=n["trainer"],
         node_selector=node_selector or None,
         tolerations=tolerations or None,
-        affinity=r.affinity,  # passed through as written (a core/v1 Affinity)
+        # passed through as written (a core/v1 Affinity), plus keeping off nodes that failed this run twice
+        affinity=with_avoided_nodes(r.affinity, observed.avoid_nodes),
         priority_class_name=s.scheduling.priority_class_name,
         termination_grace_period_seconds=config.termination_grace_seconds,
         volumes=[

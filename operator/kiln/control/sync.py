@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from kiln.api.load import format_validation_error
 from kiln.api.spec import TrainingSpec
 from kiln.control.config import OperatorConfig
-from kiln.control.elastic_sync import carried_nodes
+from kiln.control.elastic_sync import carried_avoid, carried_nodes
 from kiln.control.kube import Kube
 from kiln.control.plan import Observed, plan
 from kiln.control.status import Event, changed, derive, job_condition
@@ -54,7 +54,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -
         try:
             doc = TrainingSpec.model_validate(body)
             # keep the node count the elastic loop chose (kiln.control.elastic_sync) across spec edits
-            desired = plan(doc, replace(observed, nodes=carried_nodes(body, doc)), config)
+            desired = plan(doc, replace(observed, nodes=carried_nodes(body, doc), avoid_nodes=carried_avoid(body)),
+                           config)
         except ValidationError as err:  # only when the CRD in the cluster lacks kiln's schema rules
             accepted, desired = ("False", "InvalidSpec", format_validation_error(err)), None
         except KilnError as err:
