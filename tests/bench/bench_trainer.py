@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from kiln.api import TrainingSpec, resolve_model
 from kiln.trainer import kernels
 from kiln.trainer.metrics import flops_per_token, peak_flops

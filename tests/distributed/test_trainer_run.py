@@ -79,7 +79,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
-    stdout, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "interrupted; rerun the same command to resume" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kiln.errors import KilnError
 from kiln.trainer.data import GlobalBatchLoader, SyntheticSamples, open_source, pydoc_bytes
 

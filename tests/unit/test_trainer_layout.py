@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from kiln.api.spec import TrainingSpecSpec
 from kiln.api import resolve_model
+from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.trainer.metrics import PEAK_FLOPS, flops_per_token
 from kiln.trainer.model import count_params

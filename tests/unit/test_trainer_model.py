@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from kiln.api import ModelDims, resolve_model
 from kiln.api.spec import ModelSpec
 from kiln.trainer import parallel

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kiln.api.spec import TrainingConfig
 from kiln.trainer.optim import lr_at
 
 
 def cfg(**kw) -> TrainingConfig:
-    base = dict(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    base = {"steps": 100, "lr": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "schedule": "cosine"}
     return TrainingConfig(**{**base, **kw})
 
 
@@ -29,7 +29,7 @@ def test_cosine_ends_at_the_floor_and_passes_the_midpoint_halfway():
     assert lr_at(55, c) == pytest.approx((1e-3 + 1e-4) / 2)
     assert lr_at(100, c) == pytest.approx(1e-4)
     values = [lr_at(s, c) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_linear_decays_in_a_straight_line():

@@ -114,7 +114,7 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
     if uri.startswith("s3://"):
         path = fetch_shards(uri, endpoint=endpoint)
     else:
-        path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+        path = Path(uri.removeprefix("file://"))
     if not path.is_dir():
         raise KilnError(f"data.uri {uri}: no such folder; use 'synthetic', 'builtin:pydoc' or file:///path/ to tokenized shards")
     files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))

@@ -12,9 +12,9 @@ import base64
 import io
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

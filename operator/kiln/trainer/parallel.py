@@ -135,8 +135,13 @@ def build_pipeline_schedule(stage_module: nn.Module, mesh, layout: Layout, devic
 def apply_tp(model: nn.Module, tp_mesh) -> None:
     """Megatron-style plan: q/k/v and w1/w3 column-wise, wo and w2 row-wise; norms sequence-parallel."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     top = {}
     if model.tok_embeddings is not None:
