@@ -8,6 +8,7 @@ component compiles all its main packages, so they share work.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -156,8 +157,17 @@ def _go_build(name: str, src: Path) -> None:
 
 
 def build(names: list[str] | None = None) -> dict[str, float]:
-    """Build what is missing; return seconds spent per component (0 for cached ones)."""
-    names = names or versions.BUILD_ORDER
+    """Build what is missing; return seconds spent per component (0 for cached ones).
+
+    A file lock makes concurrent callers (several pytest sessions) wait for one build.
+    """
+    rig_dir().mkdir(parents=True, exist_ok=True)
+    with open(rig_dir() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(names or versions.BUILD_ORDER)
+
+
+def _build(names: list[str]) -> dict[str, float]:
     todo = [n for n in names if not is_built(n)]
     times: dict[str, float] = {n: 0.0 for n in names if n not in todo}
     if not todo:

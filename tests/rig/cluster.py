@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -283,7 +284,12 @@ def _read_state() -> dict | None:
         return None
 
 
+_CHILDREN: dict[int, subprocess.Popen] = {}  # processes started by this Python process
+
+
 def _alive(pid: int, exe: str) -> bool:
+    if pid in _CHILDREN:  # right after fork, /proc/<pid>/cmdline is still Python's
+        return _CHILDREN[pid].poll() is None
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     except OSError:
@@ -300,16 +306,26 @@ def _start(name: str, args: list[str], procs: dict, env: dict | None = None) -> 
             [exe, *args[1:]], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=run_dir(), start_new_session=True, env={**os.environ, **(env or {})},
         )
+    _CHILDREN[proc.pid] = proc
     procs[name] = {"pid": proc.pid, "exe": exe}
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
 
 
 def _wait(what: str, check, timeout: float, procs: dict, name: str) -> None:
     deadline = time.monotonic() + timeout
-    while not check():
+    while True:
         info = procs[name]
+        # Ours must be alive: a healthy answer from a stray process on the port does not count.
         if not _alive(info["pid"], info["exe"]):
             tail = (run_dir() / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name} exited while waiting for {what}; log tail:\n{tail}")
+        if check():
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not healthy after {timeout:.0f}s; see {run_dir() / 'logs' / (name + '.log')}")
         time.sleep(0.2)
@@ -397,6 +413,13 @@ def _start_all() -> Rig:
     rd = run_dir()
     binp = build.bin_dir()
     pkd = rd / "pki"
+    busy = {name: port for name, port in PORTS.items() if _port_busy(port)}
+    if busy:
+        raise RuntimeError(
+            f"ports in use on {HOST}: {busy}; another rig (or something else) holds them. "
+            "`python -m tests.rig down` stops a rig started from this run directory "
+            f"({run_dir()}); otherwise stop that process."
+        )
     for stale in ("etcd-data", "s3-data", "logs", "sa-kubeconfigs"):
         shutil.rmtree(rd / stale, ignore_errors=True)
     _make_pki()
@@ -443,6 +466,7 @@ def _start_all() -> Rig:
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
+            "--shutdown-delay-duration=0s",
         ], procs)
         save()
         _wait("kube-apiserver", lambda: _https_ok(f"https://{HOST}:{PORTS['apiserver']}/readyz"), 120, procs,
@@ -545,12 +569,17 @@ def running() -> Rig | None:
     state = _read_state()
     if not state or "ready" not in state:
         return None
-    if not all(_alive(p["pid"], p["exe"]) for p in state["procs"].values()):
+    dead = [n for n, p in state["procs"].items() if not _alive(p["pid"], p["exe"])]
+    if dead:
+        log(f"the recorded rig is not running ({', '.join(dead)} stopped)")
         return None
     rig = _rig_from_state(state)
     if Path(rig.env["KILN_RIG_BIN"]) != build.bin_dir():
         return None  # built from other pins: start the current one instead
-    return rig if rig.healthy() else None
+    if not rig.healthy():
+        log("the recorded rig does not answer (apiserver /readyz or S3)")
+        return None
+    return rig
 
 
 def _leases() -> Path:
