@@ -141,7 +141,9 @@ def crd() -> dict:
             "apiVersion": {"type": "string", "description": "kiln.dev/v1alpha1"},
             "kind": {"type": "string", "description": "TrainingSpec"},
             "metadata": {"type": "object"},
-            "spec": {**spec_schema(), "default": {}},
+            # the apiserver checks a default against the CEL rules as it is (nested defaults not applied)
+            "spec": {**spec_schema(), "default": TrainingSpecSpec().model_dump(mode="json", by_alias=True,
+                                                                               exclude_none=True)},
             "status": status_schema(),
         },
         "x-kubernetes-validations": [{"rule": NAME_CEL, "message": NAME_MESSAGE}],
