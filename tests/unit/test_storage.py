@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import ssl
 
 import pytest
+import urllib3
 
 from kiln.errors import KilnError
 from kiln.storage import FileStore, ObjectNotFound, open_store
@@ -99,6 +101,9 @@ def test_transient_classification():
     assert is_transient(TimeoutError())
     assert is_transient(OSError(errno.ECONNRESET, "reset"))
     assert not is_transient(ValueError("bad"))
+    tls = urllib3.exceptions.MaxRetryError(None, "https://s3", reason=urllib3.exceptions.SSLError(ssl.SSLError("cert")))
+    assert not is_transient(tls)  # a certificate problem is reported at once, not retried for minutes
+    assert is_transient(urllib3.exceptions.MaxRetryError(None, "http://s3", reason=ConnectionRefusedError()))
     assert not is_transient(FileNotFoundError("x"))
 
 

@@ -12,6 +12,7 @@ import http.client
 import logging
 import random
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class RetryPolicy:
 
 def is_transient(err: BaseException) -> bool:
     """True for failures a retry can fix: the network or the server, not the request."""
+    if _is_tls_failure(err):
+        return False  # a certificate problem does not heal by waiting
     code = getattr(err, "code", None)
     if isinstance(code, str) and code in TRANSIENT_S3_CODES:
         return True
@@ -109,6 +112,16 @@ def call_with_retry(
             )
             sleep(wait)
             attempt += 1
+
+
+def _is_tls_failure(err: BaseException | None) -> bool:
+    seen = 0
+    while err is not None and seen < 5:  # urllib3 wraps the ssl error (MaxRetryError.reason, __cause__)
+        if isinstance(err, ssl.SSLError) or type(err).__name__ == "SSLError":
+            return True
+        err = getattr(err, "reason", None) or err.__cause__
+        seen += 1
+    return False
 
 
 def _short(err: BaseException) -> str:
