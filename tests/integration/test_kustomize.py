@@ -28,9 +28,11 @@ def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path)
             job = reconcile_sample(rig, namespace, metrics)
         assert job["metadata"]["ownerReferences"][0]["kind"] == "TrainingSpec"
     finally:
-        if fresh:  # leave a shared install alone; remove ours, but never the CRD (every TrainingSpec)
-            for obj in reversed(objs):
-                if obj["kind"] != "CustomResourceDefinition":
-                    ns = obj["metadata"].get("namespace")
-                    rig.kubectl("delete", obj["kind"], obj["metadata"]["name"], *(["-n", ns] if ns else []),
-                                "--wait=false", "--ignore-not-found", check=False)
+        if fresh:
+            # Remove what grants or runs something: the namespace (with the Deployment, Service and
+            # ServiceAccount) and the binding. Keep the CRD (every TrainingSpec) and the ClusterRoles: other
+            # tests on this rig apply and bind the same manifests/rbac roles.
+            for obj in objs:
+                if obj["kind"] in ("Namespace", "ClusterRoleBinding"):
+                    rig.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--wait=false",
+                                "--ignore-not-found", check=False)
