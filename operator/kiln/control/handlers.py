@@ -33,6 +33,20 @@ def _post(body: dict, event: Event) -> None:
     kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
+@kopf.on.login()
+def login(**_) -> kopf.ConnectionInfo:
+    # kopf talks to the apiserver with the same credentials as kiln's client (--kubeconfig or in-cluster).
+    cfg = _kube().api.configuration
+    auth = cfg.get_api_key_with_prefix("authorization") or ""  # refreshes an in-cluster token if due
+    scheme, _, token = auth.partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        scheme=scheme or None, token=token or None,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        username=cfg.username or None, password=cfg.password or None,
+    )
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
     # kopf's bookkeeping goes to annotations: the status schema is kiln's own and prunes unknown fields.
@@ -88,11 +102,6 @@ def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
     """Run the operator until interrupted. health: e.g. http://0.0.0.0:8080/healthz (None: no endpoint)."""
     _state["config"] = config or OperatorConfig.from_env()
     _state["kubeconfig"] = kubeconfig
-    if kubeconfig:
-        # kopf logs in through the kubernetes client, which reads this variable
-        import os
-
-        os.environ["KUBECONFIG"] = kubeconfig
     _kube()  # fail early, with a message, on missing credentials
     if _state["config"].metrics_port:
         metrics.serve(_state["config"].metrics_port)
