@@ -31,6 +31,8 @@ import yaml
 from tests.rig import build, pki, versions
 
 HOST = "127.0.0.1"
+# A second rig on the same machine (another KILN_CACHE_DIR) needs other ports: set an offset.
+_PORT_OFFSET = int(os.environ.get("KILN_RIG_PORT_OFFSET", "0"))
 PORTS = {
     "etcd": 12379,
     "etcd-peer": 12380,
@@ -43,6 +45,7 @@ PORTS = {
     "operator-probe": 18081,
     "operator-webhook": 19443,
 }
+PORTS = {name: port + _PORT_OFFSET for name, port in PORTS.items()}
 S3_ACCESS_KEY = "kiln-rig"
 S3_SECRET_KEY = "kiln-rig-secret-key"
 S3_BUCKET = "kiln"
@@ -64,6 +67,8 @@ OPERATOR_NAMESPACE = "kubeflow"
 WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"
 WEBHOOK_SECRET = "training-operator-webhook-cert"
 WEBHOOK_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")  # hard-coded in the operator
+# That folder is one per machine, so every rig on the machine shares one webhook certificate.
+WEBHOOK_PKI = WEBHOOK_CERT_DIR.parent / "kiln-rig-pki"
 
 
 def run_dir() -> Path:
@@ -264,11 +269,14 @@ def _make_pki() -> None:
     pki.make_service_account_keys(pkd)
     # The operator's cert rotator verifies its CA against the CA name and the serving cert
     # against <service>.<namespace>.svc; 127.0.0.1 is added so the apiserver can call it by URL.
-    pki.make_ca(pkd, "webhook-ca", "training-operator-ca")
-    pki.make_cert(
-        pkd, "webhook", "webhook-ca", "/CN=training-operator.kubeflow.svc",
-        dns=("training-operator.kubeflow.svc",), ips=(HOST,),
-    )
+    WEBHOOK_PKI.mkdir(parents=True, exist_ok=True)
+    with open(WEBHOOK_PKI / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pki.make_ca(WEBHOOK_PKI, "webhook-ca", "training-operator-ca")
+        pki.make_cert(
+            WEBHOOK_PKI, "webhook", "webhook-ca", "/CN=training-operator.kubeflow.svc",
+            dns=("training-operator.kubeflow.svc",), ips=(HOST,),
+        )
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -376,7 +384,7 @@ def _gpu_node(name: str) -> dict:
 
 
 def _webhook_objects() -> list[dict]:
-    pkd = run_dir() / "pki"
+    pkd = WEBHOOK_PKI
 
     def b64(name: str) -> str:
         return base64.b64encode((pkd / name).read_bytes()).decode()
@@ -501,8 +509,10 @@ def _start_all() -> Rig:
         rig.apply(_webhook_objects())
         rig.apply([_gpu_node(n) for n in GPU_NODES])
         WEBHOOK_CERT_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pkd / "webhook.crt", WEBHOOK_CERT_DIR / "tls.crt")
-        shutil.copyfile(pkd / "webhook.key", WEBHOOK_CERT_DIR / "tls.key")
+        for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
+            tmp = WEBHOOK_CERT_DIR / f".{dst}.{os.getpid()}"
+            shutil.copyfile(WEBHOOK_PKI / src, tmp)
+            tmp.replace(WEBHOOK_CERT_DIR / dst)  # atomically: a running operator may be reading
         rig.kubectl("wait", "--for=condition=Established", "crd/pytorchjobs.kubeflow.org", "--timeout=60s")
         _start("training-operator", [
             "training-operator", f"--kubeconfig={admin_kc}", "--enable-scheme=pytorchjob",
