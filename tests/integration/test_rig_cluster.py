@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 from kubeflow.training import (
@@ -14,6 +15,8 @@ from kubeflow.training import (
     TrainingClient,
 )
 from kubernetes import client as k8s
+
+from tests.rig import build, versions
 
 pytestmark = pytest.mark.rig
 
@@ -58,8 +61,6 @@ def training(rig, namespace):
 
 
 def test_versions_are_the_pinned_release(rig):
-    from tests.rig import versions
-
     info = json.loads(rig.kubectl("version", "-o", "json").stdout)
     assert info["clientVersion"]["gitVersion"] == versions.KUBERNETES
     assert info["serverVersion"]["gitVersion"] == versions.KUBERNETES
@@ -169,3 +170,34 @@ def test_service_account_kubeconfig_acts_as_that_account(rig, namespace):
     with pytest.raises(subprocess.CalledProcessError) as err:
         rig.kubectl("create", "configmap", "x", "-n", namespace, kubeconfig=kubeconfig)
     assert "forbidden" in err.value.stderr
+
+
+def test_helm_checks_kube_version_against_the_rig(rig, namespace, tmp_path):
+    chart = tmp_path / "probe"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\n"
+        "data: {kube: {{ .Capabilities.KubeVersion.Version | quote }}}\n"
+    )
+    helm = [str(rig.bin / "helm"), "--kubeconfig", str(rig.kubeconfig), "-n", namespace]
+
+    def install(constraint: str) -> subprocess.CompletedProcess:
+        (chart / "Chart.yaml").write_text(
+            f"apiVersion: v2\nname: probe\nversion: 0.1.0\nkubeVersion: '{constraint}'\n"
+        )
+        return subprocess.run(helm + ["install", "probe", str(chart)], capture_output=True, text=True)
+
+    too_new = install(">=1.99.0-0")
+    assert too_new.returncode != 0 and "incompatible with Kubernetes v1.36" in too_new.stderr
+    ok = install(">=1.34.0-0")
+    assert ok.returncode == 0, ok.stderr
+    got = rig.kubectl("get", "configmap", "probe", "-n", namespace, "-o", "jsonpath={.data.kube}").stdout
+    assert got == versions.KUBERNETES
+
+
+def test_second_build_costs_nothing(rig):
+    start = time.monotonic()
+    spent = build.build()
+    assert set(spent) == set(versions.BUILD_ORDER)
+    assert all(seconds == 0 for seconds in spent.values())
+    assert time.monotonic() - start < 5
