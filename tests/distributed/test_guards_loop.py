@@ -38,7 +38,7 @@ def _rank(rank, world, port, spec_path, out):
         return True
 
     hooks = StepHooks(before_update=[inject])
-    guards = GuardHooks(GuardConfig(min_history=3, spike_limit=3, spike_window=5), sdc_every=3)
+    guards = GuardHooks(GuardConfig(min_history=3, spike_limit=3, spike_window=5), sdc_every=3, health_every=5)
     guards.install(hooks)
     result = train(load_file(spec_path)[0], output_dir=out, hooks=hooks)
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:
@@ -60,6 +60,9 @@ def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
                        (8, "skip"), (9, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
     rollback = records[8]
     assert rollback["rolled_back_to"] == 6 and "steps 7..9" in rollback["guard_reason"]
+    health = [r for r in records if "gpu_healthy" in r]
+    assert [r["step"] for r in health] == [5, 10]  # every 5 steps; this machine has no GPU
+    assert health[0]["gpu_count"] == 0 and health[0]["gpu_condition"]["reason"] == "NoGPU"
     last = records[-1]
     assert (last["guard_skipped_nonfinite"], last["guard_skipped_spike"], last["guard_rollbacks"]) == (1, 2, 1)
     assert math.isfinite(last["loss"])

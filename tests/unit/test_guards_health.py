@@ -14,7 +14,7 @@ def test_healthy_gpus():
     assert r.condition == {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy",
                            "message": "2 GPU(s) healthy"}
     m = r.metrics()
-    assert m["gpu/count"] == 2 and m["gpu/temperature_max_c"] == 60 and m["gpu/healthy"] == 1.0
+    assert m["gpu_count"] == 2 and m["gpu_temperature_max_c"] == 60 and m["gpu_healthy"] == 1.0
 
 
 @pytest.mark.parametrize("sample,text", [
@@ -27,7 +27,7 @@ def test_failed_gpu_gives_a_false_condition_naming_it(sample, text):
     assert r.status == "failed"
     cond = r.condition
     assert cond["status"] == "False" and cond["reason"] == "GPUFailed" and text in cond["message"]
-    assert r.metrics()["gpu/healthy"] == 0.0
+    assert r.metrics()["gpu_healthy"] == 0.0
 
 
 def test_degraded_when_hot_or_warning_xid():
@@ -36,7 +36,7 @@ def test_degraded_when_hot_or_warning_xid():
     assert assess([GpuSample(0, temperature_c=84, slowdown_temperature_c=90)]).status == "ok"
     assert assess([GpuSample(0, temperature_c=91)]).status == "degraded"  # no threshold known: 90 °C default
     x = assess([GpuSample(2, xids=(13,))])
-    assert x.status == "degraded" and x.metrics()["gpu/xid_events"] == 1
+    assert x.status == "degraded" and x.metrics()["gpu_xid_events"] == 1
     # fatal outranks degraded, and both reasons are kept
     both = assess([GpuSample(0, temperature_c=95, xids=(48,))])
     assert both.status == "failed" and len(both.reasons) == 2
@@ -55,4 +55,4 @@ def test_probe_reports_no_gpu_cleanly_or_samples_every_gpu():
     else:
         assert "NVML" in r.reasons[0]
     assert r.condition["status"] == "True" and r.condition["reason"] == "NoGPU"
-    assert r.metrics()["gpu/count"] == 0
+    assert r.metrics()["gpu_count"] == 0

@@ -313,15 +313,18 @@ def _local_and_replica_groups(p, default_group):
 
 
 class GuardHooks:
-    """StepGuard before the optimizer step, SdcCheck after it; counters go into the step's metrics record.
+    """StepGuard before the optimizer step, SdcCheck and the GPU health probe after it; counters go into the
+    step's metrics record (the health report's GPUHealthy condition as `gpu_condition`).
 
     A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
     data cursor, so the offending data window is skipped.
     """
 
-    def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100) -> None:
+    def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100, health_every: int = 100) -> None:
         self.guard = StepGuard(config)
         self.sdc = SdcCheck(every=sdc_every)
+        self.health_every = health_every
+        self._gpus = None  # kiln.trainer.health.GpuMonitor, opened on first use
         self.last: Decision | None = None
 
     def before_update(self, ctx) -> bool:
@@ -339,6 +342,13 @@ class GuardHooks:
             for part in ctx.model_parts:  # raises SilentDataCorruption (every rank) before anything is saved
                 self.sdc.verify(part, ctx.step, loss=ctx.loss)
             ctx.record.update(self.sdc.metrics())
+        if self.health_every > 0 and ctx.step % self.health_every == 0:
+            from kiln.trainer.health import GpuMonitor
+
+            if self._gpus is None:
+                self._gpus = GpuMonitor()
+            report = self._gpus.probe()  # this node's GPUs; "no-gpu" (healthy) on a CPU machine
+            ctx.record.update(report.metrics(), gpu_condition=report.condition)
 
     def install(self, hooks) -> None:
         hooks.before_update.append(self.before_update)

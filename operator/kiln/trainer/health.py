@@ -45,12 +45,12 @@ class HealthReport:
 
     def metrics(self) -> dict[str, float]:
         temps = [s.temperature_c for s in self.samples if s.temperature_c is not None]
-        return {"gpu/count": len(self.samples),
-                "gpu/temperature_max_c": max(temps) if temps else 0.0,
-                "gpu/ecc_uncorrected": sum(s.ecc_uncorrected for s in self.samples),
-                "gpu/ecc_corrected": sum(s.ecc_corrected for s in self.samples),
-                "gpu/xid_events": sum(len(s.xids) for s in self.samples),
-                "gpu/healthy": 1.0 if self.status in ("ok", "no-gpu") else 0.0}
+        return {"gpu_count": len(self.samples),
+                "gpu_temperature_max_c": max(temps) if temps else 0.0,
+                "gpu_ecc_uncorrected": sum(s.ecc_uncorrected for s in self.samples),
+                "gpu_ecc_corrected": sum(s.ecc_corrected for s in self.samples),
+                "gpu_xid_events": sum(len(s.xids) for s in self.samples),
+                "gpu_healthy": 1.0 if self.status in ("ok", "no-gpu") else 0.0}
 
 
 def assess(samples: list[GpuSample], *, temp_margin_c: float = 5.0, max_temp_c: float = 90.0,
