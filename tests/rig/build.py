@@ -30,6 +30,8 @@ def cache_dir() -> Path:
 
 
 def go_version() -> str:
+    if shutil.which("go") is None:
+        raise RuntimeError("the rig is built from Go modules: put Go >= 1.26 on PATH (apt: golang-go is too old)")
     return subprocess.run(["go", "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
 
 
