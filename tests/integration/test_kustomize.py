@@ -13,6 +13,8 @@ pytestmark = pytest.mark.rig
 
 def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path):
     objs = [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
+    # A namespace left Terminating by an earlier run refuses new objects: let it go first.
+    rig.kubectl("wait", "--for=delete", "namespace/kiln-system", "--timeout=120s", check=False)
     fresh = rig.kubectl("get", "namespace", "kiln-system", check=False).returncode != 0
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(MANIFESTS))
     try:
