@@ -162,12 +162,14 @@ def test_gitlab_job_fails_when_the_run_fails():
 # --- Tekton ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # cold: builds its tool once into $KILN_CACHE_DIR/tools
 def test_tekton_task_and_pipeline_pass_tektons_validation(tekton_lint):
     assert [p.name for p in TEKTON] == ["kiln-train-pipeline.yaml", "kiln-train-task.yaml"]
     proc = run([tekton_lint, *TEKTON])
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # cold: builds tekton-lint once
 @pytest.mark.parametrize("old,new,says", [
     ("$(params.timeout)", "$(params.timout)", "timout"),          # a parameter that does not exist
     ("  workspaces:\n    - name: source\n      description", "  workspace:\n    - name: source\n      description",
@@ -192,6 +194,7 @@ def test_tekton_pipeline_waits_for_the_run_and_always_shows_status():
 # --- Kubeflow Pipelines -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # cold: builds its tool once into $KILN_CACHE_DIR/tools
 def test_kfp_pipeline_compiles_to_validate_train_evaluate_publish(kfp_python, tmp_path):
     out = tmp_path / "kiln-train.yaml"
     proc = run([kfp_python, KFP, "--out", out])
@@ -236,6 +239,7 @@ KFP_COMPONENTS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # cold: builds its tool once into $KILN_CACHE_DIR/tools
 def test_kfp_evaluate_and_publish_components_on_a_real_checkpoint(kfp_python, tmp_path):
     # The components' Python functions, run in the kfp environment against kiln's own commit protocol.
     script = tmp_path / "components.py"
