@@ -3,7 +3,8 @@
 A 2-node job (minNodes 1) runs on both kwok GPU nodes; one node goes NotReady → the elastic loop
 (kiln.control.elastic_sync.tick, the operator's timer body) force-deletes the pod stuck there, records
 the node failure and shrinks the PyTorchJob to 1 worker; the node comes back → the job grows to 2 again;
-the reported step stops moving → the workers are restarted (hang detection).
+the reported step stops moving → the workers are restarted (hang detection). A phase plan switches the
+node count only once the boundary step is committed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def _condition(kube: Kube, namespace: str) -> dict:
     return next(c for c in body["status"]["conditions"] if c["type"] == "Elastic")
 
 
+def _wait_gpu_nodes_free(rig, kube: Kube, namespace: str) -> None:
+    """Pods of earlier tests (namespaces are deleted asynchronously) may still hold the kwok GPUs."""
+    def free() -> bool:
+        pods = json.loads(kube.core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
+        nodes = json.loads(kube.core.list_node(_preload_content=False).data)["items"]
+        views = elastic_sync.node_views(nodes, pods, (namespace, "elastic"))
+        return all(v.gpus_free == rig.gpus_per_node for v in views if v.name in rig.gpu_nodes)
+    rig.wait_for("free kwok GPU nodes", free, timeout=120)
+
+
 def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
     install_crd(rig)
     kube = Kube(api_client(str(rig.kubeconfig)))
@@ -61,6 +72,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
     tuning = elastic_sync.Tuning(grace_s=0.0, grow_cooldown_s=0.0)
     bad = rig.gpu_nodes[1]
     with rig.exclusive_gpus():
+        _wait_gpu_nodes_free(rig, kube, namespace)
         try:
             rig.apply(_spec(rig, namespace))
             body = kube.trainingspec(namespace, "elastic")
@@ -111,3 +123,29 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
                 {p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")} & uids), timeout=120)
         finally:
             rig.set_node_ready(bad, True)
+
+
+def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace):
+    install_crd(rig)
+    kube = Kube(api_client(str(rig.kubeconfig)))
+    events: list = []
+    post = lambda body, event: events.append(event)  # noqa: E731
+    config = OperatorConfig(image="kiln-trainer:rig")
+    tuning = elastic_sync.Tuning(grace_s=0.0, grow_cooldown_s=0.0)
+    body = _spec(rig, namespace)
+    body["spec"]["resources"]["nodes"] = 1
+    body["spec"]["elastic"]["plan"] = [{"untilStep": 10, "nodes": 1}, {"nodes": 2}]
+    with rig.exclusive_gpus():
+        _wait_gpu_nodes_free(rig, kube, namespace)
+        rig.apply(body)
+        reconcile(kube, kube.trainingspec(namespace, "elastic"), config, post)
+        rig.wait_for("1 running worker", lambda: len(_running_pods(kube, namespace)) == 1, timeout=120)
+        # both GPU nodes are free, but the plan says 1 node until step 10 is committed
+        kube.patch_status(namespace, "elastic", {"step": 12})
+        summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time(), tuning)
+        assert "steady at 1" in summary and "phase plan asks for 1" in summary and _workers(kube, namespace) == 1
+        kube.patch_status(namespace, "elastic", {"lastCheckpoint": {"step": 10, "uri": "file:///tmp/ckpt/step-00000010/"}})
+        summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+        assert "grow 1 → 2" in summary and "phase plan asks for 2 at committed step 10" in summary
+        assert _workers(kube, namespace) == 2
+        rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
