@@ -143,9 +143,10 @@ class StepGuard:
 
 
 def global_scalars(loss, grad_norm=None, group=None) -> tuple[float, float | None]:
-    """Average the loss over `group` (and max the grad norm) so every rank feeds StepGuard the same numbers.
+    """Average the loss and the grad norm over `group`, so every rank feeds StepGuard the same numbers.
 
-    A NaN/inf on any rank propagates into the sum, so all ranks skip together.
+    For loops that do not already all-reduce them (kiln's loop does). A NaN/inf on any rank propagates
+    into the sum, so all ranks skip together.
     """
     import torch
     import torch.distributed as dist
