@@ -24,7 +24,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import yaml
 
@@ -417,22 +417,110 @@ def _webhook_objects() -> list[dict]:
     ]
 
 
+# --- the command line of each component ----------------------------------------------------
+
+def _versitygw_cmd(rd: Path) -> list[str]:
+    return ["versitygw", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
+            "--port", f"{HOST}:{PORTS['s3']}", "posix", str(rd / "s3-data")]
+
+
+def _etcd_cmd(rd: Path) -> list[str]:
+    peer = f"http://{HOST}:{PORTS['etcd-peer']}"
+    return [
+        "etcd", "--name", "rig", "--data-dir", str(rd / "etcd-data"),
+        "--listen-client-urls", f"http://{HOST}:{PORTS['etcd']}",
+        "--advertise-client-urls", f"http://{HOST}:{PORTS['etcd']}",
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"rig={peer}",
+        "--unsafe-no-fsync", "--log-level", "warn",  # a throwaway test store
+    ]
+
+
+def _apiserver_cmd(pkd: Path) -> list[str]:
+    return [
+        "kube-apiserver",
+        f"--etcd-servers=http://{HOST}:{PORTS['etcd']}",
+        f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={PORTS['apiserver']}",
+        f"--tls-cert-file={pkd / 'apiserver.crt'}", f"--tls-private-key-file={pkd / 'apiserver.key'}",
+        f"--client-ca-file={pkd / 'ca.crt'}",
+        "--authorization-mode=Node,RBAC",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pkd / 'sa.pub'}",
+        f"--service-account-signing-key-file={pkd / 'sa.key'}",
+        "--service-cluster-ip-range=10.0.0.0/24",
+        # 127.0.0.1 may not be published as the `kubernetes` Service endpoint.
+        "--endpoint-reconciler-type=none",
+        "--allow-privileged=true",
+        "--profiling=false",
+        "--shutdown-delay-duration=0s",
+    ]
+
+
+def _controller_manager_cmd(pkd: Path, kubeconfig: Path) -> list[str]:
+    return [
+        "kube-controller-manager",
+        f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        f"--bind-address={HOST}", f"--secure-port={PORTS['controller-manager']}",
+        f"--service-account-private-key-file={pkd / 'sa.key'}", f"--root-ca-file={pkd / 'ca.crt'}",
+        "--use-service-account-credentials=true", "--leader-elect=false",
+        # Notice NotReady kwok nodes quickly, so node-failure tests need not wait 40s.
+        "--node-monitor-grace-period=20s",
+    ]
+
+
+def _scheduler_cmd(kubeconfig: Path) -> list[str]:
+    return [
+        "kube-scheduler",
+        f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        f"--bind-address={HOST}", f"--secure-port={PORTS['scheduler']}", "--leader-elect=false",
+    ]
+
+
+def _kwok_cmd(kubeconfig: Path, stages: Path) -> list[str]:
+    return [
+        "kwok", f"--kubeconfig={kubeconfig}", f"--config={stages}",
+        "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+        "--node-lease-duration-seconds=40", f"--server-address={HOST}:{PORTS['kwok']}",
+    ]
+
+
+def _operator_cmd(kubeconfig: Path) -> list[str]:
+    return [
+        "training-operator", f"--kubeconfig={kubeconfig}", "--enable-scheme=pytorchjob",
+        f"--metrics-bind-address={HOST}:{PORTS['operator-metrics']}",
+        f"--health-probe-bind-address={HOST}:{PORTS['operator-probe']}",
+        f"--webhook-server-port={PORTS['operator-webhook']}",
+        "--zap-log-level=info",
+    ]
+
+
+def _install_webhook_certs() -> None:
+    WEBHOOK_CERT_DIR.mkdir(parents=True, exist_ok=True)
+    for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
+        tmp = WEBHOOK_CERT_DIR / f".{dst}.{os.getpid()}"
+        shutil.copyfile(WEBHOOK_PKI / src, tmp)
+        tmp.replace(WEBHOOK_CERT_DIR / dst)  # atomically: a running operator may be reading
+
+
+def _https_health(port: str) -> Callable[[], bool]:
+    return lambda: _https_ok(f"https://{HOST}:{PORTS[port]}/healthz", verify=False)
+
+
 def _start_all() -> Rig:
-    rd = run_dir()
-    binp = build.bin_dir()
-    pkd = rd / "pki"
+    rd, pkd = run_dir(), run_dir() / "pki"
     busy = {name: port for name, port in PORTS.items() if _port_busy(port)}
     if busy:
         raise RuntimeError(
             f"ports in use on {HOST}: {busy}; another rig (or something else) holds them. "
             "`python -m tests.rig down` stops a rig started from this run directory "
-            f"({run_dir()}); otherwise stop that process."
+            f"({rd}); otherwise stop that process, or set KILN_RIG_PORT_OFFSET."
         )
     for stale in ("etcd-data", "s3-data", "logs", "sa-kubeconfigs"):
         shutil.rmtree(rd / stale, ignore_errors=True)
     _make_pki()
     admin_kc = _cert_kubeconfig("admin")
-    rig = Rig(kubeconfig=admin_kc, bin=binp, s3_endpoint=f"http://{HOST}:{PORTS['s3']}")
+    rig = Rig(kubeconfig=admin_kc, bin=build.bin_dir(), s3_endpoint=f"http://{HOST}:{PORTS['s3']}")
     procs: dict = {}
     state = {"procs": procs, "env": rig.env, "started": time.time()}
 
@@ -441,17 +529,8 @@ def _start_all() -> Rig:
 
     try:
         (rd / "s3-data").mkdir(parents=True)
-        _start("versitygw", ["versitygw", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
-                             "--port", f"{HOST}:{PORTS['s3']}", "posix", str(rd / "s3-data")], procs)
-        _start("etcd", [
-            "etcd", "--name", "rig", "--data-dir", str(rd / "etcd-data"),
-            "--listen-client-urls", f"http://{HOST}:{PORTS['etcd']}",
-            "--advertise-client-urls", f"http://{HOST}:{PORTS['etcd']}",
-            "--listen-peer-urls", f"http://{HOST}:{PORTS['etcd-peer']}",
-            "--initial-advertise-peer-urls", f"http://{HOST}:{PORTS['etcd-peer']}",
-            "--initial-cluster", f"rig=http://{HOST}:{PORTS['etcd-peer']}",
-            "--unsafe-no-fsync", "--log-level", "warn",
-        ], procs)
+        _start("versitygw", _versitygw_cmd(rd), procs)
+        _start("etcd", _etcd_cmd(rd), procs)
         save()
         _wait("S3 server", lambda: _s3_up(rig.s3_endpoint), 30, procs, "versitygw")
         client = rig.minio_client()
@@ -459,75 +538,28 @@ def _start_all() -> Rig:
             client.make_bucket(S3_BUCKET)
         _wait("etcd", lambda: _http_ok(f"http://{HOST}:{PORTS['etcd']}/health"), 30, procs, "etcd")
 
-        _start("kube-apiserver", [
-            "kube-apiserver",
-            f"--etcd-servers=http://{HOST}:{PORTS['etcd']}",
-            f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={PORTS['apiserver']}",
-            f"--tls-cert-file={pkd / 'apiserver.crt'}", f"--tls-private-key-file={pkd / 'apiserver.key'}",
-            f"--client-ca-file={pkd / 'ca.crt'}",
-            "--authorization-mode=Node,RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pkd / 'sa.pub'}",
-            f"--service-account-signing-key-file={pkd / 'sa.key'}",
-            "--service-cluster-ip-range=10.0.0.0/24",
-            # 127.0.0.1 may not be published as the `kubernetes` Service endpoint.
-            "--endpoint-reconciler-type=none",
-            "--allow-privileged=true",
-            "--profiling=false",
-            "--shutdown-delay-duration=0s",
-        ], procs)
+        _start("kube-apiserver", _apiserver_cmd(pkd), procs)
         save()
         _wait("kube-apiserver", lambda: _https_ok(f"https://{HOST}:{PORTS['apiserver']}/readyz"), 120, procs,
               "kube-apiserver")
 
-        sched_kc, cm_kc = _cert_kubeconfig("scheduler"), _cert_kubeconfig("controller-manager")
-        _start("kube-controller-manager", [
-            "kube-controller-manager",
-            f"--kubeconfig={cm_kc}", f"--authentication-kubeconfig={cm_kc}", f"--authorization-kubeconfig={cm_kc}",
-            f"--bind-address={HOST}", f"--secure-port={PORTS['controller-manager']}",
-            f"--service-account-private-key-file={pkd / 'sa.key'}", f"--root-ca-file={pkd / 'ca.crt'}",
-            "--use-service-account-credentials=true", "--leader-elect=false",
-            # Notice NotReady kwok nodes quickly, so node-failure tests need not wait 40s.
-            "--node-monitor-grace-period=20s",
-        ], procs)
-        _start("kube-scheduler", [
-            "kube-scheduler",
-            f"--kubeconfig={sched_kc}", f"--authentication-kubeconfig={sched_kc}",
-            f"--authorization-kubeconfig={sched_kc}",
-            f"--bind-address={HOST}", f"--secure-port={PORTS['scheduler']}", "--leader-elect=false",
-        ], procs)
+        _start("kube-controller-manager", _controller_manager_cmd(pkd, _cert_kubeconfig("controller-manager")), procs)
+        _start("kube-scheduler", _scheduler_cmd(_cert_kubeconfig("scheduler")), procs)
         stages = rd / "kwok-stages.yaml"
         stages.write_text("\n---\n".join(p.read_text() for p in kwok_stage_files()))
-        _start("kwok", [
-            "kwok", f"--kubeconfig={admin_kc}", f"--config={stages}",
-            "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--node-lease-duration-seconds=40", f"--server-address={HOST}:{PORTS['kwok']}",
-        ], procs)
+        _start("kwok", _kwok_cmd(admin_kc, stages), procs)
         save()
 
         rig.kubectl("apply", "--server-side", *sum((["-f", str(p)] for p in operator_crds()), []))
         rig.apply(_webhook_objects())
         rig.apply([_gpu_node(n) for n in GPU_NODES])
-        WEBHOOK_CERT_DIR.mkdir(parents=True, exist_ok=True)
-        for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
-            tmp = WEBHOOK_CERT_DIR / f".{dst}.{os.getpid()}"
-            shutil.copyfile(WEBHOOK_PKI / src, tmp)
-            tmp.replace(WEBHOOK_CERT_DIR / dst)  # atomically: a running operator may be reading
+        _install_webhook_certs()
         rig.kubectl("wait", "--for=condition=Established", "crd/pytorchjobs.kubeflow.org", "--timeout=60s")
-        _start("training-operator", [
-            "training-operator", f"--kubeconfig={admin_kc}", "--enable-scheme=pytorchjob",
-            f"--metrics-bind-address={HOST}:{PORTS['operator-metrics']}",
-            f"--health-probe-bind-address={HOST}:{PORTS['operator-probe']}",
-            f"--webhook-server-port={PORTS['operator-webhook']}",
-            "--zap-log-level=info",
-        ], procs, env={"MY_POD_NAMESPACE": OPERATOR_NAMESPACE})
+        _start("training-operator", _operator_cmd(admin_kc), procs, env={"MY_POD_NAMESPACE": OPERATOR_NAMESPACE})
         save()
 
-        _wait("kube-scheduler", lambda: _https_ok(f"https://{HOST}:{PORTS['scheduler']}/healthz", verify=False),
-              60, procs, "kube-scheduler")
-        _wait("kube-controller-manager",
-              lambda: _https_ok(f"https://{HOST}:{PORTS['controller-manager']}/healthz", verify=False),
-              60, procs, "kube-controller-manager")
+        _wait("kube-scheduler", _https_health("scheduler"), 60, procs, "kube-scheduler")
+        _wait("kube-controller-manager", _https_health("controller-manager"), 60, procs, "kube-controller-manager")
         _wait("kwok GPU nodes Ready", lambda: all(rig.node_ready(n) for n in GPU_NODES), 60, procs, "kwok")
         _wait("training-operator", lambda: _http_ok(f"http://{HOST}:{PORTS['operator-probe']}/readyz"), 90,
               procs, "training-operator")
