@@ -1,7 +1,9 @@
 """Every version the rig builds, in one place.
 
-The cache key of a build is derived from this table (and the Go version), so a
-change here rebuilds exactly the components whose pin changed.
+The cache key of a build is derived from this table and the Go version: a change
+here builds into a new cache folder (the Go build cache keeps that cheap for
+components whose pins did not change). The key does not cover build flags: after
+changing those in build.py, delete `$KILN_CACHE_DIR/rig/<key>/stamps`.
 """
 
 # Kubernetes control plane: kube-apiserver, kube-scheduler, kube-controller-manager, kubectl.
