@@ -107,6 +107,19 @@ def test_gpu_jobs_are_placed_and_excess_stays_pending(rig, namespace, training):
         training.delete_job("wrong-gpu")
 
 
+def test_training_operator_sees_pods_fail_and_succeed(rig, namespace, training):
+    for name in ("will-fail", "will-succeed"):
+        job = pytorch_job(name, workers=1, gpus=1, product=rig.gpu_product)
+        job.spec.pytorch_replica_specs["Worker"].restart_policy = "Never"
+        training.create_job(job)
+    for name in ("will-fail", "will-succeed"):
+        rig.wait_for(f"PyTorchJob {name} Running", lambda n=name: training.is_job_running(n), timeout=90)
+    rig.fail_pod(namespace, "will-fail-worker-0", exit_code=137)
+    rig.succeed_pod(namespace, "will-succeed-worker-0")
+    rig.wait_for("PyTorchJob will-fail Failed", lambda: training.is_job_failed("will-fail"), timeout=60)
+    rig.wait_for("PyTorchJob will-succeed Succeeded", lambda: training.is_job_succeeded("will-succeed"), timeout=60)
+
+
 def test_webhook_rejects_an_invalid_pytorchjob(rig, namespace, training):
     job = pytorch_job("invalid", workers=1, gpus=1, product=rig.gpu_product)
     job.spec.pytorch_replica_specs["Worker"].template.spec.containers[0].name = "trainer"
