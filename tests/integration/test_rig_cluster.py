@@ -68,6 +68,8 @@ def test_versions_are_the_pinned_release(rig):
 
 def test_gpu_jobs_are_placed_and_excess_stays_pending(rig, namespace, training):
     with rig.exclusive_gpus():
+        # Other tests' GPU pods may still be terminating; this test needs all 16 GPUs.
+        rig.wait_for("every GPU free", lambda: not rig.gpus_in_use(), timeout=120)
         training.create_job(pytorch_job("fits", workers=2, gpus=8, product=rig.gpu_product))
         rig.wait_for("PyTorchJob fits Running", lambda: training.is_job_running("fits"), timeout=90)
         pods = rig.wait_for(

@@ -179,6 +179,19 @@ class Rig:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(interval)
 
+    def gpus_in_use(self) -> dict[str, int]:
+        """`namespace/pod` → GPUs, for pods bound to a node and not finished."""
+        pods = json.loads(self.kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
+        used = {}
+        for pod in pods:
+            if not pod["spec"].get("nodeName") or pod["status"].get("phase") in ("Succeeded", "Failed"):
+                continue
+            gpus = sum(int(c.get("resources", {}).get("requests", {}).get("nvidia.com/gpu", 0))
+                       for c in pod["spec"]["containers"])
+            if gpus:
+                used[f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"] = gpus
+        return used
+
     def exclusive_gpus(self):
         """Context manager: use every kwok GPU without other pytest sessions on this machine."""
         return exclusive_gpus()
