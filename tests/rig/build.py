@@ -81,7 +81,7 @@ def _staging_replaces(kube_version: str) -> list[str]:
         check=True, capture_output=True, text=True, env=go_env(),
     )
     gomod = Path(json.loads(out.stdout)["GoMod"]).read_text()
-    staging = sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", gomod, re.M)))
+    staging = sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", gomod, re.MULTILINE)))
     if not staging:
         raise RuntimeError(f"no staging replace lines found in k8s.io/kubernetes@{kube_version} go.mod")
     v0 = "v0." + kube_version.removeprefix("v1.")

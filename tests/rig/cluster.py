@@ -21,10 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import yaml
 
@@ -117,7 +117,9 @@ class Rig:
         cmd = [str(self.bin / "kubectl"), "--kubeconfig", str(kubeconfig or self.kubeconfig)]
         if as_user:
             cmd.append(f"--as={as_user}")
-        proc = subprocess.run(cmd + list(args), input=input, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd + list(args), input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
         if check and proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd + list(args), proc.stdout, proc.stderr)
         return proc
@@ -563,7 +565,7 @@ def _start_all() -> Rig:
         _start("kwok", _kwok_cmd(admin_kc, stages), procs)
         save()
 
-        rig.kubectl("apply", "--server-side", *sum((["-f", str(p)] for p in operator_crds()), []))
+        rig.kubectl("apply", "--server-side", *[arg for p in operator_crds() for arg in ("-f", str(p))])
         rig.apply(_webhook_objects())
         rig.apply([_gpu_node(n) for n in GPU_NODES])
         _install_webhook_certs()
