@@ -47,6 +47,7 @@ class Operator:
         self.port = free_port()
 
     def start(self) -> None:
+        self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1",
                "KILN_METRICS_PORT": str(free_port())}  # several operators may run on this machine
         env.pop("KUBECONFIG", None)
@@ -75,6 +76,9 @@ class Operator:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def log_since_start(self) -> str:
+        return self.log.read_text()[self.log_offset:]
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text().splitlines()[-n:]) if self.log.exists() else ""
@@ -268,7 +272,7 @@ def test_operator_restart_creates_no_duplicates(rig, ns, operator):
                                                                              f"{name}-spec")["metadata"]
     operator.stop()
     operator.start()
-    time.sleep(5)  # resume handlers have run by now (they are the first thing kopf does)
+    rig.wait_for("the resume handler ran", lambda: f"{name}: Applied" in operator.log_since_start(), timeout=60)
     after = get(rig, ns, "pytorchjob", name)["metadata"]["generation"], get(rig, ns, "configmap",
                                                                             f"{name}-spec")["metadata"]
     assert before[0] == after[0] and before[1]["resourceVersion"] == after[1]["resourceVersion"]

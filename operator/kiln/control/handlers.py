@@ -103,6 +103,7 @@ def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
     _state["config"] = config or OperatorConfig.from_env()
     _state["kubeconfig"] = kubeconfig
     _kube()  # fail early, with a message, on missing credentials
+    kopf.configure(verbose=False)  # INFO: one line per handled spec change, resume and retry
     if _state["config"].metrics_port:
         metrics.serve(_state["config"].metrics_port)
     asyncio.run(kopf.operator(
