@@ -143,9 +143,9 @@ def test_github_workflow_runs_the_documented_commands():
     commands = [line for step in steps for line in run_lines(step.get("run", ""))]
     assert [c.split()[1] for c in commands] == ["validate", "submit", "wait", "status"]
     assert 'kiln wait "$NAME" --for succeeded --timeout "$TIMEOUT"' in commands
-    documented = run_lines((REPO / "docs" / "ci.md").read_text())
+    documented = run_lines((REPO / "README.md").read_text())
     missing = [c for c in commands if c not in documented]
-    assert not missing, f"docs/ci.md does not show: {missing}"
+    assert not missing, f"README.md does not show: {missing}"
     show = next(s for s in steps if "kiln status" in s.get("run", ""))
     assert show.get("if") == "always()", "the run's status must show on failure too"
 
