@@ -1,9 +1,10 @@
 """The TrainingSpec's status from what the cluster shows: PyTorchJob conditions + pods → phase, conditions.
 
 Pure: `derive(...)` takes plain dicts (as the apiserver returns them) and the time to stamp, and returns
-the status fields the operator owns plus the Events to post. Progress fields (step, tokensPerSecond,
-mfu, lastCheckpoint) belong to trainer rank 0 and are left alone, except `progress`/`etaSeconds`
-which are derived from the step the trainer wrote.
+the status fields the operator owns plus the Events to post. Progress fields (step, progress,
+etaSeconds, tokensPerSecond, mfu, lastCheckpoint, goodput) belong to trainer rank 0
+(kiln.trainer.status_report) and are never written here: the status is merge-patched, and a value
+derived from a step read earlier could overwrite a newer one the trainer wrote meanwhile.
 """
 
 from __future__ import annotations
@@ -168,9 +169,6 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         "observedGeneration": gen,
         "restarts": (old.get("restarts") or 0) + (1 if phase == "Restarting" and old_phase != "Restarting" else 0),
     }
-    steps = ((spec.get("training") or {}).get("steps")) or 0
-    if old.get("step") is not None and steps:
-        status["progress"] = f"{100.0 * min(old['step'], steps) / steps:.1f}%"
     if gen is None:
         status.pop("observedGeneration")
     return Derived(status=status, events=events)

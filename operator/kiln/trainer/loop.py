@@ -12,6 +12,7 @@ import base64
 import io
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, peak
 from kiln.trainer.model import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
+from kiln.trainer.status_report import StatusReporter
 
 
 @dataclass
@@ -115,6 +117,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         from kiln.trainer.guards import GuardHooks
 
         GuardHooks().install(hooks)
+    started = time.monotonic()  # the trainer's wall clock for goodput starts before set-up and restore
     rank, world, device = _init_distributed()
     try:
         try:
@@ -165,6 +168,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
             loader.load_state_dict(state["data"])
             _set_rng_state(state["rng"], device)
+        reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state, started=started)  # rank 0 → status
 
         global_tokens = tr.global_batch_size * dims.seq_len
         flops_step = flops_per_token(dims) * global_tokens
@@ -212,13 +216,14 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
                               mfu=flops_step / step_s / peak, world_size=world, global_batch_tokens=global_tokens,
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
+                reporter.update(record, checkpointer.status())  # before the save: it carries goodput
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
                 # elastic.plan switches the node count once its untilStep is committed: always commit it
                 if final or step in plan_steps or checkpointer.should_save(step):
                     trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
                                      "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
-                                     "model": dims.model_dump()}
+                                     "model": dims.model_dump(), "goodput": reporter.state_dict()}
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
                 if step == tr.steps and val_loader is not None:
@@ -233,6 +238,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             checkpointer.wait()
         finally:
             checkpointer.close()
+            reporter.close(checkpointer.status())
             logger.close()
         return TrainResult(start_step, step, losses)  # `step`, not a count: a rollback re-runs steps
     finally:
@@ -250,6 +256,9 @@ class _NoCheckpoints:
 
     def should_save(self, step: int) -> bool:
         return False
+
+    def status(self) -> dict:
+        return {}
 
     def stop_requested(self, step: int) -> bool:
         return False

@@ -1,0 +1,216 @@
+"""Trainer rank 0 writes its progress into the TrainingSpec's status subresource (DESIGN.md §1, §4).
+
+The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint and goodput; the operator
+owns phase, nodes, conditions, restarts and observedGeneration. Both send JSON merge patches, so each side
+only ever touches its own keys.
+
+In a pod the operator sets KILN_RUN_NAME and KILN_NAMESPACE and runs the pod as `<run>-trainer`, a
+ServiceAccount that may get and patch this one run's status. Without those variables (`kiln run` on a
+laptop) the reporter sends nothing. Sending happens on a background thread, at most once every
+`every_s` seconds plus on each new commit and at the end; an apiserver that refuses or cannot be reached
+is reported once as a warning and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from datetime import datetime, timezone
+
+from kiln.api.spec import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("kiln.status")
+
+REPORT_EVERY_S = 10.0
+REQUEST_TIMEOUT_S = 5.0
+
+
+def rfc3339(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, *,
+                 seconds_per_step: float | None = None, goodput: float | None = None) -> dict:
+    """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.metrics),
+    the Checkpointer's `status()` and the run length. Only trainer-owned keys, camelCase as in the CRD."""
+    step = int(metrics.get("rolled_back_to", metrics["step"]))
+    status: dict = {"step": step, "progress": f"{100.0 * min(step, total_steps) / total_steps:.1f}%"}
+    if seconds_per_step is not None and math.isfinite(seconds_per_step):
+        status["etaSeconds"] = max(0, round((total_steps - step) * seconds_per_step))
+    for key, field in (("tokens_per_second", "tokensPerSecond"), ("mfu", "mfu")):
+        value = metrics.get(key)
+        if value is not None and math.isfinite(value):
+            status[field] = max(0.0, float(value))
+    last = (checkpoint_info or {}).get("lastCheckpoint")
+    if last:
+        ref = {"step": int(last["step"]), "uri": last["uri"]}
+        if last.get("time") is not None:
+            ref["time"] = rfc3339(last["time"])
+        status["lastCheckpoint"] = ref
+    if goodput is not None:
+        status["goodput"] = round(min(1.0, max(0.0, goodput)), 4)
+    return {"status": status}
+
+
+class StatusReporter:
+    """Rank 0's status writer. `update` after every step, `close` at the end; `state_dict` goes into the
+    checkpoint so goodput counts from the run's start across restarts (productive step seconds over
+    trainer wall seconds; time with no trainer process, e.g. pending or suspended, is not counted)."""
+
+    def __init__(self, total_steps: int, *, sender: StatusSender | None = None, restored: dict | None = None,
+                 started: float | None = None, every_s: float = REPORT_EVERY_S, clock=time.monotonic):
+        self.total_steps = total_steps
+        self.every_s = every_s
+        self._clock = clock
+        self._started = clock() if started is None else started
+        carried = (restored or {}).get("goodput") or {}
+        self._productive_carried = float(carried.get("productive_s", 0.0))
+        self._wall_carried = float(carried.get("wall_s", 0.0))
+        self._productive_s = 0.0
+        self._max_step = int((restored or {}).get("step", 0))
+        self._seconds_per_step: float | None = None
+        self._last_update: tuple[int, float] | None = None
+        self._last_sent = -math.inf
+        self._sent_commit: int | None = None
+        self._record: dict | None = None
+        self._sender = sender  # None: account only, send nothing
+
+    @classmethod
+    def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None,
+                 started: float | None = None) -> "StatusReporter":
+        """Reports only on rank 0 and only when the pod's KILN_RUN_NAME and KILN_NAMESPACE are set."""
+        run, namespace = os.environ.get("KILN_RUN_NAME"), os.environ.get("KILN_NAMESPACE")
+        sender = StatusSender(run, namespace) if rank == 0 and run and namespace else None
+        return cls(total_steps, sender=sender, restored=restored, started=started)
+
+    @property
+    def goodput(self) -> float | None:
+        wall = self._wall_carried + self._clock() - self._started
+        return (self._productive_carried + self._productive_s) / wall if wall > 0 else None
+
+    def state_dict(self) -> dict:
+        return {"productive_s": self._productive_carried + self._productive_s,
+                "wall_s": self._wall_carried + self._clock() - self._started}
+
+    def update(self, record: dict, checkpoint_info: dict | None) -> None:
+        """Account one finished step; hand a patch to the sender when it is due."""
+        now, step = self._clock(), int(record["step"])
+        # steps done again after a rollback were not progress; a rolled-back step was not either
+        if step > self._max_step and "rolled_back_to" not in record:
+            self._productive_s += float(record.get("step_s", 0.0))
+            self._max_step = step
+        if self._last_update is not None and step > self._last_update[0]:
+            per_step = (now - self._last_update[1]) / (step - self._last_update[0])
+            self._seconds_per_step = per_step if self._seconds_per_step is None \
+                else 0.8 * self._seconds_per_step + 0.2 * per_step
+        elif self._seconds_per_step is None and record.get("step_s"):
+            self._seconds_per_step = float(record["step_s"])
+        self._last_update = (int(record.get("rolled_back_to", step)), now)
+        self._record = record
+        commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
+        if self._sender is not None and (now - self._last_sent >= self.every_s or commit != self._sent_commit):
+            self._send(checkpoint_info)
+
+    def close(self, checkpoint_info: dict | None = None) -> None:
+        """The last report (with the final commit), then stop the sender within a short timeout."""
+        if self._sender is None:
+            return
+        if self._record is not None:
+            self._send(checkpoint_info)
+        self._sender.close()
+
+    def _send(self, checkpoint_info: dict | None) -> None:
+        self._sender.submit(status_patch(self._record, checkpoint_info, self.total_steps,
+                                         seconds_per_step=self._seconds_per_step, goodput=self.goodput))
+        self._last_sent = self._clock()
+        self._sent_commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
+
+
+class StatusSender:
+    """One daemon thread that patches the newest body it was given (older unsent ones are dropped)."""
+
+    def __init__(self, run: str, namespace: str):
+        self.run, self.namespace = run, namespace
+        self._cond = threading.Condition()
+        self._pending: dict | None = None
+        self._stopping = False
+        self._api = None
+        self._failing = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-status", daemon=True)
+        self._thread.start()
+
+    def submit(self, body: dict) -> None:
+        with self._cond:
+            self._pending = body
+            self._cond.notify()
+
+    def close(self, timeout: float = REQUEST_TIMEOUT_S + 2) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopping:
+                    self._cond.wait()
+                body, self._pending = self._pending, None
+            if body is None:
+                return
+            self._patch(body)
+
+    def _patch(self, body: dict) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.config import ConfigException
+
+        try:
+            if self._api is None:
+                self._api = _custom_objects_api()
+            self._api.patch_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL, self.run, body,
+                                                            _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as err:
+            self._failed(f"HTTP {err.status} {err.reason}: {_api_message(err)}")
+        except ConfigException as err:
+            self._failed(f"no Kubernetes credentials ({err}); set KUBECONFIG or run in a pod")
+        except Exception as err:  # noqa: BLE001 - connection refused, DNS, TLS, timeouts: never fatal to training
+            self._failed(str(getattr(err, "reason", None) or f"{type(err).__name__}: {err}"))  # urllib3: the cause
+        else:
+            if self._failing:
+                log.warning("status: writing TrainingSpec %s/%s status works again", self.namespace, self.run)
+            self._failing = False
+
+    def _failed(self, cause: str) -> None:
+        if not self._failing:
+            host = self._api.api_client.configuration.host if self._api is not None else \
+                os.environ.get("KUBECONFIG") or "in-cluster/~/.kube/config"
+            log.warning("status: cannot patch the status of TrainingSpec %s/%s at %s (%s); training goes on, "
+                        "the next reports are retried quietly", self.namespace, self.run, host, cause)
+        else:
+            log.debug("status: patch failed again: %s", cause)
+        self._failing = True
+
+
+def _custom_objects_api():
+    """In a pod: the ServiceAccount's in-cluster credentials, unless KUBECONFIG is set; else the kubeconfig."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    kubeconfig = os.environ.get("KUBECONFIG")  # read now: the client's own default is fixed at its import
+    if not kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    configuration.retries = 0  # the next report is the retry; the sender must not hang on a dead apiserver
+    return client.CustomObjectsApi(client.ApiClient(configuration))
+
+
+def _api_message(err) -> str:
+    try:
+        return json.loads(err.body).get("message", "")
+    except (TypeError, ValueError, AttributeError):
+        return str(err.body or "")[:200]

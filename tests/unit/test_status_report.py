@@ -1,0 +1,160 @@
+"""What trainer rank 0 writes into TrainingSpec/status: the patch body, when it is sent, goodput, failures."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import yaml
+
+from kiln.api.spec import TrainingSpecStatus
+from kiln.trainer.status_report import StatusReporter, StatusSender, status_patch
+
+STATUS_FIELDS = {f.alias for f in TrainingSpecStatus.model_fields.values()}
+OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration"}
+COMMITTED = {"lastCheckpoint": {"step": 100, "uri": "s3://ckpt/run/step-00000100/", "time": 1_795_000_000.5}}
+
+
+def record(step: int, step_s: float = 1.0, **extra) -> dict:
+    return {"step": step, "loss": 2.0, "step_s": step_s, "tokens_per_second": 4096.0 / step_s, "mfu": 0.41, **extra}
+
+
+def test_patch_body_carries_the_trainer_fields_under_their_wire_names():
+    body = status_patch(record(123), COMMITTED, 1000, seconds_per_step=2.0, goodput=0.9)
+    status = body["status"]
+    assert status == {"step": 123, "progress": "12.3%", "etaSeconds": 1754, "tokensPerSecond": 4096.0,
+                      "mfu": 0.41, "lastCheckpoint": {"step": 100, "uri": "s3://ckpt/run/step-00000100/",
+                                                      "time": "2026-11-18T11:06:40Z"}, "goodput": 0.9}
+    assert set(status) <= STATUS_FIELDS and not set(status) & OPERATOR_FIELDS
+    parsed = TrainingSpecStatus.model_validate(status)  # the same values the API model accepts
+    assert (parsed.step, parsed.last_checkpoint.step, parsed.eta_seconds) == (123, 100, 1754)
+
+
+def test_patch_body_before_the_first_commit_and_at_the_end():
+    first = status_patch(record(1), {}, 400)["status"]
+    assert first["progress"] == "0.2%" and "lastCheckpoint" not in first and "etaSeconds" not in first
+    last = status_patch(record(400), COMMITTED, 400, seconds_per_step=3.0)["status"]
+    assert (last["progress"], last["etaSeconds"]) == ("100.0%", 0)
+
+
+def test_patch_body_after_a_rollback_reports_the_step_resumed_from():
+    assert status_patch(record(57, rolled_back_to=50), COMMITTED, 100)["status"]["step"] == 50
+
+
+def test_patch_body_keeps_values_inside_the_crd_bounds():
+    status = status_patch(record(5, mfu=float("nan")), None, 10, seconds_per_step=float("inf"), goodput=1.3)["status"]
+    assert "mfu" not in status and "etaSeconds" not in status  # NaN/inf are not JSON, the apiserver refuses them
+    assert status["goodput"] == 1.0
+
+
+class FakeSender:
+    """Records what would be patched (the real StatusSender is exercised against the rig and a closed port)."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.closed = False
+
+    def submit(self, body: dict) -> None:
+        self.bodies.append(body)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_reports_are_rate_limited_but_every_commit_and_the_end_go_out():
+    clock, sender = Clock(), FakeSender()
+    rep = StatusReporter(10, sender=sender, every_s=10.0, clock=clock, started=clock.t)
+    for step in range(1, 11):
+        clock.t += 2.0
+        rep.update(record(step, step_s=1.5), COMMITTED if step >= 6 else {})
+    rep.close({"lastCheckpoint": {"step": 10, "uri": "file:///c/step-00000010/", "time": None}})
+    # step 1 (first), step 6 (new commit), step 7 isn't 10 s after 6, step 11 would be: only the end follows
+    assert [b["status"]["step"] for b in sender.bodies] == [1, 6, 10]
+    assert sender.bodies[1]["status"]["lastCheckpoint"]["step"] == 100
+    final = sender.bodies[-1]["status"]
+    assert final["lastCheckpoint"] == {"step": 10, "uri": "file:///c/step-00000010/"}
+    assert final["etaSeconds"] == 0 and final["goodput"] == pytest.approx(15.0 / 20.0)
+    assert sender.closed
+
+
+def test_goodput_counts_redone_steps_once_and_continues_after_a_restart():
+    clock = Clock()
+    rep = StatusReporter(100, clock=clock, started=clock.t)
+    for step in (1, 2, 3):
+        clock.t += 1.0
+        rep.update(record(step, step_s=0.5), None)
+    clock.t += 1.0
+    rep.update(record(4, step_s=0.5, rolled_back_to=2), None)  # a guard rolled back: step 4 was not progress
+    for step in (3, 4):
+        clock.t += 1.0
+        rep.update(record(step, step_s=0.5), None)  # step 3 again: not new progress either
+    assert rep.goodput == pytest.approx(2.0 / 6.0)
+    saved = rep.state_dict()
+    assert saved == {"productive_s": 2.0, "wall_s": 6.0}
+    # a new process resumes from a checkpoint holding that account; its set-up time counts as wall time
+    clock.t += 50.0
+    again = StatusReporter(100, clock=clock, started=clock.t - 3.0, restored={"step": 4, "goodput": saved})
+    clock.t += 1.0
+    again.update(record(5, step_s=1.0), None)
+    assert again.goodput == pytest.approx(3.0 / 10.0)
+
+
+def test_without_the_pod_environment_nothing_is_sent(monkeypatch):
+    monkeypatch.delenv("KILN_RUN_NAME", raising=False)
+    monkeypatch.setenv("KILN_NAMESPACE", "ml")
+    rep = StatusReporter.from_env(10, rank=0)
+    rep.update(record(1), None)
+    rep.close()
+    assert not [t for t in threading.enumerate() if t.name == "kiln-status"]
+    monkeypatch.setenv("KILN_RUN_NAME", "r")
+    assert StatusReporter.from_env(10, rank=1)._sender is None  # only rank 0 reports
+
+
+def test_an_unreachable_apiserver_is_one_warning_and_never_blocks(tmp_path, monkeypatch, caplog):
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    caplog.set_level(logging.WARNING, logger="kiln.status")
+    sender = StatusSender("run", "ml")
+    t0 = time.monotonic()
+    sender.submit({"status": {"step": 1}})
+    assert time.monotonic() - t0 < 0.1  # the training thread only hands the body over
+    deadline = time.monotonic() + 10
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.submit({"status": {"step": 2}})
+    sender.close()
+    assert not sender._thread.is_alive()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert f"127.0.0.1:{port}" in warnings[0] and "ml/run" in warnings[0] and "training goes on" in warnings[0]
+    assert "refused" in warnings[0].lower(), warnings[0]
+
+
+def test_missing_credentials_are_named_in_the_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "nope"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    caplog.set_level(logging.WARNING, logger="kiln.status")
+    sender = StatusSender("run", "ml")
+    sender.submit({"status": {"step": 1}})
+    sender.close()
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "no Kubernetes credentials" in warning and "KUBECONFIG" in warning
