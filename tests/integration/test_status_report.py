@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kiln.api.spec import GROUP, PLURAL
 from kiln.control.plan import names, trainer_identity
 

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import yaml
-
 from kiln.api.spec import TrainingSpecStatus
 from kiln.trainer.status_report import StatusReporter, StatusSender, status_patch
 

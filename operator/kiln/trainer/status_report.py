@@ -81,7 +81,7 @@ class StatusReporter:
 
     @classmethod
     def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None,
-                 started: float | None = None) -> "StatusReporter":
+                 started: float | None = None) -> StatusReporter:
         """Reports only on rank 0 and only when the pod's KILN_RUN_NAME and KILN_NAMESPACE are set."""
         run, namespace = os.environ.get("KILN_RUN_NAME"), os.environ.get("KILN_NAMESPACE")
         sender = StatusSender(run, namespace) if rank == 0 and run and namespace else None
