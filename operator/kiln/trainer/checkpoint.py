@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -57,6 +58,7 @@ from kiln.storage.commit import (
     read_commit,
     read_latest,
     read_trainer_state,
+    sha256_file,
     step_dir,
     verify_files,
     write_commit,
@@ -84,10 +86,22 @@ class StoreFS(FileSystemBase):
     file is published under its new name by `rename` (DCP writes `.metadata.tmp` then renames it).
     """
 
-    def __init__(self, store: ObjectStore, staging_dir: Path, read_block: int = 8 << 20):
+    def __init__(
+        self,
+        store: ObjectStore,
+        staging_dir: Path,
+        read_block: int = 8 << 20,
+        *,
+        keep_dir: Path | None = None,
+        local_files: dict[str, Path] | None = None,
+        check_remote=None,
+    ):
         self.store = store
         self.staging_dir = staging_dir
         self.read_block = read_block
+        self.keep_dir = keep_dir  # staged shards are moved here after upload (the host-memory copy)
+        self.local_files = local_files or {}  # file name → verified host-memory copy, read instead of the store
+        self.check_remote = check_remote  # called with a file name before it is first read from the store
         self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
         self._pending: dict[str, tuple[Path, FileEntry]] = {}  # *.tmp key → local file
         self.errors: list[tuple[str, BaseException]] = []  # files that failed, in any writer thread
@@ -107,6 +121,9 @@ class StoreFS(FileSystemBase):
         if staged:
             try:
                 self.store.put_file(key, path)
+                if self.keep_dir is not None:
+                    self.keep_dir.mkdir(parents=True, exist_ok=True)
+                    shutil.move(path, self.keep_dir / key.rsplit("/", 1)[-1])
             finally:
                 path.unlink(missing_ok=True)
         with self._lock:
@@ -116,7 +133,10 @@ class StoreFS(FileSystemBase):
     def create_stream(self, path, mode: str) -> Generator[io.IOBase, None, None]:
         key = str(path)
         if "r" in mode:
-            local = self.store.local_path(key)
+            local = self.local_files.get(key.rsplit("/", 1)[-1])
+            if local is None and self.check_remote is not None:
+                self.check_remote(key.rsplit("/", 1)[-1])
+            local = local or self.store.local_path(key)
             if local is not None:
                 with open(local, "rb") as f:
                     yield f
@@ -365,6 +385,50 @@ def install_sigterm_handler() -> threading.Event:
 # -- the checkpointer ------------------------------------------------------------------------------------------
 
 
+# -- host-memory copy for fast restarts --------------------------------------------------------------------------
+
+SHM_MANIFEST = "SHM.json"
+
+
+def shm_dir(uri: str, rank: int) -> Path | None:
+    """This rank's copy of the newest commit in host memory: <KILN_SHM_DIR or /dev/shm/kiln>/<run>/rank-<r>
+    (None when KILN_SHM_DIR is "off" or there is no /dev/shm). <run> hashes the checkpoint URI, so runs
+    sharing a node never mix their copies."""
+    root = os.environ.get("KILN_SHM_DIR", "/dev/shm/kiln" if os.path.isdir("/dev/shm") else "")
+    if root.strip().lower() in ("", "off", "0", "none", "false"):
+        return None
+    return Path(root) / hashlib.sha256(uri.encode()).hexdigest()[:16] / f"rank-{rank}"
+
+
+def read_shm_copy(path: Path, step: int, world_size: int, commit) -> dict[str, Path] | str:
+    """The files of a rank's host-memory copy of `step` (name → path), each checked (size, sha256) against
+    the store's COMMIT; or why the copy cannot be used."""
+    try:
+        manifest = json.loads((path / SHM_MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no copy in {path}"
+    except (OSError, ValueError) as err:
+        return f"{path / SHM_MANIFEST} unreadable ({err})"
+    if manifest.get("step") != step:
+        return f"{path} holds step {manifest.get('step')}, the newest commit is {step}"
+    if manifest.get("world_size") != world_size:
+        return f"{path} was saved by {manifest.get('world_size')} ranks, this job has {world_size}"
+    files: dict[str, Path] = {}
+    for f in sorted(path.iterdir()):
+        if f.name == SHM_MANIFEST:
+            continue
+        entry = commit.files.get(f.name)
+        if entry is None:
+            return f"{f} is not in the COMMIT of step {step}"
+        size = f.stat().st_size
+        if size != entry.size:
+            return f"{f} has {size} bytes, COMMIT says {entry.size}"
+        if sha256_file(f) != entry.sha256:
+            return f"{f} sha256 does not match COMMIT"
+        files[f.name] = f
+    return files or f"{path} holds no files"
+
+
 class Checkpointer:
     """Save/restore model, optimizer and trainer state under `spec.uri` (or `default_uri`)."""
 
@@ -398,6 +462,8 @@ class Checkpointer:
         # interleave with the training loop's collectives on the default group (and work under NCCL too).
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
+        self._shm = shm_dir(self.uri, rank)
+        self.last_restore_source: str | None = None  # "memory" or the store's URI, after restore()
         self._future: Future | None = None
         self._cache: dict | None = None
         self._cache_sig: Any = None
@@ -510,7 +576,10 @@ class Checkpointer:
         Every rank reaches every collective whatever fails where: DCP turns a failed write on any rank into
         an error on all ranks, and rank 0's commit outcome is broadcast, so no rank is left waiting."""
         prefix = step_dir(step)
-        fs = StoreFS(self.store, self._staging_root / prefix)
+        keep = self._shm.with_name(self._shm.name + ".next") if self._shm is not None else None
+        if keep is not None:
+            shutil.rmtree(keep, ignore_errors=True)
+        fs = StoreFS(self.store, self._staging_root / prefix, keep_dir=keep)
         try:
             if self.rank == 0:
                 try:
@@ -543,6 +612,7 @@ class Checkpointer:
                 raise RuntimeError(failure)
             self.last_committed_step = step
             self.last_commit_time = time.time()
+            self._keep_in_memory(step, fs, keep)
             self.last_save_s = time.perf_counter() - t0
             if self.rank == 0:
                 log.info("checkpoint step %d committed to %s in %.2fs", step, self.store.url(prefix), self.last_save_s)
@@ -557,6 +627,27 @@ class Checkpointer:
             log.error(msg)
         finally:
             shutil.rmtree(self._staging_root / prefix, ignore_errors=True)
+            if keep is not None:
+                shutil.rmtree(keep, ignore_errors=True)
+
+    def _keep_in_memory(self, step: int, fs: StoreFS, keep: Path | None) -> None:
+        """Make this rank's files of the just-committed `step` its host-memory copy, replacing the older one
+        (only the newest step is kept). Staged uploads were moved to `keep` already; in-place (file://)
+        shards are copied. A failure here costs only the fast restart."""
+        if keep is None:
+            return
+        try:
+            keep.mkdir(parents=True, exist_ok=True)
+            for key in fs.written:
+                local, name = self.store.local_path(key), key.rsplit("/", 1)[-1]
+                if local is not None and name.endswith(".distcp"):
+                    shutil.copyfile(local, keep / name)
+            manifest = {"step": step, "world_size": self.world_size, "rank": self.rank}
+            (keep / SHM_MANIFEST).write_text(json.dumps(manifest) + "\n")
+            shutil.rmtree(self._shm, ignore_errors=True)
+            os.replace(keep, self._shm)
+        except OSError as err:
+            log.warning("checkpoint step %d: no host-memory copy in %s (%s); restarts read the store", step, keep, err)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed (or has failed and been logged)."""
@@ -614,6 +705,10 @@ class Checkpointer:
                     candidates[0],
                 )
         for step in candidates:
+            if step == candidates[0]:
+                trainer_state = self._restore_from_memory(step, model_parts, optimizers)
+                if trainer_state is not None:
+                    return trainer_state
             problems = self._verify(step)
             if problems:
                 if self.rank == 0:
@@ -625,44 +720,85 @@ class Checkpointer:
                     )
                 continue
             t0 = time.perf_counter()
-            state, keys = collect_state(model_parts, optimizers)
-            fs = StoreFS(self.store, self._staging_root / "restore")
             try:
-                dcp.load(
-                    state,
-                    storage_reader=StoreReader(fs, step_dir(step)),
-                    process_group=self._pg,
-                    no_dist=not self._distributed,
-                )
+                self._load(step, model_parts, optimizers, StoreFS(self.store, self._staging_root / "restore"))
             except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
                 raise KilnError(
                     f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
                     f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
                 ) from None
-            for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
-                set_state_dict(
-                    model,
-                    opts,
-                    model_state_dict={k: state["model"][k] for k in mkeys},
-                    optim_state_dict={k: state["optim"][k] for k in okeys},
-                    options=STATE_OPTIONS,
-                )
-            trainer_state = read_trainer_state(self.store, step)
-            meta = trainer_state.get("kiln", {})
-            book = meta.get("checkpoint", {})
-            self._run_seconds = float(book.get("run_seconds", 0.0))
-            # a restart from a non-final checkpoint means the previous process died: count it for the MTBF
-            self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
-            self.last_saved_step = self.last_committed_step = step
-            if self.rank == 0:
-                log.info(
-                    "checkpoint: restored step %d from %s in %.2fs",
-                    step,
-                    self.store.url(step_dir(step)),
-                    time.perf_counter() - t0,
-                )
-            return trainer_state
+            return self._restored(step, read_trainer_state(self.store, step), self.store.url(step_dir(step)), t0)
         return None
+
+    def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
+        state, keys = collect_state(model_parts, optimizers)
+        dcp.load(
+            state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg, no_dist=not self._distributed
+        )
+        for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
+            set_state_dict(
+                model,
+                opts,
+                model_state_dict={k: state["model"][k] for k in mkeys},
+                optim_state_dict={k: state["optim"][k] for k in okeys},
+                options=STATE_OPTIONS,
+            )
+
+    def _restored(self, step: int, trainer_state: dict, source: str, t0: float) -> dict:
+        meta = trainer_state.get("kiln", {})
+        book = meta.get("checkpoint", {})
+        self._run_seconds = float(book.get("run_seconds", 0.0))
+        # a restart from a non-final checkpoint means the previous process died: count it for the MTBF
+        self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
+        self.last_saved_step = self.last_committed_step = step
+        self.last_restore_source = "memory" if source == "memory" else self.store.url("")
+        if self.rank == 0:
+            log.info("checkpoint: restored step %d from %s in %.2fs", step, source, time.perf_counter() - t0)
+        return trainer_state
+
+    def _restore_from_memory(self, step: int, model_parts, optimizers) -> dict | None:
+        """Load the newest commit from the ranks' host-memory copies when every rank has a whole one for this
+        step and world size (all ranks agree, so all take the same path); else None and the store is used.
+        Only the small files (COMMIT, .metadata, trainer.json) and shards no rank on this node holds are read
+        from the store, each checked against COMMIT first."""
+        t0 = time.perf_counter()
+        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        if isinstance(commit, str):
+            return None  # the store path reports it
+        mine = read_shm_copy(self._shm, step, self.world_size, commit) if self._shm is not None else "off"
+        reasons = [mine if isinstance(mine, str) else None]
+        if self._distributed:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, mine if isinstance(mine, str) else None, group=self._pg)
+        if any(reasons):
+            why = [f"rank {r}: {w}" for r, w in enumerate(reasons) if w and w != "off"]
+            if self.rank == 0 and why:
+                log.warning("checkpoint step %d: not restoring from host memory (%s); reading the store", step, "; ".join(why))
+            return None
+        local = dict(mine)
+        for other in sorted(self._shm.parent.glob("rank-*")):  # the other ranks on this node checked theirs
+            copy = read_shm_copy(other, step, self.world_size, commit) if other != self._shm else {}
+            if not isinstance(copy, str):
+                local = {**copy, **local}
+        checked: set[str] = set()
+
+        def check_remote(name: str) -> None:
+            if name not in checked:
+                problems = verify_files(self.store, step, commit, [name])
+                if problems:
+                    raise KilnError(f"{self.store.url(step_dir(step))}: " + "; ".join(problems))
+                checked.add(name)
+
+        try:
+            fs = StoreFS(self.store, self._staging_root / "restore", local_files=local, check_remote=check_remote)
+            self._load(step, model_parts, optimizers, fs)
+            check_remote("trainer.json")
+            trainer_state = read_trainer_state(self.store, step)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP fails on every rank alike
+            if self.rank == 0:
+                log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
+            return None
+        return self._restored(step, trainer_state, "memory", t0)
 
     def _verify(self, step: int) -> list[str]:
         """Every rank checks its share of the files (size + sha256); the problems are gathered everywhere."""
