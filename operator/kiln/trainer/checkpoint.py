@@ -391,18 +391,18 @@ SHM_MANIFEST = "SHM.json"
 
 
 def shm_dir(uri: str, rank: int) -> Path | None:
-    """This rank's copy of the newest commit in host memory: <KILN_SHM_DIR or /dev/shm/kiln>/<run>/rank-<r>
-    (None when KILN_SHM_DIR is "off" or there is no /dev/shm). <run> hashes the checkpoint URI, so runs
-    sharing a node never mix their copies."""
-    root = os.environ.get("KILN_SHM_DIR", "/dev/shm/kiln" if os.path.isdir("/dev/shm") else "")
+    """This rank's copy of the newest commit in host memory: <KILN_SHM_DIR>/<run>/rank-<r>, e.g. KILN_SHM_DIR=
+    /dev/shm/kiln; None (off) when unset. Opt-in: a pod's /dev/shm is 64 MiB unless a memory-backed volume is
+    mounted there. <run> hashes the checkpoint URI, so runs sharing a node never mix their copies."""
+    root = os.environ.get("KILN_SHM_DIR", "")
     if root.strip().lower() in ("", "off", "0", "none", "false"):
         return None
     return Path(root) / hashlib.sha256(uri.encode()).hexdigest()[:16] / f"rank-{rank}"
 
 
-def read_shm_copy(path: Path, step: int, world_size: int, commit) -> dict[str, Path] | str:
-    """The files of a rank's host-memory copy of `step` (name → path), each checked (size, sha256) against
-    the store's COMMIT; or why the copy cannot be used."""
+def read_shm_copy(path: Path, step: int, world_size: int, commit, *, hash: bool = True) -> dict[str, Path] | str:
+    """The files of a rank's host-memory copy of `step` (name → path), each checked (size; sha256 unless
+    `hash` is off: the owning rank hashes its own) against the store's COMMIT; or why the copy cannot be used."""
     try:
         manifest = json.loads((path / SHM_MANIFEST).read_text())
     except FileNotFoundError:
@@ -423,7 +423,7 @@ def read_shm_copy(path: Path, step: int, world_size: int, commit) -> dict[str, P
         size = f.stat().st_size
         if size != entry.size:
             return f"{f} has {size} bytes, COMMIT says {entry.size}"
-        if sha256_file(f) != entry.sha256:
+        if hash and sha256_file(f) != entry.sha256:
             return f"{f} sha256 does not match COMMIT"
         files[f.name] = f
     return files or f"{path} holds no files"
@@ -777,7 +777,7 @@ class Checkpointer:
             return None
         local = dict(mine)
         for other in sorted(self._shm.parent.glob("rank-*")):  # the other ranks on this node checked theirs
-            copy = read_shm_copy(other, step, self.world_size, commit) if other != self._shm else {}
+            copy = read_shm_copy(other, step, self.world_size, commit, hash=False) if other != self._shm else {}
             if not isinstance(copy, str):
                 local = {**copy, **local}
         checked: set[str] = set()

@@ -1,0 +1,184 @@
+"""Restart benchmark: kill -9 a dp=2 job (real gloo processes, FSDP2) and time kill → the next completed training
+step of the restarted job, restoring from the ranks' host-memory copies (KILN_SHM_DIR) vs from the store.
+
+    python -m tests.bench.bench_restart                          # file:// store in a temp dir
+    python -m tests.bench.bench_restart --s3                     # the rig's S3 (or a private versitygw)
+
+Writes JSON to --out (default runs/bench/restart.json): per-trial times, medians, and store/memory ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, uri: str, env: dict, width: int, progress: str) -> None:
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from kiln.api.spec import CheckpointSpec
+    from kiln.trainer.checkpoint import Checkpointer
+
+    logging.basicConfig(filename=f"{progress}.log", level=logging.INFO, force=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=5, keep=2), default_uri="", rank=rank, world_size=WORLD)
+    t0 = time.monotonic()
+    state = ck.restore([model], [opt])
+    restore_s = time.monotonic() - t0
+    for step in range((state["step"] + 1) if state else 1, 1_000_000):  # until killed
+        model(torch.randn(8, width)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            with open(progress, "a") as f:  # one line per completed step
+                f.write(json.dumps({"step": step, "t": time.time(), "restore_s": restore_s,
+                                    "source": ck.last_restore_source}) + "\n")
+        if ck.should_save(step):
+            ck.save(step, [model], [opt], {"step": step})
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def _start(uri: str, env: dict, width: int, progress: Path) -> list:
+    ctx = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, uri, env, width, str(progress)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join()
+
+
+def _wait(cond, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def _trial(uri: str, env: dict, width: int, work: Path, name: str) -> dict:
+    """Run until a commit newer than any before it exists, kill -9, restart; kill → first step completed."""
+    from kiln.storage import open_store
+    from kiln.storage.commit import committed_steps
+
+    store = open_store(uri, env={**os.environ, **env})
+    before = max(committed_steps(store), default=0)
+    first = work / f"{name}-a.jsonl"
+    procs = _start(uri, env, width, first)
+    try:
+        _wait(lambda: max(committed_steps(store), default=0) > before, "a first commit")
+        time.sleep(0.2)
+    finally:
+        t_kill = time.time()
+        _kill(procs)
+    second = work / f"{name}-b.jsonl"
+    procs = _start(uri, env, width, second)
+    try:
+        _wait(lambda: len(_lines(second)) >= 1, "the first step after the restart")
+    finally:
+        _kill(procs)
+    line = _lines(second)[0]
+    log = Path(f"{second}.log").read_text()
+    m = re.search(r"restored step (\d+) from (\S+)", log)
+    return {
+        "kill_to_step_s": line["t"] - t_kill,
+        "restore_s": line["restore_s"],
+        "source": line["source"],
+        "restored_step": int(m.group(1)) if m else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024, help="4 Linear(width, width) layers + AdamW state")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--s3", action="store_true", help="the rig's S3 (or a private versitygw) instead of file://")
+    parser.add_argument("--endpoint", default=None)
+    parser.add_argument("--out", default="runs/bench/restart.json")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kiln-bench-restart-"))
+    env: dict = {}
+    server = None
+    if args.s3:
+        from tests.bench.bench_checkpoint import _server
+
+        endpoint, env, server = _server(args)
+        uri = f"s3://kiln/bench-restart-{uuid.uuid4().hex[:8]}/"
+        env = {**env, "AWS_ENDPOINT_URL": endpoint}
+    else:
+        uri = f"file://{work}/store/"
+    try:
+        trials: dict[str, list[dict]] = {"memory": [], "store": []}
+        for i in range(args.trials):
+            for mode in ("memory", "store"):
+                shm = str(work / "shm") if mode == "memory" else ""
+                trials[mode].append(_trial(uri, {**env, "KILN_SHM_DIR": shm}, args.width, work, f"{mode}-{i}"))
+    finally:
+        if server is not None:
+            server.stop()
+    med = {m: {k: statistics.median(t[k] for t in ts) for k in ("kill_to_step_s", "restore_s")} for m, ts in trials.items()}
+    results = {
+        "bench": "restart",
+        "host": platform.node(),
+        "store": "s3" if args.s3 else "file",
+        "world": WORLD,
+        "state_mib": round(4 * (args.width * args.width + args.width) * 4 * 3 / 2**20, 1),  # params + 2 AdamW
+        "median": med,
+        "ratio_store_over_memory": {
+            k: med["store"][k] / max(med["memory"][k], 1e-9) for k in ("kill_to_step_s", "restore_s")
+        },
+        "sources": {m: sorted({t["source"] for t in ts}) for m, ts in trials.items()},
+        "raw": trials,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k != "raw"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
