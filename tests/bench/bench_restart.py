@@ -39,12 +39,11 @@ def _worker(rank: int, port: int, uri: str, env: dict, width: int, progress: str
 
     import torch
     import torch.distributed as dist
+    from kiln.api.spec import CheckpointSpec
+    from kiln.trainer.checkpoint import Checkpointer
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from kiln.api.spec import CheckpointSpec
-    from kiln.trainer.checkpoint import Checkpointer
 
     logging.basicConfig(filename=f"{progress}.log", level=logging.INFO, force=True)
     torch.set_num_threads(1)

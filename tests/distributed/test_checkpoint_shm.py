@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
+from torch import nn
 
 pytestmark = [pytest.mark.distributed]
 
@@ -78,11 +77,13 @@ def _worker(rank: int, world: int, port: int, action: str, uri: str, shm: str, o
     torch.set_num_threads(1)
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from kiln.trainer.checkpoint import Checkpointer
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from kiln.trainer.checkpoint import Checkpointer
 
     torch.manual_seed(1234 if action == "save" else 99)  # a restore starts from other weights
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
@@ -155,7 +156,7 @@ def saved(tmp_path_factory):
 
 def _fresh_shm(saved, name: str) -> Path:
     """A private copy of the saved memory copies (same run, so the same <run> directory name)."""
-    base, uri = saved
+    base = saved[0]
     shm = base / name
     shutil.copytree(base / "shm", shm)
     return shm

@@ -761,6 +761,8 @@ class Checkpointer:
         step and world size (all ranks agree, so all take the same path); else None and the store is used.
         Only the small files (COMMIT, .metadata, trainer.json) and shards no rank on this node holds are read
         from the store, each checked against COMMIT first."""
+        if self._shm is None and not self._distributed:
+            return None
         t0 = time.perf_counter()
         commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
         if isinstance(commit, str):
