@@ -180,3 +180,34 @@ def test_render_cli_prints_applyable_yaml(capsys, tmp_path):
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"]
     assert all(d["metadata"]["namespace"] == "team" for d in docs)
     assert docs[-1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"] == "img:2"
+
+
+def pod_of(raw: dict, config: OperatorConfig | None = None) -> dict:
+    return worker(objects(raw, config=config)["PyTorchJob"])["template"]["spec"]
+
+
+def env_of(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+
+def test_dev_shm_is_memory_sized_by_the_memory_limit_and_holds_the_restart_copy():
+    pod = pod_of(with_({"resources.memory": "200Gi"}))
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "200Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert env_of(pod)["KILN_SHM_DIR"] == "/dev/shm/kiln"  # checkpoints go to a store (s3://)
+    # no memory limit: no sizeLimit (the kubelet bounds tmpfs by the node's memory)
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod_of(BASE)["volumes"]
+
+
+def test_no_memory_copy_when_checkpoints_stay_on_the_pods_scratch_disk():
+    pod = pod_of(with_({"checkpoint": None}))
+    assert env_of(pod).get("KILN_SHM_DIR") is None
+    assert "KILN_SHM_DIR" in env_of(pod_of(with_({"checkpoint": {"uri": "file:///mnt/shared/ckpt/"}})))
+
+
+def test_grace_period_covers_a_final_save_and_torchrun_waits_for_it():
+    pod = pod_of(BASE, OperatorConfig(image="x", termination_grace_seconds=300))
+    assert pod["terminationGracePeriodSeconds"] == 300
+    # torchrun forwards SIGTERM, then SIGKILLs the ranks after PET_SHUTDOWN_TIMEOUT: inside the grace period
+    assert env_of(pod)["PET_SHUTDOWN_TIMEOUT"] == "290"
+    assert int(env_of(pod_of(BASE))["PET_SHUTDOWN_TIMEOUT"]) < pod_of(BASE)["terminationGracePeriodSeconds"]

@@ -33,6 +33,10 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RUN_LABEL = "kiln.dev/trainingspec"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.checkpoint)
+# torchrun forwards SIGTERM to the ranks, then SIGKILLs them after PET_SHUTDOWN_TIMEOUT (its default: 30 s);
+# it must fit in the pod's grace period with this margin for torchrun's own exit.
+SHUTDOWN_MARGIN_S = 10
 
 # Changing these under a running job would silently break it (the checkpoint no longer fits the model,
 # the data cursor no longer means anything): the operator refuses the change instead of applying it.
@@ -191,6 +195,15 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             for key in S3_KEYS]
     if s.checkpoint.endpoint:
         env.append(k.V1EnvVar(name="AWS_ENDPOINT_URL", value=s.checkpoint.endpoint))
+    # SIGTERM (suspend, scale-down, preemption) → the ranks agree on a step and save it: torchrun must not
+    # SIGKILL them before the pod's grace period would.
+    env.append(k.V1EnvVar(name="PET_SHUTDOWN_TIMEOUT",
+                          value=str(max(1, config.termination_grace_seconds - SHUTDOWN_MARGIN_S))))
+    # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
+    # the scratch default, which is on this pod's disk already.
+    to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
+    if to_store:
+        env.append(k.V1EnvVar(name="KILN_SHM_DIR", value=SHM_DIR))
 
     container = k.V1Container(
         name=CONTAINER,
@@ -219,7 +232,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         termination_grace_period_seconds=config.termination_grace_seconds,
         volumes=[
             k.V1Volume(name="spec", config_map=k.V1ConfigMapVolumeSource(name=n["configmap"])),
-            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory")),
+            # tmpfs counts against the container's memory limit: bounded by it, never more
+            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=r.memory)),
             k.V1Volume(name="scratch", empty_dir=k.V1EmptyDirVolumeSource()),
         ],
     )
