@@ -1,0 +1,136 @@
+"""Suspend → checkpoint → no pods → resume at the same step, on the rig with the operator running.
+
+kwok pods are not processes, so the trainer runs here as a real `kiln train` with the environment the
+operator rendered into the PyTorchJob's pod template (the spec from its ConfigMap, the run's trainer
+ServiceAccount for status). The test delivers the SIGTERM the kubelet sends when the training-operator
+deletes the pods of a suspended job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.control.plan import names
+from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module fixtures: RBAC'd operator, namespace
+    ns, operator, patch_spec, running_pods, small_run, status, submit, wait_phase)
+from tests.integration.test_status_report import MICRO_MODEL
+
+pytestmark = [pytest.mark.rig, pytest.mark.slow]
+
+RUN = "suspend"
+
+
+def pod_env(rig, ns: str, tmp_path: Path) -> dict[str, str]:
+    """The trainer container's environment as the PyTorchJob renders it, mapped onto this machine."""
+    job = json.loads(rig.kubectl("get", "pytorchjob", RUN, "-n", ns, "-o", "json").stdout)
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env["KILN_NAMESPACE"] = ns  # valueFrom metadata.namespace
+    cm = json.loads(rig.kubectl("get", "configmap", names(RUN)["configmap"], "-n", ns, "-o", "json").stdout)
+    spec = tmp_path / "spec.yaml"  # the ConfigMap mounted at /etc/kiln
+    spec.write_text(cm["data"]["spec.yaml"])
+    env["KILN_SPEC"] = str(spec)
+    env["KILN_SHM_DIR"] = str(tmp_path / "shm")  # the pod's /dev/shm/kiln, private to this test
+    env["KUBECONFIG"] = str(rig.kubeconfig_for_service_account(ns, names(RUN)["trainer"]))
+    return env
+
+
+class Trainer:
+    """One rank of `kiln train`, as torchrun starts it in the pod."""
+
+    def __init__(self, env: dict[str, str], out: Path):
+        self.out = out
+        full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+        full.pop("KUBERNETES_SERVICE_HOST", None)
+        self.log = open(out.parent / f"{out.name}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "train", "--config", env["KILN_SPEC"],
+                                      "--output", str(out)], env=full, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def records(self) -> list[dict]:
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_step(self, step: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"trainer exited:\n{self.tail()}"
+            if any(r["step"] >= step for r in self.records()):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"trainer never reached step {step}:\n{self.tail()}")
+
+    def sigterm(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)  # the kubelet, when the pod is deleted
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        return rc
+
+    def tail(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.out.parent / f"{self.out.name}.log").read_text()[-3000:]
+
+
+def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_saved_step(rig, ns, operator,
+                                                                                      tmp_path):
+    ckpt = tmp_path / "ckpt"
+    body = small_run(RUN, model=MICRO_MODEL,
+                     training={"steps": 100000, "globalBatchSize": 4, "microBatchSize": 2, "lr": 1e-3,
+                               "warmupSteps": 0, "precision": "fp32", "logEvery": 1},
+                     parallelism={"compile": False},
+                     checkpoint={"uri": f"file://{ckpt}/", "intervalSteps": 1000})
+    body["spec"]["resources"]["gpuType"] = rig.gpu_product
+    with rig.exclusive_gpus():
+        submit(rig, ns, body)
+        wait_phase(rig, ns, RUN, "Running", timeout=60)
+        env = pod_env(rig, ns, tmp_path)
+        assert env["KILN_RUN_NAME"] == RUN and int(env["PET_SHUTDOWN_TIMEOUT"]) > 30
+        first = Trainer(env, tmp_path / "first")
+        first.wait_step(3)
+
+        patch_spec(rig, ns, RUN, {"suspend": True})
+        rig.wait_for("no pods", lambda: not running_pods(rig, ns, RUN), timeout=30)
+        job = json.loads(rig.kubectl("get", "pytorchjob", RUN, "-n", ns, "-o", "json").stdout)
+        assert job["spec"]["runPolicy"]["suspend"] is True
+        assert not [pod for pod in rig.gpus_in_use() if pod.startswith(f"{ns}/")], rig.gpus_in_use()
+        assert first.sigterm() == 0, first.tail()
+
+        saved = first.records()[-1]["step"]
+        assert saved > 3 and (ckpt / "latest").read_text().strip() == f"step-{saved:08d}", first.tail()
+        assert f"saved step {saved}" in first.tail()
+        suspended = wait_phase(rig, ns, RUN, "Suspended", timeout=30)
+        assert suspended["lastCheckpoint"]["step"] == saved
+        assert suspended["lastCheckpoint"]["uri"] == f"file://{ckpt}/step-{saved:08d}/"
+
+        patch_spec(rig, ns, RUN, {"suspend": False})
+        rig.wait_for("the pods back", lambda: running_pods(rig, ns, RUN), timeout=30)
+        wait_phase(rig, ns, RUN, "Running", timeout=30)
+        second = Trainer(pod_env(rig, ns, tmp_path), tmp_path / "second")
+        second.wait_step(saved + 2)
+        assert second.sigterm() == 0, second.tail()
+
+    resumed = second.records()
+    assert resumed[0]["step"] == saved + 1, [r["step"] for r in resumed]
+    # the loss continues where it stopped: exactly what one uninterrupted run gives at that step
+    ref_spec = yaml.safe_load(Path(env["KILN_SPEC"]).read_text())
+    ref_spec["spec"]["checkpoint"]["uri"] = f"file://{tmp_path / 'ref-ckpt'}/"
+    (tmp_path / "reference.yaml").write_text(yaml.safe_dump(ref_spec))
+    ref_env = {k: v for k, v in env.items() if k not in ("KUBECONFIG", "KILN_RUN_NAME", "KILN_SHM_DIR")}
+    reference = Trainer({**ref_env, "KILN_SPEC": str(tmp_path / "reference.yaml")}, tmp_path / "reference")
+    try:
+        reference.wait_step(saved + 1)
+    finally:
+        reference.sigterm()
+    expected = {r["step"]: r["loss"] for r in reference.records()}
+    assert resumed[0]["loss"] == pytest.approx(expected[saved + 1], rel=1e-5)
