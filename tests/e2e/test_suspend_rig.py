@@ -18,10 +18,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kiln.control.plan import names
+
 from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module fixtures: RBAC'd operator, namespace
-    ns, operator, patch_spec, running_pods, small_run, status, submit, wait_phase)
+    ns,
+    operator,
+    patch_spec,
+    running_pods,
+    small_run,
+    submit,
+    wait_phase,
+)
 from tests.integration.test_status_report import MICRO_MODEL
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
@@ -29,18 +36,18 @@ pytestmark = [pytest.mark.rig, pytest.mark.slow]
 RUN = "suspend"
 
 
-def pod_env(rig, ns: str, tmp_path: Path) -> dict[str, str]:
+def pod_env(rig, namespace: str, tmp_path: Path) -> dict[str, str]:
     """The trainer container's environment as the PyTorchJob renders it, mapped onto this machine."""
-    job = json.loads(rig.kubectl("get", "pytorchjob", RUN, "-n", ns, "-o", "json").stdout)
+    job = json.loads(rig.kubectl("get", "pytorchjob", RUN, "-n", namespace, "-o", "json").stdout)
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    env["KILN_NAMESPACE"] = ns  # valueFrom metadata.namespace
-    cm = json.loads(rig.kubectl("get", "configmap", names(RUN)["configmap"], "-n", ns, "-o", "json").stdout)
+    env["KILN_NAMESPACE"] = namespace  # valueFrom metadata.namespace
+    cm = json.loads(rig.kubectl("get", "configmap", names(RUN)["configmap"], "-n", namespace, "-o", "json").stdout)
     spec = tmp_path / "spec.yaml"  # the ConfigMap mounted at /etc/kiln
     spec.write_text(cm["data"]["spec.yaml"])
     env["KILN_SPEC"] = str(spec)
     env["KILN_SHM_DIR"] = str(tmp_path / "shm")  # the pod's /dev/shm/kiln, private to this test
-    env["KUBECONFIG"] = str(rig.kubeconfig_for_service_account(ns, names(RUN)["trainer"]))
+    env["KUBECONFIG"] = str(rig.kubeconfig_for_service_account(namespace, names(RUN)["trainer"]))
     return env
 
 
@@ -51,7 +58,7 @@ class Trainer:
         self.out = out
         full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
         full.pop("KUBERNETES_SERVICE_HOST", None)
-        self.log = open(out.parent / f"{out.name}.log", "w")
+        self.log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - outlives this call, like the process
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "train", "--config", env["KILN_SPEC"],
                                       "--output", str(out)], env=full, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -82,7 +89,7 @@ class Trainer:
         return (self.out.parent / f"{self.out.name}.log").read_text()[-3000:]
 
 
-def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_saved_step(rig, ns, operator,
+def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_saved_step(rig, ns, operator,  # noqa: F811 - fixtures
                                                                                       tmp_path):
     ckpt = tmp_path / "ckpt"
     body = small_run(RUN, model=MICRO_MODEL,
