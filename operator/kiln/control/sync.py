@@ -7,10 +7,10 @@ because pod, job and spec events for one run can arrive at once on different wor
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Callable
 
 from pydantic import ValidationError
 
@@ -24,12 +24,6 @@ from kiln.control.status import Event, changed, derive, job_condition
 from kiln.errors import KilnError
 
 PostEvent = Callable[[dict, Event], None]
-
-# Hook point for the checkpoint-on-suspend handshake: each callable gets (kube, body, job) before kiln
-# suspends a running job and returns None to go ahead or a message saying what it waits for (the
-# reconcile is then retried). Until a hook is registered, the trainer checkpoints on SIGTERM within
-# the pods' terminationGracePeriodSeconds (OperatorConfig.termination_grace_seconds).
-BEFORE_SUSPEND: list[Callable[[Kube, dict, dict], str | None]] = []
 
 _locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 
@@ -68,11 +62,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -
             elif secret and (problem := kube.secret_problem(namespace, secret)):
                 accepted = ("False", "SecretMissing", problem + "; create it, the run starts by itself then")
             else:
-                if doc.spec.suspend and observed.job_active and state != "Suspended":
-                    for hook in BEFORE_SUSPEND:
-                        waiting = hook(kube, body, job)
-                        if waiting:
-                            raise Wait(waiting)
+                # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
+                # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
                     kube.apply(obj)
                 accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
