@@ -26,6 +26,7 @@ from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module f
     patch_spec,
     running_pods,
     small_run,
+    status,
     submit,
     wait_phase,
 )
@@ -125,6 +126,12 @@ def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_save
         wait_phase(rig, ns, RUN, "Running", timeout=30)
         second = Trainer(pod_env(rig, ns, tmp_path), tmp_path / "second")
         second.wait_step(saved + 2)
+        # goodput is the operator's: the suspended minutes are lost time of their own, not productive
+        ledger = rig.wait_for("goodput with the suspend in it", lambda: (s := status(rig, ns, RUN)).get("goodput")
+                              and s["goodputDetail"]["lostSeconds"]["suspended"] > 0 and s, timeout=40)
+        detail = ledger["goodputDetail"]
+        assert 0 < ledger["goodput"] < 1 and detail["productiveSeconds"] > 0
+        assert detail["productiveSeconds"] + sum(detail["lostSeconds"].values()) <= detail["wallSeconds"] + 0.5
         assert second.sigterm() == 0, second.tail()
 
     resumed = second.records()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.control.status import derive, job_condition
+from kiln.control.status import changed, derive, job_condition
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 APPLIED = ("True", "Applied", "ok")
@@ -66,7 +66,7 @@ def test_events_only_on_transitions():
     d1 = derive(ts(), job(("Running", T0)), RUNNING_PODS, T1, APPLIED)
     assert [(e.type, e.reason) for e in d1.events] == [("Normal", "Running")]
     d2 = derive(ts(d1.status), job(("Running", T0)), RUNNING_PODS, T2, APPLIED)
-    assert d2.events == [] and d2.status == {**d1.status}
+    assert d2.events == [] and d2.status == {**d1.status, **{k: d2.status[k] for k in ("goodput", "goodputDetail")}}
     d3 = derive(ts(d2.status), job(("Running", T0), ("Restarting", T2)), RUNNING_PODS[:1], T2, None)
     assert [(e.type, e.reason) for e in d3.events] == [("Warning", "Restarting")]
     assert d3.status["restarts"] == 1
@@ -115,7 +115,8 @@ def test_pod_driven_refresh_keeps_spec_acceptance_and_generation():
 
 def test_trainer_owned_fields_are_left_to_the_trainer():
     trainer = {"step": 50, "progress": "25.0%", "etaSeconds": 60, "tokensPerSecond": 1e5, "mfu": 0.4,
-               "lastCheckpoint": {"step": 40, "uri": "s3://b/r/step-00000040/"}, "goodput": 0.9}
+               "lastCheckpoint": {"step": 40, "uri": "s3://b/r/step-00000040/"},
+               "trainerTime": {"productiveSeconds": 12.0}}
     status = derive(ts({**trainer, "phase": "Running"}), job(("Running", T0)), RUNNING_PODS, T1, None).status
     # a merge patch with any of these would overwrite what rank 0 wrote after this body was read
     assert not set(status) & set(trainer)
@@ -125,3 +126,20 @@ def test_job_condition_ignores_false_conditions():
     j = job(("Running", T0))
     j["status"]["conditions"].append({"type": "Failed", "status": "False", "lastTransitionTime": T2})
     assert job_condition(j) == "Running"
+
+
+def test_goodput_counts_from_creation_through_suspend_and_stops_when_the_run_ended():
+    created = {"metadata": {"name": "run", "namespace": "ml", "generation": 3, "creationTimestamp": T0}}
+    d1 = derive({**ts(), **created}, None, [], T1, APPLIED)  # no job yet: a minute pending
+    assert d1.status["goodputDetail"]["lostSeconds"]["pending"] == 60.0
+    body = {**ts({**d1.status, "trainerTime": {"productiveSeconds": 30.0}}, suspend=True), **created}
+    d2 = derive(body, job(("Running", T0)), RUNNING_PODS, T2, None)  # it was Pending until now
+    assert d2.status["phase"] == "Suspended"
+    assert (d2.status["goodputDetail"]["wallSeconds"], d2.status["goodput"]) == (120.0, 0.25)
+    d3 = derive({**ts({**d2.status, "trainerTime": {"productiveSeconds": 30.0}}, suspend=True), **created},
+                job(("Running", T0)), [], "2026-01-01T00:05:00Z", None)
+    assert d3.status["goodputDetail"]["lostSeconds"]["suspended"] == 180.0
+    assert d3.status["goodput"] == pytest.approx(30 / 300, abs=1e-4)
+    done = derive({**ts({**d3.status, "phase": "Succeeded"}), **created}, job(("Succeeded", T2)), [],
+                  "2026-01-01T01:00:00Z", None)
+    assert not changed(d3.status | {"phase": "Succeeded"}, {k: done.status[k] for k in ("goodput", "goodputDetail")})

@@ -1,65 +1,76 @@
-"""Goodput ledger: productive step time over wall time, and where the rest went."""
+"""The operator's goodput ledger: wall time since creation split into productive and lost by cause."""
+
+from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
-from kiln.control.goodput import CAUSES, Ledger, Report, observe
-
-
-def test_a_run_with_pending_stall_restart_and_redone_steps():
-    g = observe(Ledger(), 0, "Pending")
-    g = observe(g, 30, "Pending")                                     # 30 s waiting for pods
-    g = observe(g, 40, "Running", Report(step=0, productive_s=0.0))   # 10 s start-up → other
-    g = observe(g, 140, "Running", Report(step=100, productive_s=90.0, checkpoint_stall_s=5.0))
-    assert g.productive_s == pytest.approx(90) and g.lost_s["checkpoint_stall"] == pytest.approx(5)
-    assert g.mean_step_s == pytest.approx(0.9)
-    g = observe(g, 160, "Restarting")                                 # node lost: 20 s restarting
-    # the new process resumed from the commit at step 80: steps 81..100 are done again
-    g = observe(g, 200, "Running", Report(step=110, productive_s=27.0, start_step=80))
-    assert g.lost_s["restart"] == pytest.approx(20 + 20 * 0.9)
-    assert g.productive_s == pytest.approx(90 + 27 - 18)
-    assert g.lost_s["pending"] == pytest.approx(30)
-    assert g.wall_s == pytest.approx(200)
-    assert g.goodput == pytest.approx(99 / 200)
+from hypothesis import given
+from hypothesis import strategies as st
+from kiln.api.spec import TrainingSpecStatus
+from kiln.control.goodput import CAUSES, Ledger, counters, observe
 
 
-def test_rollback_in_process_is_attributed_to_rollback():
-    g = observe(Ledger(), 0, "Running", Report(step=0, productive_s=0))
-    g = observe(g, 100, "Running", Report(step=100, productive_s=100))
-    g = observe(g, 130, "Running", Report(step=90, productive_s=120, rollbacks=1))  # back to the commit at 90
-    assert g.lost_s["rollback"] == pytest.approx(10) and g.lost_s["restart"] == 0
-    assert g.productive_s == pytest.approx(110)
+def trainer(productive: float = 0.0, stall: float = 0.0, rollback: float = 0.0) -> dict:
+    return {"productiveSeconds": productive, "checkpointStallSeconds": stall, "rollbackSeconds": rollback}
 
 
-def test_suspended_time_counts_neither_way():
-    g = observe(Ledger(), 0, "Running", Report(step=0, productive_s=0))
-    g = observe(g, 50, "Running", Report(step=50, productive_s=50))
-    g = observe(g, 5000, "Suspended")
-    assert g.wall_s == pytest.approx(50) and g.goodput == pytest.approx(1.0)
+def test_a_run_split_by_phase_and_trainer_counters():
+    g = Ledger(observed_at=1000.0)  # created
+    g = observe(g, 1030.0, None, trainer())  # before the first status: pending
+    g = observe(g, 1050.0, "Pending", trainer())
+    g = observe(g, 1150.0, "Running", trainer(80.0, stall=5.0))  # 15 s start-up: wall only
+    g = observe(g, 1170.0, "Restarting", trainer(80.0, stall=5.0))
+    # the new trainer resumed from a commit holding 60 productive seconds: 20 s are done again
+    g = observe(g, 1190.0, "Running", trainer(60.0, stall=5.0))
+    g = observe(g, 1270.0, "Running", trainer(130.0, stall=5.0, rollback=10.0))
+    g = observe(g, 1370.0, "Suspended", trainer(130.0, stall=5.0, rollback=10.0))
+    assert g.wall_s == 370.0
+    assert g.productive_s == pytest.approx(60.0 + 70.0)
+    assert g.lost_s == {"pending": 50.0, "restart": 20.0 + 20.0, "checkpointStall": 5.0, "rollback": 10.0,
+                        "suspended": 100.0}
+    assert g.goodput == pytest.approx(130.0 / 370.0)
 
 
-def test_status_roundtrip():
-    g = observe(Ledger(), 0, "Running", Report(step=0, productive_s=0))
-    g = observe(g, 100, "Running", Report(step=10, productive_s=80, checkpoint_stall_s=3))
-    st_ = g.as_status()
-    assert st_["goodput"] == 0.8
-    h = Ledger.from_status(st_)
-    assert (h.productive_s, h.lost_s, h.last, h.max_step) == (g.productive_s, g.lost_s, g.last, g.max_step)
-    assert Ledger.from_status({}) == Ledger()
+def test_counters_reported_late_are_credited_later_never_beyond_the_wall_time():
+    g = observe(Ledger(observed_at=0.0), 10.0, "Running", trainer(25.0))  # only 10 s passed
+    assert (g.productive_s, g.wall_s) == (10.0, 10.0)
+    g = observe(g, 30.0, "Running", trainer(25.0))  # the other 15 s arrive with the next interval
+    assert (g.productive_s, g.wall_s) == (25.0, 30.0)
 
 
-reports = st.lists(st.tuples(st.floats(0, 100), st.sampled_from(["Pending", "Running", "Restarting", "Scaling"]),
-                             st.integers(0, 500), st.floats(0, 200), st.floats(0, 50), st.integers(0, 3),
-                             st.integers(0, 400)), max_size=30)
+def test_nothing_is_counted_after_the_run_ended_or_twice_for_the_same_time():
+    g = observe(Ledger(observed_at=0.0), 100.0, "Running", trainer(90.0))
+    assert observe(g, 5000.0, "Succeeded", trainer(90.0)) == g
+    assert observe(g, 100.0, "Pending", trainer(90.0)) == g
+    assert observe(g, 50.0, "Pending", trainer(90.0)) == g  # a stale clock does not take time back
 
 
-@settings(max_examples=200, deadline=None)
-@given(reports)
-def test_accounting_never_invents_time(events):
-    g, now = observe(Ledger(), 0, "Pending"), 0.0
-    for dt, phase, step, prod, stall, rb, start in events:
+def test_ledger_round_trips_through_status_and_fits_the_status_model():
+    g = observe(observe(Ledger(observed_at=1_795_000_000.0), 1_795_000_100.0, "Pending", trainer()),
+                1_795_000_160.0, "Running", trainer(40.0, stall=2.0))
+    status = g.as_status()
+    assert status["goodput"] == pytest.approx(40 / 160, abs=1e-4)
+    assert status["goodputDetail"]["lostSeconds"]["pending"] == 100.0
+    parsed = TrainingSpecStatus.model_validate(status)
+    assert parsed.goodput_detail.lost_seconds.checkpoint_stall == 2.0
+    assert Ledger.from_status(status, created=0.0) == g  # an operator restart continues the account
+    assert Ledger.from_status({}, created=7.0) == Ledger(observed_at=7.0)
+
+
+def test_trainer_counters_are_read_from_status_trainer_time():
+    assert counters({"trainerTime": {"productiveSeconds": 3.5}}) == trainer(3.5)
+    assert counters(None) == trainer()
+
+
+@given(st.lists(st.tuples(st.floats(0, 500), st.sampled_from(["Pending", "Running", "Scaling", "Restarting",
+                                                               "Suspended", None]),
+                          st.floats(0, 2000), st.floats(0, 100), st.floats(0, 100)), max_size=30))
+def test_never_invents_time(steps):
+    g = Ledger(observed_at=0.0)
+    now = 0.0
+    for dt, phase, productive, stall, rollback in steps:
         now += dt
-        g = observe(g, now, phase, Report(step, prod, stall, rb, min(start, step)) if phase == "Running" else None)
-        assert g.wall_s == pytest.approx(now, abs=1e-6)  # every second is productive or lost by one cause
-        assert all(g.lost_s[c] >= -1e-9 for c in CAUSES) and g.productive_s >= -1e-9
+        g = observe(g, now, phase, trainer(productive, stall, rollback))
+        assert g.wall_s == pytest.approx(now)
+        assert g.productive_s >= -1e-9 and all(g.lost_s[c] >= -1e-9 for c in CAUSES)
+        assert g.productive_s + sum(g.lost_s.values()) <= g.wall_s + 1e-6
         assert 0.0 <= g.goodput <= 1.0 + 1e-9

@@ -1,4 +1,5 @@
-"""What trainer rank 0 writes into TrainingSpec/status: the patch body, when it is sent, goodput, failures."""
+"""What trainer rank 0 writes into TrainingSpec/status: the patch body, when it is sent, the time
+counters the operator's goodput is made of, failures."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kiln.api.spec import TrainingSpecStatus
 from kiln.trainer.status_report import StatusReporter, StatusSender, status_patch
 
 STATUS_FIELDS = {f.alias for f in TrainingSpecStatus.model_fields.values()}
-OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration"}
+OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration", "goodput", "goodputDetail"}
 COMMITTED = {"lastCheckpoint": {"step": 100, "uri": "s3://ckpt/run/step-00000100/", "time": 1_795_000_000.5}}
 
 
@@ -22,14 +23,18 @@ def record(step: int, step_s: float = 1.0, **extra) -> dict:
 
 
 def test_patch_body_carries_the_trainer_fields_under_their_wire_names():
-    body = status_patch(record(123), COMMITTED, 1000, seconds_per_step=2.0, goodput=0.9)
+    body = status_patch(record(123), COMMITTED, 1000, seconds_per_step=2.0,
+                        trainer_time={"productive_s": 90.0, "checkpoint_stall_s": 4.5, "rollback_s": 2.0})
     status = body["status"]
     assert status == {"step": 123, "progress": "12.3%", "etaSeconds": 1754, "tokensPerSecond": 4096.0,
                       "mfu": 0.41, "lastCheckpoint": {"step": 100, "uri": "s3://ckpt/run/step-00000100/",
-                                                      "time": "2026-11-18T11:06:40Z"}, "goodput": 0.9}
+                                                      "time": "2026-11-18T11:06:40Z"},
+                      "trainerTime": {"productiveSeconds": 90.0, "checkpointStallSeconds": 4.5,
+                                      "rollbackSeconds": 2.0}}
     assert set(status) <= STATUS_FIELDS and not set(status) & OPERATOR_FIELDS
     parsed = TrainingSpecStatus.model_validate(status)  # the same values the API model accepts
     assert (parsed.step, parsed.last_checkpoint.step, parsed.eta_seconds) == (123, 100, 1754)
+    assert parsed.trainer_time.checkpoint_stall_seconds == 4.5
 
 
 def test_patch_body_before_the_first_commit_and_at_the_end():
@@ -44,9 +49,10 @@ def test_patch_body_after_a_rollback_reports_the_step_resumed_from():
 
 
 def test_patch_body_keeps_values_inside_the_crd_bounds():
-    status = status_patch(record(5, mfu=float("nan")), None, 10, seconds_per_step=float("inf"), goodput=1.3)["status"]
+    status = status_patch(record(5, mfu=float("nan")), None, 10, seconds_per_step=float("inf"),
+                          trainer_time={"productive_s": -0.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0})["status"]
     assert "mfu" not in status and "etaSeconds" not in status  # NaN/inf are not JSON, the apiserver refuses them
-    assert status["goodput"] == 1.0
+    TrainingSpecStatus.model_validate(status)
 
 
 class FakeSender:
@@ -73,7 +79,7 @@ class Clock:
 
 def test_reports_are_rate_limited_but_every_commit_and_the_end_go_out():
     clock, sender = Clock(), FakeSender()
-    rep = StatusReporter(10, sender=sender, every_s=10.0, clock=clock, started=clock.t)
+    rep = StatusReporter(10, sender=sender, every_s=10.0, clock=clock)
     for step in range(1, 11):
         clock.t += 2.0
         rep.update(record(step, step_s=1.5), COMMITTED if step >= 6 else {})
@@ -83,13 +89,14 @@ def test_reports_are_rate_limited_but_every_commit_and_the_end_go_out():
     assert sender.bodies[1]["status"]["lastCheckpoint"]["step"] == 100
     final = sender.bodies[-1]["status"]
     assert final["lastCheckpoint"] == {"step": 10, "uri": "file:///c/step-00000010/"}
-    assert final["etaSeconds"] == 0 and final["goodput"] == pytest.approx(15.0 / 20.0)
+    assert final["etaSeconds"] == 0 and final["trainerTime"]["productiveSeconds"] == pytest.approx(15.0)
+    assert "goodput" not in final  # the operator's field: it also sees the time no trainer runs
     assert sender.closed
 
 
-def test_goodput_counts_redone_steps_once_and_continues_after_a_restart():
+def test_time_counters_count_redone_steps_as_rollback_and_continue_after_a_restart():
     clock = Clock()
-    rep = StatusReporter(100, clock=clock, started=clock.t)
+    rep = StatusReporter(100, clock=clock)
     for step in (1, 2, 3):
         clock.t += 1.0
         rep.update(record(step, step_s=0.5), None)
@@ -98,15 +105,15 @@ def test_goodput_counts_redone_steps_once_and_continues_after_a_restart():
     for step in (3, 4):
         clock.t += 1.0
         rep.update(record(step, step_s=0.5), None)  # step 3 again: not new progress either
-    assert rep.goodput == pytest.approx(2.0 / 6.0)
+    rep.stalled(0.25)
+    rep.stalled(float("nan"))  # a broken measurement adds nothing
     saved = rep.state_dict()
-    assert saved == {"productive_s": 2.0, "wall_s": 6.0}
-    # a new process resumes from a checkpoint holding that account; its set-up time counts as wall time
-    clock.t += 50.0
-    again = StatusReporter(100, clock=clock, started=clock.t - 3.0, restored={"step": 4, "goodput": saved})
+    assert saved == {"productive_s": 2.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0}
+    # a new process resumes from a checkpoint holding that account and counts on from it
+    again = StatusReporter(100, clock=clock, restored={"step": 4, "goodput": saved})
     clock.t += 1.0
     again.update(record(5, step_s=1.0), None)
-    assert again.goodput == pytest.approx(3.0 / 10.0)
+    assert again.state_dict() == {"productive_s": 3.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0}
 
 
 def test_without_the_pod_environment_nothing_is_sent(monkeypatch):

@@ -231,7 +231,7 @@ class TrainingSpecSpec(ApiModel):
         return self
 
 
-# ---- status: written by the operator (phase, conditions, nodes, restarts) and trainer rank 0 (step, metrics) ----
+# ---- status: written by the operator (phase, conditions, nodes, restarts, goodput) and trainer rank 0 (step, metrics) ----
 
 Phase = Literal["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
@@ -258,8 +258,42 @@ class CheckpointRef(ApiModel):
     time: str | None = Field(None, description="When it was committed (RFC 3339).")
 
 
+class TrainerTime(ApiModel):
+    """Cumulative seconds trainer rank 0 counted since the run started (carried in the checkpoint)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    productive_seconds: float = Field(0.0, ge=0, description="Completed, accepted optimizer steps.")
+    checkpoint_stall_seconds: float = Field(0.0, ge=0, description="Training blocked on checkpoint staging/saving.")
+    rollback_seconds: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
+
+
+class LostSeconds(ApiModel):
+    """Wall seconds lost, by cause."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    pending: float = Field(0.0, ge=0, description="Waiting for pods, capacity or a queue (Pending, Scaling).")
+    restart: float = Field(0.0, ge=0, description="Restarting, plus steps redone after resuming from a commit.")
+    checkpoint_stall: float = Field(0.0, ge=0, description="Training blocked on checkpoints.")
+    rollback: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
+    suspended: float = Field(0.0, ge=0, description="spec.suspend was true.")
+
+
+class GoodputDetail(ApiModel):
+    """The operator's goodput ledger; the rest of wallSeconds is start-up, restore and data waits."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    observed_at: str = Field(..., description="Time accounted up to (RFC 3339).")
+    wall_seconds: float = Field(0.0, ge=0, description="Seconds since the run was created, up to observedAt.")
+    productive_seconds: float = Field(0.0, ge=0, description="Productive step seconds credited.")
+    lost_seconds: LostSeconds = Field(default_factory=LostSeconds, description="Lost seconds by cause.")
+    credited: dict[str, float] = Field(
+        default_factory=dict, description="The trainerTime counters already accounted (the operator's baseline)."
+    )
+
+
 class TrainingSpecStatus(ApiModel):
-    """What the run is doing: the operator writes phase, conditions and nodes; trainer rank 0 writes progress."""
+    """What the run is doing: the operator writes phase, conditions, nodes and goodput; trainer rank 0 writes
+    progress and trainerTime."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
     phase: Phase | None = Field(
@@ -272,7 +306,11 @@ class TrainingSpecStatus(ApiModel):
     tokens_per_second: float | None = Field(None, ge=0, description="Training throughput, all ranks together.")
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
     last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
-    goodput: float | None = Field(None, ge=0, le=1, description="Productive step time / wall time since the start.")
+    trainer_time: TrainerTime | None = Field(None, description="Trainer rank 0's cumulative time counters.")
+    goodput: float | None = Field(
+        None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."
+    )
+    goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     restarts: int | None = Field(None, ge=0, description="Times the PyTorchJob entered Restarting.")
     conditions: list[Condition] = Field(
         default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Running, Suspended, Succeeded, Failed."

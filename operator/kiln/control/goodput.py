@@ -1,111 +1,102 @@
-"""Goodput accounting: productive step time / wall time, and the time lost by cause. Pure, no clock.
+"""Goodput accounting: productive step time / the run's wall time since creation, and the time lost by cause.
 
-The operator calls `observe` on every status refresh with the time `now`, the run's phase and what
-trainer rank 0 reported (the step, cumulative productive step seconds and checkpoint-stall seconds of
-the current trainer process, and the rollbacks so far). The ledger lives in status (`as_status` /
+Pure, no clock. The operator calls `observe` on every status refresh with the time `now`, the phase that
+held since the previous observation (the status' phase before this refresh) and the cumulative counters
+trainer rank 0 reports in `status.trainerTime` (productive, checkpoint-stall and rollback seconds, carried
+in the checkpoint across restarts). The ledger lives in `status.goodputDetail` (`as_status` /
 `from_status`), so an operator restart continues the account.
 
 Attribution of the wall time between two observations:
-- phase Pending / Scaling with no trainer progress → `pending` (waiting for pods or capacity);
-  Restarting → `restart`; Suspended → not counted at all (the user asked for it);
-- Running → the trainer's productive-step delta is productive, its checkpoint-stall delta is
-  `checkpoint_stall`, and the remainder `other` (start-up, restore, data stalls, logging);
-- a step that goes *backwards* (a restart or a rollback resumed from an older commit) re-classifies the
-  productive time of the steps done twice: to `rollback` when the trainer's rollback count rose, else
-  to `restart`.
+- the growth of the trainer's counters (what was not credited yet) is productive, `checkpointStall`,
+  `rollback` — each at most the time left in the interval, so no time is ever invented; the rest carries
+  over to the next interval;
+- the remainder goes to the phase: Pending / Scaling → `pending`, Restarting → `restart`, Suspended →
+  `suspended`, Running → counted as wall time only (start-up, restore, data waits, logging);
+- a productive counter that went *down* means a new trainer resumed from an older commit: that much
+  productive time is moved to `restart` (it is done again);
+- after Succeeded / Failed nothing more is counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 
-CAUSES = ("restart", "checkpoint_stall", "rollback", "pending", "other")
-
-
-@dataclass(frozen=True)
-class Report:
-    """What trainer rank 0 reported. Times are cumulative within one trainer process (they restart at zero
-    with a new process); `start_step` is the committed step that process resumed from."""
-
-    step: int
-    productive_s: float  # sum of completed, accepted step times
-    checkpoint_stall_s: float = 0.0  # time training was blocked by checkpoint staging/saving
-    rollbacks: int = 0  # guard rollbacks so far (kept in the checkpoint, so it does not reset)
-    start_step: int = 0
+CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended")
+COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
+REMAINDER = {"Pending": "pending", "Scaling": "pending", "Restarting": "restart", "Suspended": "suspended"}
+FINAL = ("Succeeded", "Failed")
 
 
 @dataclass(frozen=True)
 class Ledger:
-    started: float | None = None
-    last_seen: float | None = None
+    observed_at: float  # epoch seconds accounted up to (the run's creation at first)
+    wall_s: float = 0.0
     productive_s: float = 0.0
-    lost_s: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
-    last: Report | None = None
-    max_step: int = 0
-    mean_step_s: float = 0.0  # productive seconds per step so far: prices re-done steps
-
-    @property
-    def wall_s(self) -> float:
-        return self.productive_s + sum(self.lost_s.values())
+    lost_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
+    credited: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))  # trainer's, taken
 
     @property
     def goodput(self) -> float:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_status(self) -> dict:
-        return {"goodput": round(self.goodput, 4),
-                "goodputDetail": {"wallSeconds": round(self.wall_s, 1), "productiveSeconds": round(self.productive_s, 1),
+        return {"goodput": round(min(1.0, self.goodput), 4),
+                "goodputDetail": {"observedAt": rfc3339(self.observed_at), "wallSeconds": round(self.wall_s, 1),
+                                  "productiveSeconds": round(self.productive_s, 1),
                                   "lostSeconds": {k: round(v, 1) for k, v in self.lost_s.items()},
-                                  "started": self.started, "lastSeen": self.last_seen, "maxStep": self.max_step,
-                                  "meanStepSeconds": self.mean_step_s,
-                                  "last": None if self.last is None else self.last.__dict__}}
+                                  "credited": dict(self.credited)}}
 
     @classmethod
-    def from_status(cls, status: dict | None) -> "Ledger":
-        d = (status or {}).get("goodputDetail")
-        if not d:
-            return cls()
-        lost = {c: float(d.get("lostSeconds", {}).get(c, 0.0)) for c in CAUSES}
-        return cls(started=d.get("started"), last_seen=d.get("lastSeen"), productive_s=float(d["productiveSeconds"]),
-                   lost_s=lost, last=Report(**d["last"]) if d.get("last") else None,
-                   max_step=int(d.get("maxStep", 0)), mean_step_s=float(d.get("meanStepSeconds", 0.0)))
+    def from_status(cls, status: dict | None, created: float) -> Ledger:
+        """The ledger kept in status, or a fresh one starting at the run's creation."""
+        d = (status or {}).get("goodputDetail") or {}
+        if not d.get("observedAt"):
+            return cls(observed_at=created)
+        return cls(observed_at=epoch(d["observedAt"]), wall_s=float(d.get("wallSeconds", 0.0)),
+                   productive_s=float(d.get("productiveSeconds", 0.0)),
+                   lost_s={c: float((d.get("lostSeconds") or {}).get(c, 0.0)) for c in CAUSES},
+                   credited={c: float((d.get("credited") or {}).get(c, 0.0)) for c in COUNTERS})
 
 
-def _delta(prev: float, cur: float) -> float:
-    """Growth of a cumulative counter; a smaller value means a new trainer process started from zero."""
-    return cur - prev if cur >= prev else cur
+def counters(status: dict | None) -> dict[str, float]:
+    """The trainer's cumulative counters from status.trainerTime (zero where not reported yet)."""
+    reported = (status or {}).get("trainerTime") or {}
+    return {c: max(0.0, float(reported.get(c) or 0.0)) for c in COUNTERS}
 
 
-def observe(ledger: Ledger, now: float, phase: str, report: Report | None = None) -> Ledger:
-    """The ledger after attributing the wall time since the last observation."""
-    if ledger.last_seen is None:
-        return replace(ledger, started=now, last_seen=now, last=report, max_step=report.step if report else 0)
-    elapsed = max(0.0, now - ledger.last_seen)
-    lost = dict(ledger.lost_s)
-    productive, max_step = ledger.productive_s, ledger.max_step
-
-    if phase == "Suspended":
-        pass  # the user asked for the pause: neither productive nor lost
-    elif phase == "Restarting":
-        lost["restart"] += elapsed
-    elif report is None or report == ledger.last:  # no new progress report
-        lost["pending" if phase in ("Pending", "Scaling") else "other"] += elapsed
-    else:
-        prev = ledger.last or Report(step=report.step, productive_s=0.0, start_step=report.start_step)
-        new_process = report.start_step != prev.start_step or report.productive_s < prev.productive_s
-        d_prod = min(report.productive_s - (0.0 if new_process else prev.productive_s), elapsed)
-        d_stall = report.checkpoint_stall_s - (0.0 if new_process else prev.checkpoint_stall_s)
-        d_stall = min(max(0.0, d_stall), elapsed - d_prod)
-        productive += max(0.0, d_prod)
-        lost["checkpoint_stall"] += d_stall
-        lost["other"] += elapsed - max(0.0, d_prod) - d_stall
-        # Steps done again after resuming from an older commit were not progress after all.
-        resumed_at = report.start_step if new_process else report.step
-        redone = max(0, prev.step - resumed_at) * (ledger.mean_step_s if ledger.max_step else 0.0)
-        redone = min(redone, productive)
+def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, float]) -> Ledger:
+    """The ledger after attributing the wall time since the last observation to `phase` (the phase that held)."""
+    if phase in FINAL or now <= ledger.observed_at:
+        return ledger
+    elapsed = now - ledger.observed_at
+    lost, credited, productive = dict(ledger.lost_s), dict(ledger.credited), ledger.productive_s
+    if reported["productiveSeconds"] < credited["productiveSeconds"]:  # resumed from an older commit
+        redone = min(credited["productiveSeconds"] - reported["productiveSeconds"], productive)
         productive -= redone
-        lost["rollback" if report.rollbacks > prev.rollbacks else "restart"] += redone
-        max_step = max(max_step, report.step)
-    mean = productive / max_step if max_step else 0.0
-    return replace(ledger, last_seen=now, productive_s=productive, lost_s=lost,
-                   last=report if report is not None else ledger.last, max_step=max_step, mean_step_s=mean)
+        lost["restart"] += redone
+    left = elapsed
+    for counter, cause in zip(COUNTERS, (None, "checkpointStall", "rollback")):
+        if reported[counter] < credited[counter]:
+            credited[counter] = reported[counter]  # a new trainer process: its counters are the new baseline
+        take = min(reported[counter] - credited[counter], left)
+        credited[counter] += take
+        left -= take
+        if cause is None:
+            productive += take
+        else:
+            lost[cause] += take
+    if phase is not None and phase in REMAINDER:
+        lost[REMAINDER[phase]] += left
+    elif phase is None:
+        lost["pending"] += left  # before the operator's first status: nothing was running yet
+    return replace(ledger, observed_at=now, wall_s=ledger.wall_s + elapsed, productive_s=productive, lost_s=lost,
+                   credited=credited)
+
+
+def rfc3339(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def epoch(ts: str) -> float:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()

@@ -86,6 +86,8 @@ def elastic_tick(namespace, name, **_) -> None:
     # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
     with metrics.reconcile("elastic"):
         elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
+    with metrics.reconcile("status"):  # goodput counts on while nothing else changes (pending, suspended)
+        sync.refresh_status(_kube(), namespace, name, _post)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

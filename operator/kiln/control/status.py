@@ -2,15 +2,18 @@
 
 Pure: `derive(...)` takes plain dicts (as the apiserver returns them) and the time to stamp, and returns
 the status fields the operator owns plus the Events to post. Progress fields (step, progress,
-etaSeconds, tokensPerSecond, mfu, lastCheckpoint, goodput) belong to trainer rank 0
+etaSeconds, tokensPerSecond, mfu, lastCheckpoint, trainerTime) belong to trainer rank 0
 (kiln.trainer.status_report) and are never written here: the status is merge-patched, and a value
-derived from a step read earlier could overwrite a newer one the trainer wrote meanwhile.
+derived from a step read earlier could overwrite a newer one the trainer wrote meanwhile. goodput and
+goodputDetail are the operator's: it sees the time no trainer runs (kiln.control.goodput).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from kiln.control import goodput
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
 USER_ERRORS = {
@@ -171,6 +174,10 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     }
     if gen is None:
         status.pop("observedGeneration")
+    # the phase in status held until now: it prices the time since the last refresh
+    created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
+    ledger = goodput.Ledger.from_status(old, created)
+    status.update(goodput.observe(ledger, goodput.epoch(now), old_phase, goodput.counters(old)).as_status())
     return Derived(status=status, events=events)
 
 

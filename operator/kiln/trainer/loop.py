@@ -12,7 +12,6 @@ import base64
 import io
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,7 +116,6 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         from kiln.trainer.guards import GuardHooks
 
         GuardHooks().install(hooks)
-    started = time.monotonic()  # the trainer's wall clock for goodput starts before set-up and restore
     rank, world, device = _init_distributed()
     try:
         try:
@@ -168,7 +166,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
             loader.load_state_dict(state["data"])
             _set_rng_state(state["rng"], device)
-        reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state, started=started)  # rank 0 → status
+        reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state)  # rank 0 → status
 
         global_tokens = tr.global_batch_size * dims.seq_len
         flops_step = flops_per_token(dims) * global_tokens
@@ -216,7 +214,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
                               mfu=flops_step / step_s / peak, world_size=world, global_batch_tokens=global_tokens,
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
-                reporter.update(record, checkpointer.status())  # before the save: it carries goodput
+                reporter.update(record, checkpointer.status())  # before the save: it carries the time counters
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
                 # elastic.plan switches the node count once its untilStep is committed: always commit it
@@ -226,6 +224,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                                      "model": dims.model_dump(), "goodput": reporter.state_dict()}
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+                    reporter.stalled(record["checkpoint_stall_s"])
                 if step == tr.steps and val_loader is not None:
                     record["val_loss"] = _evaluate(model, schedule, val_loader, tr.global_batch_size, layout,
                                                    device, is_first, is_last, reports_loss)

@@ -1,7 +1,9 @@
 """Trainer rank 0 writes its progress into the TrainingSpec's status subresource (DESIGN.md §1, §4).
 
-The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint and goodput; the operator
-owns phase, nodes, conditions, restarts and observedGeneration. Both send JSON merge patches, so each side
+The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint and trainerTime (its
+cumulative productive, checkpoint-stall and rollback seconds); the operator owns phase, nodes, conditions,
+restarts, observedGeneration and goodput, which it computes from trainerTime and the time no trainer ran
+(kiln.control.goodput). Both send JSON merge patches, so each side
 only ever touches its own keys.
 
 In a pod the operator sets KILN_RUN_NAME and KILN_NAMESPACE and runs the pod as `<run>-trainer`, a
@@ -27,6 +29,8 @@ log = logging.getLogger("kiln.status")
 
 REPORT_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
+TRAINER_TIME = (("productive_s", "productiveSeconds"), ("checkpoint_stall_s", "checkpointStallSeconds"),
+                ("rollback_s", "rollbackSeconds"))
 
 
 def rfc3339(epoch_s: float) -> str:
@@ -34,7 +38,7 @@ def rfc3339(epoch_s: float) -> str:
 
 
 def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, *,
-                 seconds_per_step: float | None = None, goodput: float | None = None) -> dict:
+                 seconds_per_step: float | None = None, trainer_time: dict | None = None) -> dict:
     """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.metrics),
     the Checkpointer's `status()` and the run length. Only trainer-owned keys, camelCase as in the CRD."""
     step = int(metrics.get("rolled_back_to", metrics["step"]))
@@ -51,26 +55,24 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
         if last.get("time") is not None:
             ref["time"] = rfc3339(last["time"])
         status["lastCheckpoint"] = ref
-    if goodput is not None:
-        status["goodput"] = round(min(1.0, max(0.0, goodput)), 4)
+    if trainer_time is not None:
+        status["trainerTime"] = {field: round(max(0.0, float(trainer_time[key])), 3) for key, field in TRAINER_TIME}
     return {"status": status}
 
 
 class StatusReporter:
-    """Rank 0's status writer. `update` after every step, `close` at the end; `state_dict` goes into the
-    checkpoint so goodput counts from the run's start across restarts (productive step seconds over
-    trainer wall seconds; time with no trainer process, e.g. pending or suspended, is not counted)."""
+    """Rank 0's status writer. `update` after every step, `stalled` after a checkpoint blocked training,
+    `close` at the end; `state_dict` goes into the checkpoint so the time counters (productive, checkpoint
+    stall, rollback seconds) count from the run's start across restarts. The operator turns them into
+    goodput (kiln.control.goodput)."""
 
     def __init__(self, total_steps: int, *, sender: StatusSender | None = None, restored: dict | None = None,
-                 started: float | None = None, every_s: float = REPORT_EVERY_S, clock=time.monotonic):
+                 every_s: float = REPORT_EVERY_S, clock=time.monotonic):
         self.total_steps = total_steps
         self.every_s = every_s
         self._clock = clock
-        self._started = clock() if started is None else started
         carried = (restored or {}).get("goodput") or {}
-        self._productive_carried = float(carried.get("productive_s", 0.0))
-        self._wall_carried = float(carried.get("wall_s", 0.0))
-        self._productive_s = 0.0
+        self._time = {key: float(carried.get(key, 0.0)) for key, _ in TRAINER_TIME}
         self._max_step = int((restored or {}).get("step", 0))
         self._seconds_per_step: float | None = None
         self._last_update: tuple[int, float] | None = None
@@ -80,29 +82,30 @@ class StatusReporter:
         self._sender = sender  # None: account only, send nothing
 
     @classmethod
-    def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None,
-                 started: float | None = None) -> StatusReporter:
+    def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None) -> StatusReporter:
         """Reports only on rank 0 and only when the pod's KILN_RUN_NAME and KILN_NAMESPACE are set."""
         run, namespace = os.environ.get("KILN_RUN_NAME"), os.environ.get("KILN_NAMESPACE")
         sender = StatusSender(run, namespace) if rank == 0 and run and namespace else None
-        return cls(total_steps, sender=sender, restored=restored, started=started)
-
-    @property
-    def goodput(self) -> float | None:
-        wall = self._wall_carried + self._clock() - self._started
-        return (self._productive_carried + self._productive_s) / wall if wall > 0 else None
+        return cls(total_steps, sender=sender, restored=restored)
 
     def state_dict(self) -> dict:
-        return {"productive_s": self._productive_carried + self._productive_s,
-                "wall_s": self._wall_carried + self._clock() - self._started}
+        return dict(self._time)
+
+    def stalled(self, seconds: float) -> None:
+        """Training was blocked this long by a checkpoint (staging, or a synchronous save)."""
+        if math.isfinite(seconds) and seconds > 0:
+            self._time["checkpoint_stall_s"] += seconds
 
     def update(self, record: dict, checkpoint_info: dict | None) -> None:
         """Account one finished step; hand a patch to the sender when it is due."""
         now, step = self._clock(), int(record["step"])
         # steps done again after a rollback were not progress; a rolled-back step was not either
+        step_s = float(record.get("step_s", 0.0))
         if step > self._max_step and "rolled_back_to" not in record:
-            self._productive_s += float(record.get("step_s", 0.0))
+            self._time["productive_s"] += step_s
             self._max_step = step
+        else:
+            self._time["rollback_s"] += step_s
         if self._last_update is not None and step > self._last_update[0]:
             per_step = (now - self._last_update[1]) / (step - self._last_update[0])
             self._seconds_per_step = per_step if self._seconds_per_step is None \
@@ -125,7 +128,7 @@ class StatusReporter:
 
     def _send(self, checkpoint_info: dict | None) -> None:
         self._sender.submit(status_patch(self._record, checkpoint_info, self.total_steps,
-                                         seconds_per_step=self._seconds_per_step, goodput=self.goodput))
+                                         seconds_per_step=self._seconds_per_step, trainer_time=self._time))
         self._last_sent = self._clock()
         self._sent_commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
 
