@@ -83,12 +83,15 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
             assert _condition(kube, namespace)["reason"] == "Steady"
 
             victim = next(p for p, n in _running_pods(kube, namespace).items() if n == bad)
+            # Waited for by UID: the training-operator recreates a pod of the same name on the healthy node at once.
+            victim_uid = next(p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")
+                              if p["metadata"]["name"] == victim)
             rig.set_node_ready(bad, False)
             rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=60)
             summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 1, tuning)
             assert "shrink 2 → 1" in summary
             assert _workers(kube, namespace) == 1
-            rig.wait_for(f"{victim} gone", lambda: victim not in {p["metadata"]["name"]
+            rig.wait_for(f"{victim} on {bad} gone", lambda: victim_uid not in {p["metadata"]["uid"]
                                                                  for p in kube.pods(namespace, "elastic")}, timeout=60)
             cond = _condition(kube, namespace)
             assert cond["reason"] == "Shrink" and "only 1 matching node(s)" in cond["message"]
