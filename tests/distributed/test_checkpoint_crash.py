@@ -67,6 +67,16 @@ def _worker(rank: int, port: int, uri: str, env: dict) -> None:
         ck.save(step, [model], [opt], {"step": step})
 
 
+def _wait_for_upload_in_flight(store, committed: int, timeout: float) -> None:
+    """Until the store lists files of an uncommitted step newer than `committed` (an upload under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen, done = steps_from_listing(store.list("step-"))
+        if any(step > committed and step not in done for step in seen):
+            return
+        time.sleep(0.005)
+
+
 def _trial(uri: str, env: dict, rng: random.Random) -> dict:
     """Start the job (it resumes), wait for it to commit one step more, kill -9 a random rank at a random time."""
     store = open_store(uri, env=env)
@@ -83,7 +93,10 @@ def _trial(uri: str, env: dict, rng: random.Random) -> dict:
             assert time.monotonic() < deadline, "no commit within 120s"
             time.sleep(0.05)
         committed_before = max(committed_steps(store))
-        time.sleep(rng.uniform(0.0, 1.5))
+        # Aim the kill at an upload: wait until a newer step has files on the store but no COMMIT yet (a fixed
+        # random delay mostly lands between uploads on an idle machine), then kill after a random moment.
+        _wait_for_upload_in_flight(store, committed_before, timeout=20)
+        time.sleep(rng.uniform(0.0, 0.02))
         victim = rng.randrange(WORLD)
         os.kill(procs[victim].pid, signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))  # the survivor runs on a moment, as under torchrun's teardown
