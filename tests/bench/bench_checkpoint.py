@@ -12,7 +12,6 @@ else a private versitygw from the rig's build. Writes JSON to --out (default run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -28,6 +27,7 @@ from kiln.storage import open_store
 from kiln.storage.commit import read_commit
 from kiln.trainer.checkpoint import Checkpointer
 from kiln.trainer.model import build_model
+from tests.bench.report import write_report
 
 MiB = 1 << 20
 
@@ -195,10 +195,7 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k != "raw"}, indent=2))
+    write_report(results, args.out, summary={k: v for k, v in results.items() if k != "raw"})
 
 
 if __name__ == "__main__":

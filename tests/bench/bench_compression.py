@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.bench.report import write_report
 
 MODES = ("none", "bf16", "powersgd")
 
@@ -111,10 +112,7 @@ def main(argv=None) -> dict:
                       "final_loss_rel_delta": (v["final_loss"] - ref["final_loss"]) / ref["final_loss"]}
                   for m, v in modes.items()},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     return report
 
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import yaml
+from tests.bench.report import write_report
 
 MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
 
@@ -112,10 +113,7 @@ def main(argv=None) -> dict:
         "steps_redone": faulty["steps_logged"] - faulty["final_step"],
         "both_finished": ref["final_step"] == faulty["final_step"] == args.steps,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
     return report
 
 

@@ -12,7 +12,6 @@ The runs are created suspended, so no pod or GPU is involved: this measures the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ from kubernetes import watch
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import plan
+from tests.bench.report import write_report
 
 
 def spec(name: str) -> dict:
@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "operator_rss_mib": {"idle": idle_rss / 1024, "peak": peak_rss / 1024,
                              "peak_over_idle": peak_rss / max(idle_rss, 1)},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_report(result, args.out)
     return 0
 
 

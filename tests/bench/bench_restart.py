@@ -23,6 +23,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from tests.bench.report import write_report
 
 WORLD = 2
 
@@ -173,10 +174,7 @@ def main() -> None:
         "sources": {m: sorted({t["source"] for t in ts}) for m, ts in trials.items()},
         "raw": trials,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k != "raw"}, indent=2))
+    write_report(results, args.out, summary={k: v for k, v in results.items() if k != "raw"})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tests.rig import build
+from tests.bench.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,10 +68,7 @@ def main() -> int:
         "recorded_cold_build": json.loads((build.rig_dir() / "build-times.json").read_text())
         if (build.rig_dir() / "build-times.json").exists() else None,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["best"] | {"reuse_over_start": result["reuse_over_start"]}, indent=2))
+    write_report(result, args.out, summary=result["best"] | {"reuse_over_start": result["reuse_over_start"]})
     return 0
 
 

@@ -27,6 +27,7 @@ from kiln.api import TrainingSpec, resolve_model
 from kiln.trainer import kernels
 from kiln.trainer.metrics import flops_per_token, peak_flops
 from kiln.trainer.model import build_model, cross_entropy
+from tests.bench.report import write_report
 
 
 def make_spec(args) -> TrainingSpec:
@@ -133,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         result["kiln"]["peak_memory_gib"] = kiln_peak_gib
         result["eager_reference"]["peak_memory_gib"] = eager_peak_gib
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_report(result, args.out)
     return result
 
 
