@@ -605,9 +605,10 @@ def _stop(state: dict) -> None:
 
 
 @contextmanager
-def _locked() -> Iterator[None]:
+def _flock(name: str) -> Iterator[None]:
+    """An exclusive lock file in the run directory, shared by every process on this machine."""
     run_dir().mkdir(parents=True, exist_ok=True)
-    with open(run_dir() / "lock", "w") as f:
+    with open(run_dir() / name, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -664,7 +665,7 @@ def up(lease_pid: int | None = None) -> tuple[Rig, bool]:
     With `lease_pid`, that process is recorded as a user of the rig (under the same lock),
     so `release()` by another user will not stop the rig under it.
     """
-    with _locked():
+    with _flock("lock"):
         rig = running()
         if rig is not None:
             log("reusing the running rig")
@@ -686,7 +687,7 @@ def up(lease_pid: int | None = None) -> tuple[Rig, bool]:
 
 def release(lease_pid: int, stop_if_unused: bool) -> None:
     """Drop a user's lease; stop the rig if asked and no other live process still uses it."""
-    with _locked():
+    with _flock("lock"):
         (_leases() / str(lease_pid)).unlink(missing_ok=True)
         if stop_if_unused and not _live_leases():
             state = _read_state()
@@ -699,17 +700,12 @@ def release(lease_pid: int, stop_if_unused: bool) -> None:
 @contextmanager
 def exclusive_gpus() -> Iterator[None]:
     """Hold the rig's GPU nodes alone: pytest sessions sharing one rig take turns on the 16 GPUs."""
-    run_dir().mkdir(parents=True, exist_ok=True)
-    with open(run_dir() / "gpus.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with _flock("gpus.lock"):
+        yield
 
 
 def down() -> None:
-    with _locked():
+    with _flock("lock"):
         state = _read_state()
         if state:
             _stop(state)
