@@ -107,11 +107,16 @@ class _Converter:
         return node
 
 
-def spec_schema() -> dict:
-    schema = TrainingSpecSpec.model_json_schema(by_alias=True, mode="validation")
-    conv = _Converter(schema, _model_classes(TrainingSpecSpec))
-    out = conv.convert(schema, "TrainingSpecSpec")
+def _structural(model: type) -> dict:
+    """The model's JSON schema as a structural OpenAPI v3 schema (what a CRD version needs)."""
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    out = _Converter(schema, _model_classes(model)).convert(schema, model.__name__)
     out.pop("$defs", None)
+    return out
+
+
+def spec_schema() -> dict:
+    out = _structural(TrainingSpecSpec)
     out["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": r.message, "fieldPath": "." + r.field, "reason": "FieldValueInvalid"}
         for r in RULES
@@ -120,10 +125,7 @@ def spec_schema() -> dict:
 
 
 def status_schema() -> dict:
-    schema = TrainingSpecStatus.model_json_schema(by_alias=True, mode="validation")
-    conv = _Converter(schema, _model_classes(TrainingSpecStatus))
-    out = conv.convert(schema, "TrainingSpecStatus")
-    out.pop("$defs", None)
+    out = _structural(TrainingSpecStatus)
     conditions = out["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
