@@ -42,6 +42,24 @@ def test_file_store_round_trip(tmp_path):
     assert not [p for p in (tmp_path / "ckpt").rglob("*.tmp")]
 
 
+def test_file_store_listing_skips_an_object_deleted_during_the_walk(tmp_path, monkeypatch):
+    """Retention deletes old steps while another rank lists: the listing must not fail on the vanished file."""
+    import kiln.storage.store as store_module
+
+    store = FileStore(str(tmp_path))
+    store.put_bytes("step-1/COMMIT", b"{}")
+    store.put_bytes("step-2/COMMIT", b"{}")
+    real_walk = store_module.os.walk
+
+    def walk_then_delete(top):
+        for entry in real_walk(top):
+            (tmp_path / "step-1" / "COMMIT").unlink(missing_ok=True)  # deleted after the walk named it
+            yield entry
+
+    monkeypatch.setattr(store_module.os, "walk", walk_then_delete)
+    assert [o.key for o in store.list("step-")] == ["step-2/COMMIT"]
+
+
 def test_file_store_missing_key_and_bad_key(tmp_path):
     store = FileStore(tmp_path)
     with pytest.raises(ObjectNotFound, match="nope"):

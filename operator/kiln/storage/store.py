@@ -140,8 +140,12 @@ class FileStore(ObjectStore):
                     continue  # an unfinished write
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
+                if not key.startswith(prefix):
+                    continue
+                try:
                     out.append(ObjectInfo(key, full.stat().st_size))
+                except FileNotFoundError:
+                    continue  # deleted between the walk and the stat (retention, a concurrent cleanup)
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
