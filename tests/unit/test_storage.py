@@ -52,9 +52,10 @@ def test_file_store_listing_skips_an_object_deleted_during_the_walk(tmp_path, mo
     real_walk = store_module.os.walk
 
     def walk_then_delete(top):
-        for entry in real_walk(top):
-            (tmp_path / "step-1" / "COMMIT").unlink(missing_ok=True)  # deleted after the walk named it
-            yield entry
+        for dirpath, dirs, files in real_walk(top):
+            if "COMMIT" in files and dirpath.endswith("step-1"):
+                (tmp_path / "step-1" / "COMMIT").unlink()  # deleted after the walk named it
+            yield dirpath, dirs, files
 
     monkeypatch.setattr(store_module.os, "walk", walk_then_delete)
     assert [o.key for o in store.list("step-")] == ["step-2/COMMIT"]
