@@ -61,17 +61,32 @@ def default_nproc(doc: TrainingSpec) -> int:
     return 1
 
 
-def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path) -> TrainingSpec:
-    """The spec as this machine runs it: one node of nproc processes, checkpoints under OUTPUT by default."""
+def shorten(training: dict, steps: int) -> str | None:
+    """Apply a `--steps` override to a spec's `training` mapping (camelCase keys), in place.
+
+    A command-line override shortens the run as asked: a warm-up longer than the new run is capped at its
+    length (the spec file itself must keep warmupSteps <= steps). Returns the note to print when it capped.
+    """
+    training["steps"] = steps
+    warmup = training.get("warmupSteps", 0)
+    if warmup > steps:
+        training["warmupSteps"] = steps
+        return (f"kiln: note: --steps {steps} is shorter than training.warmupSteps {warmup}; "
+                f"warming up over all {steps} steps instead")
+    return None
+
+
+def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path) -> tuple[TrainingSpec, str | None]:
+    """The spec as this machine runs it: one node of nproc processes, checkpoints under OUTPUT by default;
+    `steps` overrides training.steps (see `shorten`, whose note comes back second)."""
     data = doc.model_dump(by_alias=True, exclude_none=True, mode="json")
     spec = data["spec"]
     spec["resources"].update(nodes=1, processesPerNode=nproc)
     spec["elastic"] = {}
-    if steps is not None:
-        spec["training"]["steps"] = steps
+    note = shorten(spec["training"], steps) if steps is not None else None
     if not doc.spec.checkpoint.uri:
         spec["checkpoint"]["uri"] = f"file://{(output / 'checkpoints').resolve()}"
-    return parse(data, "kiln run")
+    return parse(data, "kiln run"), note
 
 
 def check_layout(doc: TrainingSpec, world: int) -> None:
@@ -93,8 +108,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise KilnError(f"--steps must be at least 1, not {args.steps}")
     output = Path(args.output or f"runs/{doc.metadata.name}")
-    run_doc = local_spec(doc, nproc=nproc, steps=args.steps, output=output)
+    run_doc, note = local_spec(doc, nproc=nproc, steps=args.steps, output=output)
     check_layout(run_doc, nproc)
+    if note:
+        print(note, flush=True)
     output.mkdir(parents=True, exist_ok=True)
     spec_path = output / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(run_doc.model_dump(by_alias=True, exclude_none=True, mode="json"),
@@ -158,7 +175,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     doc = load_one(args.config)
     if args.steps is not None:
-        doc.spec.training.steps = args.steps
+        if args.steps < 1:
+            raise KilnError(f"--steps must be at least 1, not {args.steps}")
+        data = doc.model_dump(by_alias=True, exclude_none=True, mode="json")
+        note = shorten(data["spec"]["training"], args.steps)
+        doc = parse(data, args.config)
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, flush=True)
     output = Path(args.output or f"runs/{doc.metadata.name}")
     try:
         train(doc, output_dir=output)

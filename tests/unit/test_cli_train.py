@@ -1,0 +1,67 @@
+"""`kiln run --steps` / `kiln train --steps`: a command-line override shortens a real spec's run."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kiln.api.load import load_file
+from kiln.cli.train_cmds import local_spec
+from kiln.errors import KilnError
+from kiln.trainer.optim import lr_at
+
+from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+
+SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
+
+
+def test_steps_shorter_than_warmup_caps_the_warmup_with_a_note(tmp_path):
+    doc = load_file(SAMPLES / "gpu-single-node.yaml")[0]  # warmupSteps 1000, steps 20000
+    run, note = local_spec(doc, nproc=8, steps=5, output=tmp_path)
+    assert (run.spec.training.steps, run.spec.training.warmup_steps) == (5, 5)
+    assert "--steps 5" in note and "warmupSteps 1000" in note
+    # The warm-up now ends inside the run: the last step trains at the peak learning rate.
+    assert lr_at(5, run.spec.training) == pytest.approx(doc.spec.training.lr)
+    assert doc.spec.training.warmup_steps == 1000  # the spec as read is not changed
+
+
+def test_steps_longer_than_warmup_keeps_it_and_says_nothing(tmp_path):
+    doc = load_file(SAMPLES / "quickstart.yaml")[0]  # warmupSteps 20
+    run, note = local_spec(doc, nproc=2, steps=50, output=tmp_path)
+    assert (run.spec.training.steps, run.spec.training.warmup_steps, note) == (50, 20, None)
+    run, note = local_spec(doc, nproc=2, steps=None, output=tmp_path)
+    assert (run.spec.training.steps, run.spec.training.warmup_steps, note) == (300, 20, None)
+
+
+def test_the_spec_file_itself_still_must_keep_warmup_within_steps(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "warmupSteps": 10})
+    with pytest.raises(KilnError, match="warmupSteps"):
+        load_file(spec)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["run", "train"])
+def test_steps_below_warmup_trains_to_the_peak_lr_and_says_so_once(tmp_path, command):
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 50, "warmupSteps": 10, "lr": 1e-3})
+    out = tmp_path / "out"
+    if command == "run":
+        args = ["run", str(spec), "--nproc", "1"]
+    else:  # one rank without torchrun, as a pod's torchrun would start it
+        args = ["train", "--config", str(spec)]
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args, "--steps", "2", "--output", str(out)],
+                          env=env(MASTER_PORT=_free_port()), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("kiln: note: --steps 2 is shorter than training.warmupSteps 10") == 1, proc.stdout
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3])  # warm-up over the 2 steps, to the peak
