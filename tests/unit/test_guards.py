@@ -1,12 +1,15 @@
 """StepGuard: the pure decisions the training loop takes on every step."""
 
+import json
+import logging
 import math
 import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kiln.trainer.guards import Action, GuardConfig, StepGuard, robust_zscore
+from kiln.trainer.guards import Action, GuardConfig, GuardHooks, StepGuard, robust_zscore
+from kiln.trainer.loop import StepHooks
 
 
 def _warm(guard: StepGuard, n: int = 20, start: int = 1) -> int:
@@ -75,6 +78,53 @@ def test_state_roundtrip_keeps_baseline_and_counters():
     keys = ("guard_skipped_nonfinite", "guard_skipped_spike", "guard_rollbacks")
     assert [h.metrics()[k] for k in keys] == [g.metrics()[k] for k in keys] == [1, 1, 0]
     assert h.check(step + 2, 40.0).action is Action.SKIP  # baseline restored: still a spike
+
+
+def test_restored_guard_continues_spike_window_and_records_skipped_data():
+    cfg = GuardConfig(spike_limit=3, spike_window=10)
+    g = StepGuard(cfg)
+    step = _warm(g)
+    g.check(step, 50.0)
+    g.check(step + 1, 60.0)
+    h = StepGuard(cfg)  # the restarted process: two spikes already seen, in trainer.json (JSON round trip)
+    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    d = h.check(step + 2, 70.0)
+    assert d.action is Action.ROLLBACK and d.skip_data == (step, step + 2)
+    assert h.skipped_data == [(step, step + 2)]
+    k = StepGuard(cfg)
+    k.load_state_dict(json.loads(json.dumps(h.state_dict())))
+    assert k.skipped_data == [(step, step + 2)] and k.metrics()["guard_rollbacks"] == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.floats(0.5, 5.0), st.floats(20.0, 100.0), st.just(math.nan)), min_size=2, max_size=60),
+       st.data())
+def test_save_and_restore_at_any_step_decides_like_the_uninterrupted_run(series, data):
+    cfg = GuardConfig(min_history=3, spike_limit=2, spike_window=6)
+    cut = data.draw(st.integers(1, len(series) - 1))
+    whole, first = StepGuard(cfg), StepGuard(cfg)
+    expected = [whole.check(i, v, 1.0) for i, v in enumerate(series, 1)]
+    got = [first.check(i, v, 1.0) for i, v in enumerate(series[:cut], 1)]
+    resumed = StepGuard(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += [resumed.check(i, v, 1.0) for i, v in enumerate(series[cut:], cut + 1)]
+    assert [(d.action, d.skip_data) for d in got] == [(d.action, d.skip_data) for d in expected]
+    keys = ("guard_skipped_nonfinite", "guard_skipped_spike", "guard_rollbacks")
+    assert [resumed.metrics()[k] for k in keys] == [whole.metrics()[k] for k in keys]
+
+
+def test_guard_hooks_register_their_state_and_warn_on_a_checkpoint_without_it(caplog):
+    hooks = StepHooks()
+    guards = GuardHooks(GuardConfig(min_history=5))
+    guards.install(hooks)
+    assert hooks.state["guards"] is guards
+    _warm(guards.guard)
+    with caplog.at_level(logging.WARNING, logger="kiln.guards"):
+        guards.load_state_dict(None)  # an old checkpoint: nothing saved under "guards"
+    assert "no guard state" in caplog.text and "warms up again" in caplog.text and "5 accepted losses" in caplog.text
+    fresh = GuardHooks()
+    fresh.load_state_dict(json.loads(json.dumps(guards.state_dict())))
+    assert list(fresh.guard.history) == list(guards.guard.history)
 
 
 def test_bad_config_is_rejected():

@@ -18,6 +18,7 @@ dimensions whose placement is `Replicate()`; for plain tensors (DDP) every rank 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import statistics
 from collections import deque
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 # torch is imported lazily: StepGuard and the decisions are used by code (and tests) without torch.
+
+log = logging.getLogger("kiln.guards")
 
 
 class Action(enum.Enum):
@@ -78,6 +81,9 @@ class GuardCounters:
     last_zscore: float = 0.0
 
 
+MAX_SKIPPED_WINDOWS = 100  # bounds trainer.json; rollbacks are rare
+
+
 class StepGuard:
     """Decides OK / SKIP / ROLLBACK for one optimizer step from the global loss and grad norm."""
 
@@ -86,6 +92,9 @@ class StepGuard:
         self.history: deque[float] = deque(maxlen=self.config.window)
         self.spikes: deque[int] = deque()
         self.counters = GuardCounters()
+        # Data windows (first, last step) skipped by rollbacks, newest last: kept in the checkpoint as a record
+        # of which data the run never learned from.
+        self.skipped_data: list[tuple[int, int]] = []
 
     def check(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
         cfg = self.config
@@ -109,6 +118,7 @@ class StepGuard:
             first = self.spikes[0]
             self.spikes.clear()
             self.counters.rollbacks += 1
+            self.skipped_data = [*self.skipped_data, (first, step)][-MAX_SKIPPED_WINDOWS:]
             return Decision(
                 Action.ROLLBACK, step,
                 f"{cfg.spike_limit} loss spikes within {cfg.spike_window} steps (steps {first}..{step}, "
@@ -128,18 +138,22 @@ class StepGuard:
             "guard_loss_zscore": c.last_zscore,
         }
 
-    # Saved in trainer.json so the baseline and counters survive a restart.
+    # Saved in trainer.json (JSON: plain lists and numbers) so the baseline, the recent spikes and the counters
+    # survive a restart: a resumed run decides exactly as the uninterrupted one would have.
     def state_dict(self) -> dict[str, Any]:
         c = self.counters
         return {"history": list(self.history), "spikes": list(self.spikes),
                 "counters": {"skipped_nonfinite": c.skipped_nonfinite, "skipped_spike": c.skipped_spike,
-                             "rollbacks": c.rollbacks}}
+                             "rollbacks": c.rollbacks},
+                "skipped_data": [list(w) for w in self.skipped_data]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a smaller `window` than the saving run's keeps the newest losses (deque maxlen drops the oldest)
         self.history = deque((float(v) for v in state.get("history", [])), maxlen=self.config.window)
         self.spikes = deque(int(s) for s in state.get("spikes", []))
         counters = state.get("counters", {})
         self.counters = GuardCounters(**{k: int(v) for k, v in counters.items()})
+        self.skipped_data = [(int(a), int(b)) for a, b in state.get("skipped_data", [])][-MAX_SKIPPED_WINDOWS:]
 
 
 def global_scalars(loss, grad_norm=None, group=None) -> tuple[float, float | None]:
@@ -318,7 +332,11 @@ class GuardHooks:
     step's metrics record (the health report's GPUHealthy condition as `gpu_condition`).
 
     A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
-    data cursor, so the offending data window is skipped.
+    data cursor, so the offending data window is skipped. The StepGuard's own state is not rolled back: its
+    counters count what happened, and its baseline holds only accepted losses.
+
+    Registered as `hooks.state["guards"]`, the StepGuard's state goes into every checkpoint's trainer state
+    and comes back on resume.
     """
 
     def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100, health_every: int = 100) -> None:
@@ -351,6 +369,26 @@ class GuardHooks:
             report = self._gpus.probe()  # this node's GPUs; "no-gpu" (healthy) on a CPU machine
             ctx.record.update(report.metrics(), gpu_condition=report.condition)
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """`None`: the checkpoint predates saved guard state; resume anyway with a fresh detector."""
+        if state is not None:
+            self.guard.load_state_dict(state)
+            return
+        if _is_rank_zero():
+            log.warning("guards: the checkpoint carries no guard state (saved by an older kiln); the loss-spike "
+                        "detector warms up again (no spike verdict before %d accepted losses) and the skip and "
+                        "rollback counters restart at 0", self.guard.config.min_history)
+
     def install(self, hooks) -> None:
         hooks.before_update.append(self.before_update)
         hooks.after_update.append(self.after_update)
+        hooks.state["guards"] = self
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

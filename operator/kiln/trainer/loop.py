@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,15 @@ class StepContext:
 @dataclass
 class StepHooks:
     """Where guards plug in. `before_update` hooks return False to skip this optimizer step (the gradients
-    are dropped, the data is still consumed); `after_update` hooks run after the step (e.g. SDC checks)."""
+    are dropped, the data is still consumed); `after_update` hooks run after the step (e.g. SDC checks).
+
+    `state` names objects whose `state_dict()` (JSON-serialisable) goes into every checkpoint's trainer state
+    under "hooks"/<name>; on resume each gets `load_state_dict(saved)`, or `load_state_dict(None)` when the
+    checkpoint has nothing under its name (saved before the hook kept state)."""
 
     before_update: list[Callable[[StepContext], bool]] = field(default_factory=list)
     after_update: list[Callable[[StepContext], None]] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +172,9 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
             loader.load_state_dict(state["data"])
             _set_rng_state(state["rng"], device)
+            saved_hooks = state.get("hooks", {})
+            for name, obj in hooks.state.items():
+                obj.load_state_dict(saved_hooks.get(name))
         reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state)  # rank 0 → status
 
         global_tokens = tr.global_batch_size * dims.seq_len
@@ -202,7 +211,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 for hook in hooks.after_update:
                     hook(ctx)
                 if ctx.rollback:  # repeated loss spikes: back to the last commit; the loader keeps its
-                    state = checkpointer.restore(model_parts, optimizers)  # cursor, skipping the bad data
+                    # cursor, skipping the bad data; hook state (guard counters) is not rolled back
+                    state = checkpointer.restore(model_parts, optimizers)
                     if state is not None:
                         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
                         _set_rng_state(state["rng"], device)
@@ -221,7 +231,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 if final or step in plan_steps or checkpointer.should_save(step):
                     trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
                                      "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
-                                     "model": dims.model_dump(), "goodput": reporter.state_dict()}
+                                     "model": dims.model_dump(), "goodput": reporter.state_dict(),
+                                     "hooks": {name: obj.state_dict() for name, obj in hooks.state.items()}}
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
                     reporter.stalled(record["checkpoint_stall_s"])

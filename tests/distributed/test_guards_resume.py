@@ -1,0 +1,126 @@
+"""Guard state across a restart (kiln.trainer.loop.train, 2 gloo ranks, real Checkpointer on file://).
+
+The run is killed (SIGKILL, every rank) right after its step-6 commit and started again in fresh processes.
+The loss spike at step 7, the first step after the resume, must be skipped exactly as in the uninterrupted
+run, and the spike at step 8 must complete the rollback series begun before the kill (5, 7, 8), with the
+skip and rollback counters continuing. A checkpoint saved without guard state (an older kiln) still resumes;
+the detector then warms up again and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessExitedException
+
+from tests.distributed.test_guards_dist import _free_port
+from tests.distributed.trainer_helpers import read_metrics, write_spec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SPIKES = {5: 50.0, 7: 60.0, 8: 70.0}  # the global loss every rank sees at these steps (one-shot)
+KILL_AT = 7  # after the step-6 commit, before the step-7 update
+
+
+def _rank(rank, world, port, spec_path, out, ckpt_uri, kill_at, legacy):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    from kiln.api.load import load_file
+    from kiln.trainer.guards import GuardConfig, GuardHooks
+    from kiln.trainer.loop import StepHooks, train
+
+    os.makedirs(out, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(out, f"log{rank}.txt"))
+    logging.getLogger("kiln.guards").addHandler(handler)
+    pending = dict(SPIKES)
+
+    def inject(ctx):
+        if kill_at is not None and ctx.step == kill_at:
+            # Every rank is past the step-6 save here: step 7's loss all-reduce needed all of them.
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ctx.step in pending:
+            ctx.loss = pending.pop(ctx.step)
+        return True
+
+    hooks = StepHooks(before_update=[inject])
+    guards = GuardHooks(GuardConfig(min_history=4, spike_limit=3, spike_window=6), sdc_every=0, health_every=0)
+    if legacy:  # how kiln wired the guards before their state was checkpointed
+        hooks.before_update.append(guards.before_update)
+        hooks.after_update.append(guards.after_update)
+    else:
+        guards.install(hooks)
+    result = train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks, checkpoint_uri=ckpt_uri)
+    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
+        json.dump({"start": result.start_step, "final": result.final_step}, f)
+
+
+def _run(spec, out, ckpt, *, kill_at=None, legacy=False) -> list[dict]:
+    args = (2, _free_port(), str(spec), str(out), f"file://{ckpt}", kill_at, legacy)
+    if kill_at is None:
+        mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
+    else:
+        with pytest.raises(ProcessExitedException, match="SIGKILL"):
+            mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
+    return read_metrics(out)
+
+
+def _actions(records):
+    return [(r["step"], r["guard_action"]) for r in records]
+
+
+def _counters(record):
+    return record["guard_skipped_nonfinite"], record["guard_skipped_spike"], record["guard_rollbacks"]
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return write_spec(tmp_path / "spec.yaml", training={"steps": 10}, nproc=2,
+                      checkpoint={"intervalSteps": 3, "asyncSave": False, "keep": 10})
+
+
+def test_resumed_run_detects_the_spike_right_after_resume_like_the_uninterrupted_run(tmp_path, spec):
+    whole = _run(spec, tmp_path / "whole", tmp_path / "ckpt-whole")
+    assert _actions(whole) == [(1, "ok"), (2, "ok"), (3, "ok"), (4, "ok"), (5, "skip"), (6, "ok"), (7, "skip"),
+                               (8, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
+
+    before = _run(spec, tmp_path / "before", tmp_path / "ckpt", kill_at=KILL_AT)
+    assert [r["step"] for r in before] == [1, 2, 3, 4, 5, 6]
+    saved = json.loads((tmp_path / "ckpt" / "step-00000006" / "trainer.json").read_text())["hooks"]["guards"]
+    assert saved["counters"]["skipped_spike"] == 1 and saved["spikes"] == [5] and len(saved["history"]) == 5
+
+    after = _run(spec, tmp_path / "after", tmp_path / "ckpt")
+    assert json.loads((tmp_path / "after" / "result0.json").read_text()) == {"start": 6, "final": 10}
+    assert _actions(after) == _actions(whole)[6:]  # step 7 is a spike at once: no warm-up after the resume
+    for got, want in zip(after, whole[6:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["guard_loss_zscore"] == pytest.approx(want["guard_loss_zscore"], rel=1e-6)
+        assert _counters(got) == _counters(want)  # the counters continue from the checkpoint
+    assert _counters(after[-1]) == (0, 2, 1)
+    assert "steps 5..8" in after[1]["guard_reason"] and after[1]["rolled_back_to"] == 6
+    final = json.loads((tmp_path / "ckpt" / "step-00000010" / "trainer.json").read_text())["hooks"]["guards"]
+    assert final["skipped_data"] == [[5, 8]] and final["counters"]["rollbacks"] == 1
+    assert "no guard state" not in (tmp_path / "after" / "log0.txt").read_text()
+
+
+def test_checkpoint_without_guard_state_still_resumes_and_the_detector_warms_up(tmp_path, spec):
+    _run(spec, tmp_path / "before", tmp_path / "ckpt", kill_at=KILL_AT, legacy=True)
+    trainer_state = json.loads((tmp_path / "ckpt" / "step-00000006" / "trainer.json").read_text())
+    assert "guards" not in trainer_state.get("hooks", {})
+
+    after = _run(spec, tmp_path / "after", tmp_path / "ckpt")
+    assert json.loads((tmp_path / "after" / "result1.json").read_text()) == {"start": 6, "final": 10}
+    # A fresh detector has fewer than min_history losses at step 7 and 8: both spikes pass unnoticed.
+    assert _actions(after) == [(7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
+    assert _counters(after[-1]) == (0, 0, 0)
+    log = (tmp_path / "after" / "log0.txt").read_text()
+    assert "no guard state" in log and "warms up again (no spike verdict before 4 accepted losses)" in log
+    assert (tmp_path / "after" / "log1.txt").read_text() == ""  # said once, by rank 0
