@@ -1,8 +1,10 @@
-"""`kiln train` (one rank, under torchrun) and `kiln run` (the local launcher: torchrun on this machine)."""
+"""`kiln train` (one rank, under torchrun), `kiln run` (the local launcher: torchrun on this machine) and
+`kiln eval` (the held-out loss of a run's newest committed checkpoint, in this process)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +39,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--output", default=None, help="run folder for metrics (default: runs/<metadata.name>)")
     train.add_argument("--steps", type=int, default=None, help="override training.steps")
     train.set_defaults(func=cmd_train)
+
+    ev = subparsers.add_parser(
+        "eval", help="held-out loss and perplexity of a run's newest committed checkpoint (one process, CPU or GPU)",
+        description="Load the newest committed checkpoint of SPEC's run (saved by any number of processes) into "
+        "this one process and score it on the validation split of the spec's data: the same batches as the "
+        "val_loss the trainer logs at the end of a run. Prints the result; --json writes it.",
+    )
+    ev.add_argument("spec", help="TrainingSpec YAML file")
+    where = ev.add_mutually_exclusive_group()
+    where.add_argument("--output", default=None, help="the `kiln run` folder whose checkpoints/ to read (default: "
+                       "runs/<metadata.name>; used only when the spec has no checkpoint.uri)")
+    where.add_argument("--checkpoint", default=None, help="checkpoint URI (file:///path/ or s3://bucket/prefix/; "
+                       "default: the spec's checkpoint.uri)")
+    ev.add_argument("--batches", type=int, default=None, help="global batches of held-out data to score "
+                    "(default: as many as the trainer's val_loss)")
+    ev.add_argument("--data", default=None, help="held-out token shards (file:///path/ or s3://...), needed when "
+                    "data.uri has no validation split of its own")
+    ev.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
+    ev.add_argument("--json", default=None, metavar="FILE",
+                    help='also write {"step", "loss", "perplexity", "tokens", "checkpoint"} to FILE')
+    ev.set_defaults(func=cmd_eval)
 
 
 def load_one(path: str) -> TrainingSpec:
@@ -187,4 +210,41 @@ def cmd_train(args: argparse.Namespace) -> int:
         train(doc, output_dir=output)
     except KeyboardInterrupt:
         return 130  # the launcher reports the interruption once
+    return 0
+
+
+def eval_checkpoint_uri(doc: TrainingSpec, *, output: str | None, checkpoint: str | None) -> str:
+    """Where `kiln eval` reads: --checkpoint, else the spec's checkpoint.uri, else `kiln run`'s default for
+    the run folder (file://OUTPUT/checkpoints)."""
+    if checkpoint:
+        return checkpoint
+    if doc.spec.checkpoint.uri and not output:
+        return doc.spec.checkpoint.uri
+    folder = Path(output or f"runs/{doc.metadata.name}")
+    return f"file://{(folder / 'checkpoints').resolve()}"
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from kiln.trainer.evaluate import evaluate
+    from kiln.trainer.loop import EVAL_BATCHES
+
+    doc = load_one(args.spec)
+    uri = eval_checkpoint_uri(doc, output=args.output, checkpoint=args.checkpoint)
+    try:
+        device = torch.device(args.device) if args.device else None
+    except RuntimeError as err:
+        raise KilnError(f"--device {args.device}: {err}; use cpu, cuda or cuda:N") from None
+    result = evaluate(doc, checkpoint_uri=uri, batches=EVAL_BATCHES if args.batches is None else args.batches, device=device,
+                      data_uri=args.data)
+    print(f"kiln: step {result.step} of {uri}: held-out loss {result.loss:.4f}, perplexity "
+          f"{result.perplexity:.2f} over {result.tokens:,} tokens", flush=True)
+    if args.json:
+        path = Path(args.json)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+        except OSError as err:
+            raise KilnError(f"--json {path}: cannot write ({err.strerror})") from None
     return 0

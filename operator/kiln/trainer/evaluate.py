@@ -1,0 +1,142 @@
+"""Held-out loss of a committed checkpoint, in one process (`kiln eval`).
+
+The checkpoint may come from any world size and parallel layout: DCP reshards the FQN-keyed model state into
+the plain, single-process model (the optimizer state is not read). The loss is taken over the same batches
+the training loop's `val_loss` uses: the first `batches` global batches of the data's validation split, in the
+loader's seeded order, so the same checkpoint always scores the same and a run's logged `val_loss` can be
+checked against it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.api import ModelDims, TrainingSpec, resolve_model
+from kiln.errors import KilnError
+from kiln.trainer import kernels
+from kiln.trainer.data import GlobalBatchLoader, open_source
+from kiln.trainer.loop import EVAL_BATCHES
+from kiln.trainer.model import build_model
+
+# Sources whose validation split is held out from training (data.py): other URIs need their own held-out data.
+HELD_OUT = ("builtin:pydoc", "synthetic")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    step: int  # the checkpoint's step (0 for an untrained model)
+    loss: float  # mean next-token cross-entropy over the held-out tokens (nats)
+    tokens: int  # tokens scored
+    checkpoint: str | None = None  # where the weights came from
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))  # exp overflows a float past ~709
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens,
+                "checkpoint": self.checkpoint}
+
+
+def model_dims(doc: TrainingSpec) -> ModelDims:
+    try:
+        return resolve_model(doc.spec.model)
+    except ValueError as err:
+        raise KilnError(f"spec.{err}") from None
+
+
+def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None = None) -> GlobalBatchLoader:
+    """The loader over the validation split of the spec's data (or of `data_uri`, a folder of held-out shards).
+
+    Token shards (file://, s3://) have no split of their own: evaluating on them would score the training data,
+    so they need `data_uri`.
+    """
+    tr, uri = doc.spec.training, data_uri or doc.spec.data.uri
+    if data_uri is None and uri not in HELD_OUT:
+        raise KilnError(f"data.uri {uri} has no held-out split (only {' and '.join(HELD_OUT)} do); pass the "
+                        f"held-out token shards with --data file:///path/ or s3://bucket/prefix/")
+    try:
+        source = open_source(uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                             split="validation",
+                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or doc.spec.checkpoint.endpoint)
+    except KilnError as err:
+        raise KilnError(f"--data: {err}" if data_uri else str(err)) from None
+    return GlobalBatchLoader(source, seed=tr.seed)
+
+
+def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device) -> nn.Module:
+    """The plain model with the weights training starts from (seeded by parameter name), in eval mode."""
+    kernels.set_mode(doc.spec.parallelism.kernels)
+    model = build_model(dims)
+    model.to_empty(device=device)
+    model.init_weights(doc.spec.training.seed)
+    return model.eval()
+
+
+def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str) -> int:
+    """Load the newest committed step under `uri` into `model`; its step. KilnError naming `uri` when none is."""
+    from kiln.trainer.checkpoint import Checkpointer
+
+    spec = doc.spec.checkpoint.model_copy(update={"uri": uri})
+    checkpointer = Checkpointer(spec, default_uri=uri, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads into one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            state = checkpointer.restore([model], [])
+    finally:
+        checkpointer.close()
+    if state is None:
+        raise KilnError(f"no committed checkpoint under {uri} (a step is committed once its COMMIT file is "
+                        f"written); train first, or pass --checkpoint with the run's checkpoint.uri")
+    return int(state["step"])
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, global_batch: int, micro_batch: int,
+              device: torch.device, autocast: torch.dtype | None = None) -> tuple[float, int]:
+    """(mean loss, tokens) over the first `batches` global batches of `loader`, `micro_batch` rows at a time.
+
+    Like the training loop: the mean of the microbatch means, averaged over the batches (every sample has
+    the same length, so this is the mean over all tokens).
+    """
+    loader.samples_seen = 0
+    total, tokens = 0.0, 0
+    for _ in range(batches):
+        inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            parts = [model(inputs[i:i + micro_batch], targets[i:i + micro_batch]).float()
+                     for i in range(0, len(inputs), micro_batch)]
+        total += float(torch.stack(parts).mean())
+        tokens += targets.numel()
+    return total / batches, tokens
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int = EVAL_BATCHES,
+             device: torch.device | None = None, data_uri: str | None = None) -> EvalResult:
+    """Held-out loss of the newest committed checkpoint under checkpoint_uri (None: the untrained model)."""
+    if batches < 1:
+        raise KilnError(f"--batches must be at least 1, not {batches}")
+    device = device or default_device()
+    tr = doc.spec.training
+    dims = model_dims(doc)
+    loader = validation_loader(doc, dims, data_uri)  # first: a bad data URI fails before any loading
+    model = initial_model(doc, dims, device)
+    step = load_checkpoint(model, doc, checkpoint_uri) if checkpoint_uri else 0
+    # bf16 on a GPU, as training computes; fp32 on CPU (where bf16 matmuls are slow and the run is small).
+    autocast = torch.bfloat16 if tr.precision == "bf16" and device.type == "cuda" else None
+    loss, tokens = mean_loss(model, loader, batches=batches, global_batch=tr.global_batch_size,
+                             micro_batch=tr.micro_batch_size, device=device, autocast=autocast)
+    if not math.isfinite(loss):
+        raise KilnError(f"the held-out loss of step {step} under {checkpoint_uri} is {loss}: the weights are "
+                        f"not usable (diverged before this checkpoint?)")
+    return EvalResult(step, loss, tokens, checkpoint_uri)

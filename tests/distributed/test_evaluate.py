@@ -1,0 +1,72 @@
+"""`kiln eval`: the held-out loss of a run's newest committed checkpoint, loaded into one process."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from kiln.api.load import load_file
+from kiln.cli.main import main
+from kiln.trainer.evaluate import evaluate
+
+from tests.distributed.trainer_helpers import kiln, read_metrics, write_spec
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_model(tmp_path, capsys):
+    # 2 ranks with FSDP save sharded weights; kiln eval reads them into one process (DCP reshards).
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 8, "lr": 3e-3, "warmupSteps": 2}, nproc=2)
+    out = tmp_path / "out"
+    run = kiln("run", str(spec), "--output", str(out), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = read_metrics(out)[-1]
+    assert logged["step"] == 8 and logged["world_size"] == 2
+
+    result = tmp_path / "eval" / "result.json"
+    assert main(["eval", str(spec), "--output", str(out), "--json", str(result)]) == 0  # in this process
+    printed = capsys.readouterr().out
+    got = json.loads(result.read_text())
+    assert set(got) == {"step", "loss", "perplexity", "tokens", "checkpoint"}
+    assert got["step"] == 8
+    assert math.isfinite(got["loss"]) and got["perplexity"] == pytest.approx(math.exp(got["loss"]))
+    # The same 4 global batches of the validation split as the trainer's val_loss, in fp32: equal up to the
+    # summation order of 2 FSDP ranks versus one process.
+    assert got["loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+    assert got["tokens"] == 4 * 4 * 32  # batches x globalBatchSize x seqLen
+    assert f"step 8 of file://{out.resolve()}/checkpoints" in printed
+    assert f"held-out loss {got['loss']:.4f}" in printed
+
+    doc = load_file(spec)[0]
+    again = evaluate(doc, checkpoint_uri=got["checkpoint"], device=torch.device("cpu"))
+    assert (again.step, again.loss) == (8, got["loss"])  # deterministic: same batches, same order
+    untrained = evaluate(doc, checkpoint_uri=None, device=torch.device("cpu"))  # the weights step 1 starts from
+    assert untrained.step == 0 and untrained.tokens == got["tokens"]
+    assert got["loss"] < untrained.loss - 0.1, (got["loss"], untrained.loss)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--output", "{tmp}/never-trained"], ["no committed checkpoint under file://{tmp}/never-trained/checkpoints"]),
+    (["--checkpoint", "ftp://host/x"], ["ftp://host/x", "s3://bucket/prefix/ or file:///path/"]),
+    (["--batches", "0"], ["--batches must be at least 1, not 0"]),
+    (["--data", "file://{tmp}/no-such-dir/"], ["--data", "{tmp}/no-such-dir/", "no such folder"]),
+], ids=["uncommitted", "bad-uri", "no-batches", "missing-data"])
+def test_eval_bad_input_is_a_clear_error(tmp_path, capsys, args, says):
+    spec = write_spec(tmp_path / "spec.yaml")
+    # A step folder without COMMIT (a save that died before committing) does not count as a checkpoint.
+    (tmp_path / "never-trained" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    assert main(["eval", str(spec), *(a.format(tmp=tmp_path) for a in args)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error:"), err
+    for text in says:
+        assert text.format(tmp=tmp_path) in err, err
+
+
+def test_eval_refuses_token_shards_without_held_out_data(tmp_path, capsys):
+    (tmp_path / "shards").mkdir()
+    spec = write_spec(tmp_path / "spec.yaml", data=f"file://{tmp_path}/shards/")
+    assert main(["eval", str(spec), "--output", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "has no held-out split" in err and "--data" in err, err
