@@ -1,12 +1,14 @@
-"""A Kubeflow Pipelines (v2) pipeline: validate → train → evaluate the final checkpoint → publish.
+"""A Kubeflow Pipelines (v2) pipeline: validate → train → evaluate → publish if the held-out loss is good enough.
 
-Every step runs in the kiln operator image (the kiln CLI and storage, without torch):
   validate  `kiln validate` on the TrainingSpec given as a pipeline parameter (YAML text)
   train     creates the TrainingSpec with `kiln submit` and waits with `kiln wait`; fails when the run fails
-  evaluate  checks the run's final committed checkpoint against its COMMIT (every file's size and sha256)
-            and records its step and size as KFP metrics
-  publish   copies that checkpoint to a release location, COMMIT last, so readers see all of it or none
+  evaluate  `kiln eval`: loads the run's newest committed checkpoint (every file checked against its COMMIT)
+            into one process and scores it on the validation split of the spec's data; outputs its `loss`
+            and `step`. It runs in the trainer image (the only kiln image with torch), on CPU by default.
+  publish   only when loss <= the parameter `max_eval_loss`: copies that checkpoint to a release location,
+            COMMIT last, so readers see all of it or none
 
+validate, train and publish run in the kiln operator image (the kiln CLI and storage, without torch).
 Compile:  python pipelines/kfp/pipeline.py --out kiln-train.yaml   (then upload it to Kubeflow Pipelines)
 The pipeline's ServiceAccount needs RBAC to create and read TrainingSpecs; S3 credentials come from the
 Secret named by the parameter `credentials_secret` (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).
@@ -18,6 +20,7 @@ import argparse
 from kfp import compiler, dsl, kubernetes
 
 KILN_IMAGE = "ghcr.io/kiln-dev/kiln-operator:0.1.0"
+TRAINER_IMAGE = "ghcr.io/kiln-dev/kiln-trainer:0.1.0"  # has torch: kiln eval loads the model
 
 
 @dsl.container_component
@@ -47,26 +50,21 @@ kiln wait "$name" --for succeeded --timeout "$1"
     )
 
 
-@dsl.component(base_image=KILN_IMAGE)
-def evaluate(checkpoint_uri: str, endpoint: str, metrics: dsl.Output[dsl.Metrics]) -> int:
-    """Verify the newest committed checkpoint file by file against its COMMIT; return its step."""
-    from kiln.errors import KilnError
-    from kiln.storage import open_store
-    from kiln.storage.commit import committed_steps, read_commit, verify_files
-
-    store = open_store(checkpoint_uri, endpoint=endpoint or None)
-    steps = committed_steps(store)
-    if not steps:
-        raise KilnError(f"no committed checkpoint under {checkpoint_uri}")
-    step = steps[0]
-    commit = read_commit(store, step)
-    problems = verify_files(store, step, commit, sorted(commit.files))
-    if problems:
-        raise KilnError(f"checkpoint step {step} under {checkpoint_uri} is damaged: " + "; ".join(problems))
-    metrics.log_metric("step", step)
-    metrics.log_metric("files", len(commit.files))
-    metrics.log_metric("bytes", sum(entry.size for entry in commit.files.values()))
-    return step
+@dsl.container_component
+def evaluate(spec: str, checkpoint_uri: str, endpoint: str, loss: dsl.OutputPath(float), step: dsl.OutputPath(int)):
+    """`kiln eval` of the newest committed checkpoint; its held-out loss and step become the outputs.
+    No committed (or no intact) checkpoint fails the step with kiln's message naming the URI."""
+    return dsl.ContainerSpec(
+        image=TRAINER_IMAGE,
+        command=["sh", "-c", """
+set -eu
+printf '%s' "$0" > /tmp/spec.yaml
+kiln eval /tmp/spec.yaml --checkpoint "$1" ${2:+--endpoint "$2"} --json /tmp/eval.json
+mkdir -p "$(dirname "$3")" "$(dirname "$4")"
+python -c 'import json, sys; r = json.load(open(sys.argv[1])); open(sys.argv[2], "w").write(repr(r["loss"])); open(sys.argv[3], "w").write(str(r["step"]))' /tmp/eval.json "$3" "$4"
+"""],
+        args=[spec, checkpoint_uri, endpoint, loss, step],
+    )
 
 
 @dsl.component(base_image=KILN_IMAGE)
@@ -91,15 +89,19 @@ def publish(checkpoint_uri: str, endpoint: str, step: int, release_uri: str) -> 
 
 
 @dsl.pipeline(name="kiln-train", description="Validate, train, evaluate and publish a kiln TrainingSpec.")
-def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, endpoint: str = "",
+def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, max_eval_loss: float, endpoint: str = "",
                credentials_secret: str = "", timeout: str = "24h"):
     checked = validate(spec=spec)
     trained = train(spec=spec, timeout=timeout).after(checked)
     trained.set_caching_options(False)  # a training run is never "the same" as an earlier one
-    scored = evaluate(checkpoint_uri=checkpoint_uri, endpoint=endpoint).after(trained)
-    published = publish(checkpoint_uri=checkpoint_uri, endpoint=endpoint, step=scored.outputs["Output"],
-                        release_uri=release_uri)
-    for task in (scored, published):
+    scored = evaluate(spec=spec, checkpoint_uri=checkpoint_uri, endpoint=endpoint).after(trained)
+    tasks = [scored]
+    # The gate: a checkpoint whose held-out loss is above max_eval_loss is not published (the run shows
+    # the condition as not met, and evaluate's `loss` output says by how much).
+    with dsl.If(scored.outputs["loss"] <= max_eval_loss, name="eval-loss-within-max"):
+        tasks.append(publish(checkpoint_uri=checkpoint_uri, endpoint=endpoint, step=scored.outputs["step"],
+                             release_uri=release_uri))
+    for task in tasks:
         task.set_caching_options(False)
         kubernetes.use_secret_as_env(task, secret_name=credentials_secret, secret_key_to_env={
             "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})

@@ -56,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(default: as many as the trainer's val_loss)")
     ev.add_argument("--data", default=None, help="held-out token shards (file:///path/ or s3://...), needed when "
                     "data.uri has no validation split of its own")
+    ev.add_argument("--endpoint", default=None, help="S3 endpoint URL for the checkpoint and data (default: the "
+                    "spec's checkpoint.endpoint); keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     ev.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
     ev.add_argument("--json", default=None, metavar="FILE",
                     help='also write {"step", "loss", "perplexity", "tokens", "checkpoint"} to FILE')
@@ -237,7 +239,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         raise KilnError(f"--device {args.device}: {err}; use cpu, cuda or cuda:N") from None
     result = evaluate(doc, checkpoint_uri=uri, batches=EVAL_BATCHES if args.batches is None else args.batches, device=device,
-                      data_uri=args.data)
+                      data_uri=args.data, endpoint=args.endpoint)
     print(f"kiln: step {result.step} of {uri}: held-out loss {result.loss:.4f}, perplexity "
           f"{result.perplexity:.2f} over {result.tokens:,} tokens", flush=True)
     if args.json:

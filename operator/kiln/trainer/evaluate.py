@@ -51,7 +51,8 @@ def model_dims(doc: TrainingSpec) -> ModelDims:
         raise KilnError(f"spec.{err}") from None
 
 
-def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None = None) -> GlobalBatchLoader:
+def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None = None,
+                      endpoint: str | None = None) -> GlobalBatchLoader:
     """The loader over the validation split of the spec's data (or of `data_uri`, a folder of held-out shards).
 
     Token shards (file://, s3://) have no split of their own: evaluating on them would score the training data,
@@ -64,7 +65,7 @@ def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None =
     try:
         source = open_source(uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
                              split="validation",
-                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or doc.spec.checkpoint.endpoint)
+                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or endpoint or doc.spec.checkpoint.endpoint)
     except KilnError as err:
         raise KilnError(f"--data: {err}" if data_uri else str(err)) from None
     return GlobalBatchLoader(source, seed=tr.seed)
@@ -79,11 +80,12 @@ def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device) -> n
     return model.eval()
 
 
-def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str) -> int:
-    """Load the newest committed step under `uri` into `model`; its step. KilnError naming `uri` when none is."""
+def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str, endpoint: str | None = None) -> int:
+    """Load the newest intact committed step under `uri` into `model`; its step. KilnError naming `uri` when
+    there is none (a damaged newest commit falls back to the one before, as a resuming run does)."""
     from kiln.trainer.checkpoint import Checkpointer
 
-    spec = doc.spec.checkpoint.model_copy(update={"uri": uri})
+    spec = doc.spec.checkpoint.model_copy(update={"uri": uri, "endpoint": endpoint or doc.spec.checkpoint.endpoint})
     checkpointer = Checkpointer(spec, default_uri=uri, rank=0, world_size=1)
     try:
         with warnings.catch_warnings():  # DCP warns that it loads into one process: that is the point here
@@ -92,8 +94,9 @@ def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str) -> int:
     finally:
         checkpointer.close()
     if state is None:
-        raise KilnError(f"no committed checkpoint under {uri} (a step is committed once its COMMIT file is "
-                        f"written); train first, or pass --checkpoint with the run's checkpoint.uri")
+        raise KilnError(f"no committed checkpoint under {uri} (a step counts once its COMMIT is written and "
+                        f"every file matches it; see any warnings above); train first, or pass --checkpoint "
+                        f"with the run's checkpoint.uri")
     return int(state["step"])
 
 
@@ -122,16 +125,18 @@ def default_device() -> torch.device:
 
 
 def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int = EVAL_BATCHES,
-             device: torch.device | None = None, data_uri: str | None = None) -> EvalResult:
-    """Held-out loss of the newest committed checkpoint under checkpoint_uri (None: the untrained model)."""
+             device: torch.device | None = None, data_uri: str | None = None,
+             endpoint: str | None = None) -> EvalResult:
+    """Held-out loss of the newest committed checkpoint under checkpoint_uri (None: the untrained model).
+    `endpoint` replaces the spec's checkpoint.endpoint (the S3 server seen from here)."""
     if batches < 1:
         raise KilnError(f"--batches must be at least 1, not {batches}")
     device = device or default_device()
     tr = doc.spec.training
     dims = model_dims(doc)
-    loader = validation_loader(doc, dims, data_uri)  # first: a bad data URI fails before any loading
+    loader = validation_loader(doc, dims, data_uri, endpoint)  # first: a bad data URI fails before any loading
     model = initial_model(doc, dims, device)
-    step = load_checkpoint(model, doc, checkpoint_uri) if checkpoint_uri else 0
+    step = load_checkpoint(model, doc, checkpoint_uri, endpoint) if checkpoint_uri else 0
     # bf16 on a GPU, as training computes; fp32 on CPU (where bf16 matmuls are slow and the run is small).
     autocast = torch.bfloat16 if tr.precision == "bf16" and device.type == "cuda" else None
     loss, tokens = mean_loss(model, loader, batches=batches, global_batch=tr.global_batch_size,
