@@ -5,12 +5,18 @@ A 2-node job (minNodes 1) runs on both kwok GPU nodes; one node goes NotReady �
 the node failure and shrinks the PyTorchJob to 1 worker; the node comes back → the job grows to 2 again;
 the reported step stops moving → the workers are restarted (hang detection). A phase plan switches the
 node count only once the boundary step is committed.
+
+The operator's part (reconcile, elastic_sync.tick) runs as the kiln-operator ServiceAccount with exactly the
+ClusterRole of manifests/rbac, so a verb missing there fails the test; the test itself observes, and plays
+the trainer's status reports, with the rig's admin credentials.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +31,27 @@ from kiln.control.sync import reconcile
 from tests.integration.test_operator_api import install_crd
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
+
+RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac"
+
+
+@pytest.fixture
+def operator_kube(rig, namespace):
+    """A Kube client authenticated as the kiln-operator ServiceAccount (in `namespace`), bound to the
+    ClusterRole of manifests/rbac as shipped."""
+    binding = f"kiln-operator-{namespace}-{uuid.uuid4().hex[:4]}"
+    for path in sorted(RBAC.glob("operator-*.yaml")):
+        for obj in yaml.safe_load_all(path.read_text()):
+            if obj["kind"] == "ServiceAccount":
+                obj["metadata"]["namespace"] = namespace
+            elif obj["kind"] == "ClusterRoleBinding":
+                obj["metadata"]["name"] = binding
+                obj["subjects"] = [{"kind": "ServiceAccount", "name": "kiln-operator", "namespace": namespace}]
+            rig.apply(obj)
+    try:
+        yield Kube(api_client(str(rig.kubeconfig_for_service_account(namespace, "kiln-operator"))))
+    finally:
+        rig.kubectl("delete", "clusterrolebinding", binding, check=False)
 
 
 def _spec(rig, namespace: str) -> dict:
@@ -63,9 +90,9 @@ def _wait_gpu_nodes_free(rig, kube: Kube, namespace: str) -> None:
     rig.wait_for("free kwok GPU nodes", free, timeout=120)
 
 
-def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
+def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, operator_kube):
     install_crd(rig)
-    kube = Kube(api_client(str(rig.kubeconfig)))
+    kube = Kube(api_client(str(rig.kubeconfig)))  # the test's eyes (admin); the operator acts as operator_kube
     events: list = []
     post = lambda body, event: events.append(event)  # noqa: E731 - the handler posts Events via kopf
     config = OperatorConfig(image="kiln-trainer:rig")
@@ -76,9 +103,9 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
         try:
             rig.apply(_spec(rig, namespace))
             body = kube.trainingspec(namespace, "elastic")
-            reconcile(kube, body, config, post)
+            reconcile(operator_kube, body, config, post)
             rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
-            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time(), tuning)
+            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
             assert "steady at 2" in summary and _workers(kube, namespace) == 2
             assert _condition(kube, namespace)["reason"] == "Steady"
 
@@ -88,7 +115,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
                               if p["metadata"]["name"] == victim)
             rig.set_node_ready(bad, False)
             rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=60)
-            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
             assert "shrink 2 → 1" in summary
             assert _workers(kube, namespace) == 1
             rig.wait_for(f"{victim} on {bad} gone", lambda: victim_uid not in {p["metadata"]["uid"]
@@ -100,12 +127,12 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
             assert any(e.reason == "PodForceDeleted" and victim in e.message for e in events)
             assert any(e.reason == "Scaling" for e in events)
             # a spec edit re-plans with the elastic count, not resources.nodes
-            reconcile(kube, kube.trainingspec(namespace, "elastic"), config, post)
+            reconcile(operator_kube, kube.trainingspec(namespace, "elastic"), config, post)
             assert _workers(kube, namespace) == 1
 
             rig.set_node_ready(bad, True)
             rig.wait_for(f"{bad} Ready", lambda: rig.node_ready(bad), timeout=60)
-            summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 2, tuning)
+            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 2, tuning)
             assert "grow 1 → 2" in summary and _workers(kube, namespace) == 2
             rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
             assert _condition(kube, namespace)["reason"] == "Grow"
@@ -115,10 +142,10 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
             t0 = time.time() + 10
             for i, step in enumerate((10, 20, 30)):
                 kube.patch_status(namespace, "elastic", {"step": step})
-                elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 10 * i, tuning)
-            elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 20 + 59, tuning)
+                elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 10 * i, tuning)
+            elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 20 + 59, tuning)
             assert not any(e.reason == "HangDetected" for e in events)
-            elastic_sync.tick(kube, namespace, "elastic", config, post, t0 + 20 + 61, tuning)
+            elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 20 + 61, tuning)
             hang = next(e for e in events if e.reason == "HangDetected")
             assert "no training step completed for 61s" in hang.message and "restart 1/10" in hang.message
             assert elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))["restarts"] == 1
@@ -128,7 +155,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace):
             rig.set_node_ready(bad, True)
 
 
-def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace):
+def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace, operator_kube):
     install_crd(rig)
     kube = Kube(api_client(str(rig.kubeconfig)))
     events: list = []
@@ -141,14 +168,14 @@ def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace):
     with rig.exclusive_gpus():
         _wait_gpu_nodes_free(rig, kube, namespace)
         rig.apply(body)
-        reconcile(kube, kube.trainingspec(namespace, "elastic"), config, post)
+        reconcile(operator_kube, kube.trainingspec(namespace, "elastic"), config, post)
         rig.wait_for("1 running worker", lambda: len(_running_pods(kube, namespace)) == 1, timeout=120)
         # both GPU nodes are free, but the plan says 1 node until step 10 is committed
         kube.patch_status(namespace, "elastic", {"step": 12})
-        summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time(), tuning)
+        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
         assert "steady at 1" in summary and "phase plan asks for 1" in summary and _workers(kube, namespace) == 1
         kube.patch_status(namespace, "elastic", {"lastCheckpoint": {"step": 10, "uri": "file:///tmp/ckpt/step-00000010/"}})
-        summary = elastic_sync.tick(kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
         assert "grow 1 → 2" in summary and "phase plan asks for 2 at committed step 10" in summary
         assert _workers(kube, namespace) == 2
         rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
