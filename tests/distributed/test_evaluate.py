@@ -39,6 +39,12 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
     assert f"step 8 of file://{out.resolve()}/checkpoints" in printed
     assert f"held-out loss {got['loss']:.4f}" in printed
 
+    # --max-loss: the CI gate fails above the threshold, after printing the result
+    assert main(["eval", str(spec), "--output", str(out), "--max-loss", f"{got['loss'] + 0.01:.4f}"]) == 0
+    assert main(["eval", str(spec), "--output", str(out), "--max-loss", f"{got['loss'] - 0.01:.4f}"]) == 1
+    printed, err = capsys.readouterr()
+    assert printed.count("held-out loss") == 2 and "is above --max-loss" in err, err
+
     doc = load_file(spec)[0]
     again = evaluate(doc, checkpoint_uri=got["checkpoint"], device=torch.device("cpu"))
     assert (again.step, again.loss) == (8, got["loss"])  # deterministic: same batches, same order

@@ -61,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
     ev.add_argument("--json", default=None, metavar="FILE",
                     help='also write {"step", "loss", "perplexity", "tokens", "checkpoint"} to FILE')
+    ev.add_argument("--max-loss", type=float, default=None, metavar="X",
+                    help="a gate for CI: exit 1 (after printing and writing --json) when the loss is above X")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -249,4 +251,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
             path.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
         except OSError as err:
             raise KilnError(f"--json {path}: cannot write ({err.strerror})") from None
+    if args.max_loss is not None and not result.loss <= args.max_loss:
+        raise KilnError(f"held-out loss {result.loss:.4f} of step {result.step} is above --max-loss {args.max_loss}")
     return 0
