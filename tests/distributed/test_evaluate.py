@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from kiln.api.load import load_file
 from kiln.cli.main import main
 from kiln.trainer.evaluate import evaluate
 
-from tests.distributed.trainer_helpers import kiln, read_metrics, write_spec
+from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
 
 
 @pytest.mark.distributed
@@ -51,6 +54,37 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
     untrained = evaluate(doc, checkpoint_uri=None, device=torch.device("cpu"))  # the weights step 1 starts from
     assert untrained.step == 0 and untrained.tokens == got["tokens"]
     assert got["loss"] < untrained.loss - 0.1, (got["loss"], untrained.loss)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_eval_reads_a_checkpoint_from_the_s3_store(rig, tmp_path, monkeypatch, capsys):
+    from kiln.storage import open_store
+
+    keys = {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}
+    uri = f"s3://{rig.s3_bucket}/test-eval/{uuid.uuid4().hex}/"
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "lr": 3e-3},
+                      checkpoint={"uri": uri, "endpoint": rig.s3_endpoint})
+    out = tmp_path / "out"
+    try:
+        run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
+                             env=env(**keys), capture_output=True, text=True, timeout=240, check=False)
+        assert run.returncode == 0, run.stderr[-3000:]
+        for name, value in keys.items():
+            monkeypatch.setenv(name, value)
+        # the spec's own checkpoint.uri and endpoint
+        assert main(["eval", str(spec), "--json", str(tmp_path / "a.json")]) == 0
+        got = json.loads((tmp_path / "a.json").read_text())
+        assert (got["step"], got["checkpoint"]) == (3, uri)
+        assert got["loss"] == pytest.approx(read_metrics(out)[-1]["val_loss"], rel=1e-5)
+        # a spec without a store, pointed at it from the command line
+        bare = write_spec(tmp_path / "bare.yaml", training={"steps": 3, "lr": 3e-3})
+        assert main(["eval", str(bare), "--checkpoint", uri, "--endpoint", rig.s3_endpoint,
+                     "--json", str(tmp_path / "b.json")]) == 0
+        assert json.loads((tmp_path / "b.json").read_text())["loss"] == got["loss"]
+        assert f"step 3 of {uri}" in capsys.readouterr().out
+    finally:
+        open_store(uri, endpoint=rig.s3_endpoint, env=keys).delete_prefix("")
 
 
 @pytest.mark.parametrize("args,says", [
