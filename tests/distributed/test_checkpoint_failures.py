@@ -29,12 +29,13 @@ def _worker(rank, world, port, root, out):
     try:
         from kiln.api.spec import CheckpointSpec
         from kiln.trainer import checkpoint as ckpt_mod
+        from kiln.trainer import dcp_store
 
         if rank == 1:
             # One of this rank's two shard files fails for good (e.g. retries exhausted): at step 1 the first,
             # at step 2 the second. DCP writes them from two threads, so one of the two failures happens in
             # its extra writer thread, whose exceptions DCP itself would drop.
-            real = ckpt_mod.StoreFS._publish
+            real = dcp_store.StoreFS._publish
             doomed = {"step-00000001/__1_0.distcp", "step-00000002/__1_1.distcp"}
 
             def flaky(self, key, *args):
@@ -42,7 +43,7 @@ def _worker(rank, world, port, root, out):
                     raise OSError(f"injected: upload of {key} failed after retries")
                 return real(self, key, *args)
 
-            ckpt_mod.StoreFS._publish = flaky
+            dcp_store.StoreFS._publish = flaky
         torch.manual_seed(0)
         model = nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

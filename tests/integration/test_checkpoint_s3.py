@@ -3,14 +3,18 @@ the rig's versitygw build so that stopping it does not disturb other tests using
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -87,6 +91,64 @@ class PrivateS3:
             self.proc.wait()
 
 
+class DroppingProxy:
+    """A TCP proxy in front of a real S3 server that resets the connection carrying the first request whose
+    request line matches `drop` (a real dropped connection, mid-upload), and counts the requests it saw."""
+
+    REQUEST = re.compile(rb"(?:PUT|POST) /[^ ?]*\?(uploads|partNumber=(\d+))")
+
+    def __init__(self, upstream: str, drop: bytes):
+        url = urllib.parse.urlparse(upstream)
+        self.upstream = (url.hostname, url.port)
+        self.drop = re.compile(drop)
+        self.dropped = 0
+        self.seen: collections.Counter = collections.Counter()  # "uploads" / part number → requests
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            up = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        tail = b""
+        try:
+            while data := src.recv(1 << 16):
+                if requests:
+                    window = tail + data
+                    for m in self.REQUEST.finditer(window):
+                        if m.end() > len(tail):  # not counted with the previous chunk
+                            with self.lock:
+                                self.seen[m.group(2).decode() if m.group(2) else "uploads"] += 1
+                    with self.lock:
+                        drop = not self.dropped and self.drop.search(window) is not None
+                        self.dropped += drop
+                    if drop:  # RST both ways, as a crashed load balancer or a network blip would
+                        for s in (src, dst):
+                            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                            s.close()
+                        return
+                    tail = window[-200:]
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
 @pytest.fixture
 def private_s3(tmp_path):
     data = tmp_path / "s3-data"
@@ -144,6 +206,47 @@ def test_s3_store_multipart_ranged_list_delete(rig, rig_env, rig_uri, tmp_path):
         store.size("step-00000001/missing")
     assert store.delete_prefix("step-00000001/") == 2
     assert store.list() == []
+
+
+@pytest.mark.rig
+def test_a_dropped_connection_retries_only_that_part(rig, rig_env, rig_uri, caplog):
+    """Part 2 of 4 loses its connection once: that part is sent again, the upload is not restarted, the object
+    is whole, and the retry is logged with the part number."""
+    proxy = DroppingProxy(rig.s3_endpoint, drop=rb"\?partNumber=2&")
+    try:
+        store = open_store(
+            rig_uri,
+            endpoint=proxy.endpoint,
+            env=rig_env,
+            part_size=5 * MiB,
+            parallelism=2,
+            retry=RetryPolicy(initial_s=0.05, max_delay_s=0.5, budget_s=30),
+        )
+        data = os.urandom(17 * MiB)  # parts of 5, 5, 5 and 2 MiB
+        with caplog.at_level(logging.WARNING, logger="kiln.storage"):
+            with store.open_writer("obj.bin") as w:
+                for off in range(0, len(data), 3 * MiB + 7):  # writes that do not line up with the parts
+                    w.write(data[off : off + 3 * MiB + 7])
+    finally:
+        proxy.close()
+    assert proxy.dropped == 1
+    assert proxy.seen == {"uploads": 1, "1": 1, "2": 2, "3": 1, "4": 1}
+    assert store.get_bytes("obj.bin") == data
+    retries = [r.message for r in caplog.records if "retry" in r.message]
+    assert len(retries) == 1 and "upload part 2 of" in retries[0] and "obj.bin" in retries[0]
+
+
+@pytest.mark.rig
+def test_a_failed_streamed_upload_leaves_nothing(rig, rig_env, rig_uri):
+    """An exception while the object is being written aborts the upload: the key never appears."""
+    store = open_store(rig_uri, endpoint=rig.s3_endpoint, env=rig_env, part_size=5 * MiB)
+    with pytest.raises(RuntimeError, match="serialiser failed"):
+        with store.open_writer("half.bin") as w:
+            w.write(os.urandom(11 * MiB))  # two parts already uploaded
+            raise RuntimeError("serialiser failed")
+    assert not store.exists("half.bin")
+    uploads = store.client._list_multipart_uploads(store.bucket, prefix=store.prefix)
+    assert [u.object_name for u in uploads.uploads] == []
 
 
 @pytest.mark.rig

@@ -225,7 +225,7 @@ def test_restart_from_a_non_final_checkpoint_counts_as_a_failure(tmp_path):
 def test_ranged_reader_reads_like_a_file(tmp_path):
     """The S3 read path (block-aligned ranged GETs with read-ahead), driven here through a file store."""
     from kiln.storage import FileStore
-    from kiln.trainer.checkpoint import RangedReader
+    from kiln.trainer.dcp_store import RangedReader
 
     data = bytes(range(256)) * 40 + b"tail"  # 10244 bytes: 11 blocks of 1000, the last one short
     store = FileStore(tmp_path)

@@ -12,11 +12,14 @@ manifests, retention) come first; the functions taking an ObjectStore do the I/O
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import time
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -128,18 +131,36 @@ def sha256_file(path: str | os.PathLike) -> str:
 # -- I/O through an ObjectStore ------------------------------------------------------------------------------
 
 
-def hash_object(store: ObjectStore, key: str, size: int, parallelism: int = 8) -> str:
-    """sha256 of a stored object: read in place when local, else parallel ranged GETs hashed in order."""
+def _chunks(store: ObjectStore, key: str, size: int, parallelism: int) -> Iterator[bytes]:
+    """The object's bytes in order, as parallel ranged GETs running up to 2 x `parallelism` chunks ahead."""
+    ranges = iter([(off, min(HASH_CHUNK, size - off)) for off in range(0, size, HASH_CHUNK)])
+    with ThreadPoolExecutor(parallelism) as pool:
+        window = deque(pool.submit(store.get_bytes, key, *r) for r in itertools.islice(ranges, 2 * parallelism))
+        while window:
+            data = window.popleft().result()
+            nxt = next(ranges, None)
+            if nxt is not None:
+                window.append(pool.submit(store.get_bytes, key, *nxt))
+            yield data
+
+
+def hash_object(
+    store: ObjectStore, key: str, size: int, parallelism: int = 8, keep: bool = False
+) -> tuple[str, list[bytes] | None]:
+    """(sha256, the object's bytes in HASH_CHUNK blocks when `keep`) of a stored object. A local store is hashed
+    in place (nothing kept: it can be read again for free); a remote one is read once by parallel ranged GETs
+    hashed in order, and with `keep` its blocks are returned, so a loader uses the checked bytes instead of
+    downloading them again."""
     local = store.local_path(key)
     if local is not None:
-        return sha256_file(local)
+        return sha256_file(local), None
     h = hashlib.sha256()
-    ranges = [(off, min(HASH_CHUNK, size - off)) for off in range(0, size, HASH_CHUNK)]
-    with ThreadPoolExecutor(parallelism) as pool:
-        # pool.map keeps order and runs ahead by up to `parallelism` chunks
-        for data in pool.map(lambda r: store.get_bytes(key, r[0], r[1]), ranges):
-            h.update(data)
-    return h.hexdigest()
+    blocks: list[bytes] = []
+    for data in _chunks(store, key, size, parallelism):
+        h.update(data)
+        if keep:
+            blocks.append(data)
+    return h.hexdigest(), blocks if keep else None
 
 
 def committed_steps(store: ObjectStore) -> list[int]:
@@ -156,27 +177,37 @@ def read_commit(store: ObjectStore, step: int) -> Commit:
     return commit
 
 
-def verify_files(store: ObjectStore, step: int, commit: Commit, names: list[str], parallelism: int = 4) -> list[str]:
-    """Problems (empty if none) with the named files of a commit: missing, wrong size, wrong sha256.
-    Files are checked in parallel (sha256 releases the GIL), each read once."""
+def fetch_verified(
+    store: ObjectStore, step: int, commit: Commit, names: list[str], keep: bool = False, parallelism: int = 4
+) -> tuple[list[str], dict[str, list[bytes]]]:
+    """(problems, verified bytes) for the named files of a commit. Problems (empty if none): missing, wrong
+    size, wrong sha256. Each file is read once, several in parallel (sha256 releases the GIL); with `keep`, the
+    blocks of every remote file that matches are returned (name → HASH_CHUNK blocks) for the loader to read."""
     prefix = step_dir(step)
 
-    def check(name: str) -> str | None:
+    def check(name: str) -> tuple[str | None, list[bytes] | None]:
         entry = commit.files[name]
         key = f"{prefix}/{name}"
         try:
             size = store.size(key)
         except ObjectNotFound:
-            return f"{name} is missing"
+            return f"{name} is missing", None
         if size != entry.size:
-            return f"{name} has {size} bytes, COMMIT says {entry.size}"
-        digest = hash_object(store, key, size)
+            return f"{name} has {size} bytes, COMMIT says {entry.size}", None
+        digest, blocks = hash_object(store, key, size, keep=keep)
         if digest != entry.sha256:
-            return f"{name} sha256 {digest[:12]}… does not match COMMIT {entry.sha256[:12]}…"
-        return None
+            return f"{name} sha256 {digest[:12]}… does not match COMMIT {entry.sha256[:12]}…", None
+        return None, blocks
 
     with ThreadPoolExecutor(max(1, parallelism)) as pool:
-        return [p for p in pool.map(check, names) if p is not None]
+        results = dict(zip(names, pool.map(check, names)))
+    problems = [p for p, _ in results.values() if p is not None]
+    return problems, {n: blocks for n, (p, blocks) in results.items() if p is None and blocks is not None}
+
+
+def verify_files(store: ObjectStore, step: int, commit: Commit, names: list[str], parallelism: int = 4) -> list[str]:
+    """Problems (empty if none) with the named files of a commit: missing, wrong size, wrong sha256."""
+    return fetch_verified(store, step, commit, names, parallelism=parallelism)[0]
 
 
 def write_commit(store: ObjectStore, step: int, shard_files: dict[str, FileEntry], trainer_state: dict) -> Commit:

@@ -1,28 +1,38 @@
 """S3 / MinIO / any S3-compatible endpoint, through the `minio` client.
 
-Large files go up as parallel multipart uploads and come down as parallel ranged GETs; every call is retried
-with backoff on transient failures (kiln.storage.retry) and fails fast, naming the endpoint and bucket, on
-permanent ones (bad credentials, missing bucket).
+Writes stream: `open_writer` cuts the bytes into parts as they are written and uploads each part in the
+background while the writer goes on (a multipart upload; one plain PUT when the object fits in one part), so
+serialising a checkpoint shard overlaps uploading it and nothing is staged on local disk. Reads are parallel
+ranged GETs. Every call — each part on its own — is retried with backoff on transient failures
+(kiln.storage.retry) and fails fast, naming the endpoint and bucket, on permanent ones (bad credentials,
+missing bucket).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import math
+import logging
 import os
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Generator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import urllib3
 from minio import Minio
+from minio.datatypes import Part
+from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
 from kiln.errors import KilnError
 from kiln.storage.retry import PERMANENT_S3_CODES, RetryPolicy, call_with_retry
 from kiln.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
+log = logging.getLogger("kiln.storage")
+
 MiB = 1 << 20
+MAX_PARTS = 10_000  # the S3 limit on parts per multipart upload
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 
@@ -46,6 +56,12 @@ class S3Store(ObjectStore):
         self.part_size = max(5 * MiB, part_size)
         self.parallelism = max(1, parallelism)
         self.retry = retry or RetryPolicy()
+        # Part uploads of every open writer share one pool; `_slots` bounds the parts held in memory (queued or
+        # in flight) to `parallelism`, so a writer faster than the network waits instead of buffering more.
+        self._pool = ThreadPoolExecutor(self.parallelism, thread_name_prefix="kiln-s3-part")
+        self._slots = threading.BoundedSemaphore(self.parallelism)
+        self._free: list[bytearray] = []  # part buffers for reuse (fresh ones cost a page fault per 4 KiB)
+        self._free_lock = threading.Lock()
 
         endpoint = endpoint or env.get("AWS_ENDPOINT_URL") or "https://s3.amazonaws.com"
         parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
@@ -102,17 +118,19 @@ class S3Store(ObjectStore):
 
     # -- the interface ---------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def open_writer(self, key: str) -> Generator[MultipartWriter, None, None]:
+        writer = MultipartWriter(self, key)
+        try:
+            yield writer
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+
     def put_file(self, key: str, path: str | os.PathLike) -> None:
-        size = os.path.getsize(path)
-        # Parts of at least part_size, at most 10,000 of them (the S3 limit); minio uploads them in parallel.
-        part = max(self.part_size, math.ceil(size / 10_000 / MiB) * MiB)
-        self._call(
-            lambda: self.client.fput_object(
-                self.bucket, self._name(key), os.fspath(path), part_size=part, num_parallel_uploads=self.parallelism
-            ),
-            "upload",
-            key,
-        )
+        with open(path, "rb") as f, self.open_writer(key) as writer:
+            writer.write_from(f)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._call(
@@ -169,5 +187,145 @@ class S3Store(ObjectStore):
     def delete(self, key: str) -> None:
         self._call(lambda: self.client.remove_object(self.bucket, self._name(key)), "delete", key)
 
+    def delete_prefix(self, prefix: str) -> int:
+        """One DeleteObjects request per 1000 keys instead of one DELETE each."""
+        objects = self.list(prefix)
+
+        def delete() -> None:
+            names = [DeleteObject(self._name(o.key)) for o in objects]
+            errors = list(self.client.remove_objects(self.bucket, names))
+            if errors:
+                raise KilnError(f"S3 delete under {self.url(prefix)} at {self.endpoint}: {errors[0]}")
+
+        if objects:
+            self._call(delete, "delete", prefix)
+        return len(objects)
+
     def size(self, key: str) -> int:
         return int(self._call(lambda: self.client.stat_object(self.bucket, self._name(key)).size, "stat", key))
+
+    # -- part buffers (MultipartWriter) ---------------------------------------------------------------------
+
+    def _buffer(self) -> bytearray:
+        with self._free_lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(self.part_size)
+
+    def _recycle(self, buf: bytearray) -> None:
+        if len(buf) == self.part_size:
+            with self._free_lock:
+                if len(self._free) < self.parallelism + 2:
+                    self._free.append(buf)
+
+
+class MultipartWriter(io.RawIOBase):
+    """A write-only stream that becomes one S3 object: full parts are uploaded in the background as they fill,
+    each retried on its own (a dropped connection re-sends that part, not the object). Nothing is visible under
+    the key until `finish` completes the upload; `abort` drops the parts. Not thread-safe (one writer thread)."""
+
+    def __init__(self, store: S3Store, key: str):
+        self.store, self.key = store, key
+        self.name = store._name(key)
+        self.pos = 0  # bytes written so far (tell)
+        self.buf = store._buffer()
+        self.fill = 0
+        self.upload_id: str | None = None
+        self.parts: list[Future] = []  # part i+1 → its ETag
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        while view:
+            take = min(len(view), len(self.buf) - self.fill)
+            self.buf[self.fill : self.fill + take] = view[:take]
+            self.fill += take
+            view = view[take:]
+            if self.fill == len(self.buf):
+                self._send()
+        self.pos += n
+        return n
+
+    def write_from(self, f) -> None:
+        """Copy a file in, reading straight into the part buffers."""
+        while n := f.readinto(memoryview(self.buf)[self.fill :]):
+            self.fill += n
+            self.pos += n
+            if self.fill == len(self.buf):
+                self._send()
+
+    def _part_size(self) -> int:
+        # Parts grow by part_size every 1000 parts, so MAX_PARTS parts hold 55,000 x part_size (880 GB at 16 MiB).
+        return self.store.part_size * (1 + len(self.parts) // 1000)
+
+    def _send(self) -> None:
+        """Queue the full buffer as the next part (waits while `parallelism` parts are in memory)."""
+        for done in self.parts:
+            if done.done() and done.exception() is not None:
+                raise done.exception()  # a part failed for good: stop serialising into a dead upload
+        if len(self.parts) >= MAX_PARTS:
+            raise KilnError(f"{self.store.url(self.key)}: more than {MAX_PARTS} parts; raise the part size")
+        st = self.store
+        if self.upload_id is None:
+            self.upload_id = st._call(
+                lambda: st.client._create_multipart_upload(st.bucket, self.name, {}), "start upload", self.key
+            )
+        data, number, upload_id = self.buf, len(self.parts) + 1, self.upload_id
+        st._slots.acquire()
+        try:
+            fut = st._pool.submit(self._upload_part, data, self.fill, number, upload_id)
+        except BaseException:
+            st._slots.release()
+            raise
+        self.parts.append(fut)
+        size = self._part_size()
+        self.buf = st._buffer() if size == st.part_size else bytearray(size)
+        self.fill = 0
+
+    def _upload_part(self, data: bytearray, length: int, number: int, upload_id: str) -> str:
+        st = self.store
+        body = data if length == len(data) else bytes(data[:length])
+        try:
+            return st._call(
+                lambda: st.client._upload_part(st.bucket, self.name, body, None, upload_id, number),
+                f"upload part {number} of",
+                self.key,
+            )
+        finally:
+            st._recycle(data)
+            st._slots.release()
+
+    def finish(self) -> None:
+        st = self.store
+        if self.upload_id is None:  # it fits in one part: a plain PUT, no multipart round trips
+            st.put_bytes(self.key, bytes(self.buf[: self.fill]))
+            st._recycle(self.buf)
+            return
+        if self.fill:
+            self._send()
+        parts = [Part(i + 1, fut.result()) for i, fut in enumerate(self.parts)]
+        st._call(
+            lambda: st.client._complete_multipart_upload(st.bucket, self.name, self.upload_id, parts),
+            "complete upload",
+            self.key,
+        )
+
+    def abort(self) -> None:
+        """Drop what was uploaded (one attempt: this runs after a failure, often with the server away)."""
+        for fut in self.parts:
+            if fut.cancel():  # never ran: its slot is ours to give back
+                self.store._slots.release()
+        for fut in self.parts:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        if self.upload_id is not None:
+            try:
+                self.store.client._abort_multipart_upload(self.store.bucket, self.name, self.upload_id)
+            except Exception as err:  # noqa: BLE001 - the incomplete upload only costs space until cleaned up
+                log.warning("S3 could not abort the upload of %s (%s)", self.store.url(self.key), err)

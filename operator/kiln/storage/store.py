@@ -7,13 +7,16 @@ AWS_SECRET_ACCESS_KEY, which the operator maps from the Secret named in checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlparse
 
 from kiln.errors import KilnError
@@ -30,9 +33,18 @@ class ObjectInfo:
 
 
 class ObjectStore(ABC):
-    """put/get a file or bytes, list a prefix, delete, exists, size. Writes of one key are atomic."""
+    """put/get a file or bytes, stream a write, list a prefix, delete, exists, size. Writes of one key are atomic."""
 
     uri: str  # the root, for messages
+
+    @contextlib.contextmanager
+    def open_writer(self, key: str) -> Generator[BinaryIO, None, None]:
+        """A stream whose bytes become `key` when the block exits normally; if it raises, nothing is stored.
+        This default spools to a temporary file and calls put_file; the stores override it to stream."""
+        with tempfile.NamedTemporaryFile(prefix="kiln-put-") as f:
+            yield f
+            f.flush()
+            self.put_file(key, f.name)
 
     @abstractmethod
     def put_file(self, key: str, path: str | os.PathLike) -> None: ...
@@ -94,13 +106,16 @@ class FileStore(ObjectStore):
     def local_path(self, key: str) -> Path:
         return self._path(key)
 
-    def _atomic_write(self, key: str, write) -> None:
+    @contextlib.contextmanager
+    def open_writer(self, key: str) -> Generator[BinaryIO, None, None]:
+        """Written to a temporary name, fsync'd, then renamed over `key`."""
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            write(tmp)
-            with open(tmp, "rb+") as f:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
         finally:
@@ -109,10 +124,12 @@ class FileStore(ObjectStore):
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         if Path(path).resolve() == self._path(key).resolve():
             return  # already in place (DCP wrote it there)
-        self._atomic_write(key, lambda tmp: shutil.copyfile(path, tmp))
+        with open(path, "rb") as src, self.open_writer(key) as dst:
+            shutil.copyfileobj(src, dst)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._atomic_write(key, lambda tmp: tmp.write_bytes(data))
+        with self.open_writer(key) as f:
+            f.write(data)
 
     def get_file(self, key: str, path: str | os.PathLike) -> None:
         src = self._path(key)

@@ -3,11 +3,10 @@
 Model and optimizer state go through `torch.distributed.checkpoint` (DCP) as sharded, FQN-keyed state dicts
 from `get_state_dict`, so a checkpoint saved with one parallel layout loads into any other (DCP reshards).
 DCP's FileSystemWriter/Reader do the (de)serialisation; their file system is swapped for one over a kiln
-ObjectStore (`StoreFS`): each shard file is written to a local staging file (hashed as it is written) and, once
-complete, uploaded as a parallel multipart PUT by the same writer thread — so serialising one shard overlaps
-uploading another, memory stays bounded by the staged state, and a transient S3 failure re-reads the local file
-instead of re-serialising. On file:// the shard is written in place. Reads use ranged GETs with parallel
-read-ahead; restore first checks every file's size and sha256 against COMMIT, the files split over the ranks.
+ObjectStore (kiln.trainer.dcp_store): each shard is hashed as DCP writes it and streamed into the store as a
+multipart upload whose parts go up while the rest is serialised (each part retried on its own); on file:// it is
+written in place. Restore reads each file once: every rank downloads its share (the shards it wrote), checks
+size and sha256 against COMMIT, and DCP loads those very bytes; a damaged commit falls back to the previous one.
 
 A save blocks the training loop only to copy the state off the accelerator (into reused pinned host buffers on
 GPU, a CPU copy on CPU); the upload, the COMMIT (rank 0, after every rank's file list with sizes and sha256s
@@ -20,20 +19,16 @@ ckpt.save(step, ..., final=True); break` — every rank agrees on the same step 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,10 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, _FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -55,6 +49,7 @@ from kiln.storage.commit import (
     FileEntry,
     apply_retention,
     committed_steps,
+    fetch_verified,
     read_commit,
     read_latest,
     read_trainer_state,
@@ -64,9 +59,11 @@ from kiln.storage.commit import (
     write_commit,
     young_daly_interval,
 )
+from kiln.trainer.dcp_store import StoreFS, StoreReader, StoreWriter
 
 log = logging.getLogger("kiln.checkpoint")
 
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's shard names: __<rank>_<n>.distcp
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # FQN keys: mergeable over pipeline stages
 
 # intervalSteps: auto — bounds and priors (Young/Daly needs a cost and an MTBF before it has measured either).
@@ -74,250 +71,6 @@ AUTO_MIN_STEPS = 10
 AUTO_MAX_STEPS = 10_000
 AUTO_FIRST_STEPS = 10  # first save early, to measure its cost
 MTBF_PRIOR_S = float(os.environ.get("KILN_MTBF_PRIOR_SECONDS", 6 * 3600))  # one failure per this, before evidence
-
-
-# -- DCP over an ObjectStore ------------------------------------------------------------------------------------
-
-
-class StoreFS(FileSystemBase):
-    """DCP's file-system interface over an ObjectStore. Paths are '/'-joined keys relative to the store root.
-
-    A written file is published (hashed; uploaded unless the store is local) when its stream closes; a `*.tmp`
-    file is published under its new name by `rename` (DCP writes `.metadata.tmp` then renames it).
-    """
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        staging_dir: Path,
-        read_block: int = 8 << 20,
-        *,
-        keep_dir: Path | None = None,
-        local_files: dict[str, Path] | None = None,
-        check_remote=None,
-    ):
-        self.store = store
-        self.staging_dir = staging_dir
-        self.read_block = read_block
-        self.keep_dir = keep_dir  # staged shards are moved here after upload (the host-memory copy)
-        self.local_files = local_files or {}  # file name → verified host-memory copy, read instead of the store
-        self.check_remote = check_remote  # called with a file name before it is first read from the store
-        self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
-        self._pending: dict[str, tuple[Path, FileEntry]] = {}  # *.tmp key → local file
-        self.errors: list[tuple[str, BaseException]] = []  # files that failed, in any writer thread
-        self._lock = threading.Lock()
-
-    def _local_for_write(self, key: str) -> tuple[Path, bool]:
-        local = self.store.local_path(key)
-        if local is not None:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            return local, False
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=self.staging_dir, prefix=key.replace("/", "_") + ".")
-        os.close(fd)
-        return Path(name), True
-
-    def _publish(self, key: str, path: Path, staged: bool, entry: FileEntry) -> None:
-        if staged:
-            try:
-                self.store.put_file(key, path)
-                if self.keep_dir is not None:
-                    self.keep_dir.mkdir(parents=True, exist_ok=True)
-                    shutil.move(path, self.keep_dir / key.rsplit("/", 1)[-1])
-            finally:
-                path.unlink(missing_ok=True)
-        with self._lock:
-            self.written[key] = entry
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Generator[io.IOBase, None, None]:
-        key = str(path)
-        if "r" in mode:
-            local = self.local_files.get(key.rsplit("/", 1)[-1])
-            if local is None and self.check_remote is not None:
-                self.check_remote(key.rsplit("/", 1)[-1])
-            local = local or self.store.local_path(key)
-            if local is not None:
-                with open(local, "rb") as f:
-                    yield f
-            else:
-                reader = RangedReader(self.store, key, self.read_block)
-                try:
-                    yield reader
-                finally:
-                    reader.close()
-            return
-        try:
-            local, staged = self._local_for_write(key)
-            with open(local, "wb") as f:
-                stream = HashingWriter(f)
-                yield stream
-            entry = FileEntry(stream.size, stream.sha.hexdigest())
-            if key.endswith(".tmp"):
-                with self._lock:
-                    self._pending[key] = (local, entry)
-                return
-            self._publish(key, local, staged, entry)
-        except BaseException as err:
-            # DCP's extra writer threads drop exceptions; StoreWriter re-raises what is recorded here
-            with self._lock:
-                self.errors.append((key, err))
-            raise
-
-    def rename(self, path, new_path) -> None:
-        src, dst = str(path), str(new_path)
-        with self._lock:
-            local, entry = self._pending.pop(src)
-        target = self.store.local_path(dst)
-        if target is not None:
-            os.replace(local, target)
-            self._publish(dst, target, False, entry)
-        else:
-            self._publish(dst, local, True, entry)
-
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
-    def mkdir(self, path) -> None:
-        local = self.store.local_path(str(path))
-        if local is not None:
-            local.mkdir(parents=True, exist_ok=True)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
-    def exists(self, path) -> bool:
-        return self.store.exists(str(path))
-
-    def rm_file(self, path) -> None:
-        self.store.delete(str(path))
-
-
-class HashingWriter(io.RawIOBase):
-    """Passes writes through to a file while computing their sha256, so a shard is never read back to hash it
-    (DCP writes each file sequentially: torch.save streams its zip, offsets come from tell())."""
-
-    def __init__(self, f):
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        n = self.f.write(b)
-        self.sha.update(b)
-        self.size += len(memoryview(b).cast("B"))
-        return n
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def fileno(self) -> int:
-        return self.f.fileno()
-
-    def close(self) -> None:  # the file is closed by its owner
-        pass
-
-
-class RangedReader(io.RawIOBase):
-    """A seekable read-only stream over one stored object, made of block-aligned ranged GETs.
-
-    torch.load reads in many small pieces, mostly forwards: each block is fetched once, and the next
-    `ahead` blocks are fetched in parallel in the background, so a sequential scan runs at parallel-GET speed.
-    """
-
-    def __init__(
-        self, store: ObjectStore, key: str, block: int, ahead: int = 8, pool: ThreadPoolExecutor | None = None
-    ):
-        self.store, self.key, self.block, self.ahead = store, key, block, ahead
-        self.length = store.size(key)
-        self.nblocks = (self.length + block - 1) // block
-        self.pos = 0
-        self.blocks: OrderedDict[int, Future] = OrderedDict()
-        self.pool = pool or ThreadPoolExecutor(ahead, thread_name_prefix="kiln-ckpt-read")
-        self._own_pool = pool is None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def _block(self, b: int) -> bytes:
-        for nb in range(b, min(b + 1 + self.ahead, self.nblocks)):
-            if nb not in self.blocks:
-                off = nb * self.block
-                self.blocks[nb] = self.pool.submit(
-                    self.store.get_bytes, self.key, off, min(self.block, self.length - off)
-                )
-        self.blocks.move_to_end(b)
-        data = self.blocks[b].result()
-        while len(self.blocks) > 2 * (self.ahead + 1):  # drop the oldest blocks (reads move forwards)
-            self.blocks.popitem(last=False)
-        return data
-
-    def readinto(self, buf) -> int:
-        n = min(len(buf), self.length - self.pos)
-        if n <= 0:
-            return 0
-        view = memoryview(buf).cast("B")
-        done = 0
-        while done < n:
-            b, start = divmod(self.pos + done, self.block)
-            data = self._block(b)
-            take = min(len(data) - start, n - done)
-            view[done : done + take] = data[start : start + take]
-            done += take
-        self.pos += n
-        return n
-
-    def close(self) -> None:
-        if self._own_pool:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-        self.blocks.clear()
-        super().close()
-
-
-class StoreWriter(_FileSystemWriter):
-    """DCP's FileSystemWriter with its file system swapped for StoreFS."""
-
-    def __init__(self, fs: StoreFS, step_prefix: str, *, thread_count: int, sync_files: bool):
-        super().__init__(step_prefix, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count)
-        self.fs = fs
-        self.path = step_prefix
-
-    def write_data(self, plan, planner):
-        result = super().write_data(plan, planner)
-        if self.fs.errors:  # a shard failed in a writer thread: fail the save on every rank (DCP gathers this)
-            key, err = self.fs.errors[0]
-            raise OSError(f"writing {self.fs.store.url(key)} failed: {type(err).__name__}: {err}") from err
-        return result
-
-
-class StoreReader(FileSystemReader):
-    """DCP's FileSystemReader with its file system swapped for StoreFS."""
-
-    def __init__(self, fs: StoreFS, step_prefix: str):
-        super().__init__(step_prefix)
-        self.fs = fs
-        self.path = step_prefix
 
 
 # -- state dicts of several model parts (pipeline stages) ------------------------------------------------------
@@ -354,6 +107,12 @@ def _signature(sd: Any) -> Any:
         local = sd.to_local() if hasattr(sd, "to_local") else sd
         return (tuple(sd.shape), tuple(local.shape), sd.dtype)
     return type(sd).__name__
+
+
+def _reader_rank(name: str, world_size: int) -> int:
+    """The rank that verifies (and loads from its local copy) a checkpoint file on restore."""
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) % world_size if m else 0
 
 
 def _first_line(err: BaseException) -> str:
@@ -440,7 +199,6 @@ class Checkpointer:
         rank: int,
         world_size: int,
         store: ObjectStore | None = None,
-        staging_dir: str | None = None,
         thread_count: int = 2,
         stop_check_every: int = 10,
     ):
@@ -454,9 +212,6 @@ class Checkpointer:
         self.store = store or open_store(self.uri, endpoint=spec.endpoint)
         self.thread_count = thread_count
         self.stop_check_every = max(1, stop_check_every)
-        # S3 shards are staged here before upload (KILN_CKPT_STAGING_DIR: a fast local disk, or /dev/shm)
-        staging = staging_dir or os.environ.get("KILN_CKPT_STAGING_DIR") or tempfile.gettempdir()
-        self._staging_root = Path(staging) / f"kiln-ckpt-stage-{os.getpid()}"
         self._distributed = dist.is_available() and dist.is_initialized() and world_size > 1
         # DCP's collectives run in the background thread: give them their own gloo group, so they never
         # interleave with the training loop's collectives on the default group (and work under NCCL too).
@@ -579,7 +334,7 @@ class Checkpointer:
         keep = self._shm.with_name(self._shm.name + ".next") if self._shm is not None else None
         if keep is not None:
             shutil.rmtree(keep, ignore_errors=True)
-        fs = StoreFS(self.store, self._staging_root / prefix, keep_dir=keep)
+        fs = StoreFS(self.store, keep_dir=keep)
         try:
             if self.rank == 0:
                 try:
@@ -626,7 +381,6 @@ class Checkpointer:
                 raise KilnError(msg) from err
             log.error(msg)
         finally:
-            shutil.rmtree(self._staging_root / prefix, ignore_errors=True)
             if keep is not None:
                 shutil.rmtree(keep, ignore_errors=True)
 
@@ -672,7 +426,6 @@ class Checkpointer:
         self.wait()
         self._executor.shutdown(wait=True)
         self._cache = None
-        shutil.rmtree(self._staging_root, ignore_errors=True)
 
     # -- restore ----------------------------------------------------------------------------------------------
 
@@ -709,7 +462,8 @@ class Checkpointer:
                 trainer_state = self._restore_from_memory(step, model_parts, optimizers)
                 if trainer_state is not None:
                     return trainer_state
-            problems = self._verify(step)
+            t0 = time.perf_counter()
+            problems, fetched = self._fetch_verified(step)
             if problems:
                 if self.rank == 0:
                     log.warning(
@@ -719,9 +473,8 @@ class Checkpointer:
                         "; ".join(problems),
                     )
                 continue
-            t0 = time.perf_counter()
             try:
-                self._load(step, model_parts, optimizers, StoreFS(self.store, self._staging_root / "restore"))
+                self._load(step, model_parts, optimizers, StoreFS(self.store, fetched=fetched))
             except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
                 raise KilnError(
                     f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
@@ -792,7 +545,7 @@ class Checkpointer:
                 checked.add(name)
 
         try:
-            fs = StoreFS(self.store, self._staging_root / "restore", local_files=local, check_remote=check_remote)
+            fs = StoreFS(self.store, local_files=local, check_remote=check_remote)
             self._load(step, model_parts, optimizers, fs)
             check_remote("trainer.json")
             trainer_state = read_trainer_state(self.store, step)
@@ -802,18 +555,21 @@ class Checkpointer:
             return None
         return self._restored(step, trainer_state, "memory", t0)
 
-    def _verify(self, step: int) -> list[str]:
-        """Every rank checks its share of the files (size + sha256); the problems are gathered everywhere."""
+    def _fetch_verified(self, step: int) -> tuple[list[str], dict[str, list[bytes]]]:
+        """Every rank checks its share of the files (size + sha256) against COMMIT, reading each once and, from
+        a remote store, keeping the checked bytes for DCP to load: a rank's share is the shards it wrote
+        (`__<rank>_<n>.distcp`, what it loads again at the same world size), the rest goes to rank 0.
+        Returns the problems of all ranks (gathered, so all ranks agree) and this rank's verified bytes."""
         commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
         if isinstance(commit, str):
-            return [commit]
-        names = sorted(commit.files)[self.rank :: self.world_size] if self._distributed else sorted(commit.files)
-        mine = verify_files(self.store, step, commit, names)
+            return [commit], {}
+        names = [n for n in sorted(commit.files) if _reader_rank(n, self.world_size) == self.rank]
+        mine, fetched = fetch_verified(self.store, step, commit, names, keep=True)
         if not self._distributed:
-            return mine
+            return mine, fetched
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self._pg)
-        return [p for part in everyone for p in part]
+        return [p for part in everyone for p in part], fetched
 
     def _read_commit_or_none(self, step: int):
         try:

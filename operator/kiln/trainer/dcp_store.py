@@ -1,0 +1,296 @@
+"""torch.distributed.checkpoint (DCP) over a kiln ObjectStore: its file-system interface, writer and reader.
+
+DCP's FileSystemWriter/Reader do the (de)serialisation; `StoreFS` swaps their file system for an ObjectStore.
+A shard is hashed (sha256, for the COMMIT) while DCP writes it, and streamed into the store as it is written:
+on S3 full parts upload in the background while DCP serialises the rest (kiln.storage.s3.MultipartWriter), on
+file:// the shard is written in place. Reads come from the bytes the restore already downloaded and checked
+(`fetched`), a verified host-memory copy, or block-aligned ranged GETs with parallel read-ahead (`RangedReader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemBase,
+    FileSystemReader,
+    _FileSystemWriter,
+)
+
+from kiln.storage import ObjectStore
+from kiln.storage.commit import HASH_CHUNK, FileEntry
+
+
+class StoreFS(FileSystemBase):
+    """DCP's file-system interface over an ObjectStore. Paths are '/'-joined keys relative to the store root.
+
+    A written file is recorded (size, sha256) in `written` once it is stored; a `*.tmp` file (DCP writes
+    `.metadata.tmp`, then renames it) is held until `rename` stores it under its final name.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        read_block: int = 8 << 20,
+        *,
+        keep_dir: Path | None = None,
+        local_files: dict[str, Path] | None = None,
+        fetched: dict[str, list[bytes]] | None = None,
+        check_remote: Callable[[str], None] | None = None,
+    ):
+        self.store = store
+        self.read_block = read_block
+        self.keep_dir = keep_dir  # a copy of every uploaded file is written here too (the host-memory copy)
+        self.local_files = local_files or {}  # file name → verified local copy, read instead of the store
+        self.fetched = fetched or {}  # file name → its verified bytes (HASH_CHUNK blocks), dropped once read
+        self.check_remote = check_remote  # called with a file name before it is first read from the store
+        self.written: dict[str, FileEntry] = {}  # key → entry, for the COMMIT
+        self._pending: dict[str, tuple[Path | bytes, FileEntry]] = {}  # *.tmp key → local file or its bytes
+        self.errors: list[tuple[str, BaseException]] = []  # files that failed, in any writer thread
+        self._lock = threading.Lock()
+
+    def _publish(self, key: str, entry: FileEntry) -> None:
+        """`key` is stored whole: record it for the COMMIT."""
+        with self._lock:
+            self.written[key] = entry
+
+    def _keep_copy(self, key: str) -> Path | None:
+        """Where the host-memory copy of an uploaded file goes (None: no copy, or the store is local)."""
+        if self.keep_dir is None or self.store.local_path(key) is not None:
+            return None
+        self.keep_dir.mkdir(parents=True, exist_ok=True)
+        return self.keep_dir / key.rsplit("/", 1)[-1]
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Generator[io.IOBase, None, None]:
+        key = str(path)
+        if "r" in mode:
+            with self._read_stream(key) as stream:
+                yield stream
+            return
+        try:
+            local = self.store.local_path(key)
+            with contextlib.ExitStack() as stack:
+                if local is not None:  # file://: in place (the COMMIT, not a rename, makes it count)
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    sink = stack.enter_context(open(local, "wb"))
+                elif key.endswith(".tmp"):  # .metadata: small, stored by rename()
+                    sink = io.BytesIO()
+                else:  # streamed into the store; an exception in the block aborts the upload
+                    sink = stack.enter_context(self.store.open_writer(key))
+                copy_to = self._keep_copy(key) if not key.endswith(".tmp") else None
+                copy = stack.enter_context(open(copy_to, "wb")) if copy_to is not None else None
+                stream = HashingWriter(sink, copy)
+                yield stream
+                held = local if local is not None else sink.getvalue() if isinstance(sink, io.BytesIO) else None
+            entry = FileEntry(stream.size, stream.sha.hexdigest())
+            if key.endswith(".tmp"):
+                with self._lock:
+                    self._pending[key] = (held, entry)
+                return
+            self._publish(key, entry)
+        except BaseException as err:
+            # DCP's extra writer threads drop exceptions; StoreWriter re-raises what is recorded here
+            with self._lock:
+                self.errors.append((key, err))
+            raise
+
+    @contextlib.contextmanager
+    def _read_stream(self, key: str) -> Generator[io.IOBase, None, None]:
+        name = key.rsplit("/", 1)[-1]
+        with self._lock:
+            blocks = self.fetched.pop(name, None)  # DCP reads each file once: free its bytes after
+        if blocks is not None:
+            with BlockReader(blocks, HASH_CHUNK, sum(len(b) for b in blocks)) as reader:
+                yield reader
+            return
+        local = self.local_files.get(name)
+        if local is None and self.check_remote is not None:
+            self.check_remote(name)
+        local = local or self.store.local_path(key)
+        if local is not None:
+            with open(local, "rb") as f:
+                yield f
+            return
+        reader = RangedReader(self.store, key, self.read_block)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def rename(self, path, new_path) -> None:
+        src, dst = str(path), str(new_path)
+        with self._lock:
+            held, entry = self._pending.pop(src)
+        if isinstance(held, bytes):
+            self.store.put_bytes(dst, held)
+            copy_to = self._keep_copy(dst)
+            if copy_to is not None:
+                copy_to.write_bytes(held)
+        else:
+            os.replace(held, self.store.local_path(dst))
+        self._publish(dst, entry)
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def mkdir(self, path) -> None:
+        local = self.store.local_path(str(path))
+        if local is not None:
+            local.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.store.exists(str(path))
+
+    def rm_file(self, path) -> None:
+        self.store.delete(str(path))
+
+
+class HashingWriter(io.RawIOBase):
+    """Passes writes through to a stream (and an optional copy) while computing their sha256, so a shard is
+    never read back to hash it (DCP writes each file sequentially: torch.save streams its zip, offsets come
+    from tell())."""
+
+    def __init__(self, f, copy=None):
+        self.f, self.copy = f, copy
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = self.f.write(b)
+        if self.copy is not None:
+            self.copy.write(b)
+        self.sha.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def close(self) -> None:  # the stream is closed by its owner
+        pass
+
+
+class BlockReader(io.RawIOBase):
+    """A seekable read-only stream over an object held as equal-size blocks (the last may be shorter)."""
+
+    def __init__(self, blocks: list[bytes], block: int, length: int):
+        self.blocks, self.block, self.length = blocks, block, length
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def _block(self, b: int) -> bytes:
+        return self.blocks[b]
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.length - self.pos)
+        if n <= 0:
+            return 0
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < n:
+            b, start = divmod(self.pos + done, self.block)
+            data = self._block(b)
+            take = min(len(data) - start, n - done)
+            view[done : done + take] = data[start : start + take]
+            done += take
+        self.pos += n
+        return n
+
+
+class RangedReader(BlockReader):
+    """A BlockReader over one stored object, its blocks fetched by ranged GETs as they are first read.
+
+    torch.load reads in many small pieces, mostly forwards: each block is fetched once, and the next
+    `ahead` blocks are fetched in parallel in the background, so a sequential scan runs at parallel-GET speed.
+    """
+
+    def __init__(
+        self, store: ObjectStore, key: str, block: int, ahead: int = 8, pool: ThreadPoolExecutor | None = None
+    ):
+        super().__init__(OrderedDict(), block, store.size(key))
+        self.store, self.key, self.ahead = store, key, ahead
+        self.nblocks = (self.length + block - 1) // block
+        self.pool = pool or ThreadPoolExecutor(ahead, thread_name_prefix="kiln-ckpt-read")
+        self._own_pool = pool is None
+
+    def _block(self, b: int) -> bytes:
+        for nb in range(b, min(b + 1 + self.ahead, self.nblocks)):
+            if nb not in self.blocks:
+                off = nb * self.block
+                self.blocks[nb] = self.pool.submit(
+                    self.store.get_bytes, self.key, off, min(self.block, self.length - off)
+                )
+        self.blocks.move_to_end(b)
+        data = self.blocks[b].result()
+        while len(self.blocks) > 2 * (self.ahead + 1):  # drop the oldest blocks (reads move forwards)
+            self.blocks.popitem(last=False)
+        return data
+
+    def close(self) -> None:
+        if self._own_pool:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.blocks.clear()
+        super().close()
+
+
+class StoreWriter(_FileSystemWriter):
+    """DCP's FileSystemWriter with its file system swapped for StoreFS."""
+
+    def __init__(self, fs: StoreFS, step_prefix: str, *, thread_count: int, sync_files: bool):
+        super().__init__(step_prefix, single_file_per_rank=True, sync_files=sync_files, thread_count=thread_count)
+        self.fs = fs
+        self.path = step_prefix
+
+    def write_data(self, plan, planner):
+        result = super().write_data(plan, planner)
+        if self.fs.errors:  # a shard failed in a writer thread: fail the save on every rank (DCP gathers this)
+            key, err = self.fs.errors[0]
+            raise OSError(f"writing {self.fs.store.url(key)} failed: {type(err).__name__}: {err}") from err
+        return result
+
+
+class StoreReader(FileSystemReader):
+    """DCP's FileSystemReader with its file system swapped for StoreFS."""
+
+    def __init__(self, fs: StoreFS, step_prefix: str):
+        super().__init__(step_prefix)
+        self.fs = fs
+        self.path = step_prefix
