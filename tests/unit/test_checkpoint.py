@@ -244,6 +244,20 @@ def test_ranged_reader_reads_like_a_file(tmp_path):
     reader.close()
 
 
+def test_block_reader_serves_verified_bytes_like_a_file():
+    """The restore path: the blocks a rank downloaded and checked, read by DCP as a seekable file."""
+    from kiln.trainer.dcp_store import BlockReader
+
+    data = bytes(range(256)) * 40 + b"tail"
+    reader = BlockReader([data[i : i + 1000] for i in range(0, len(data), 1000)], 1000, len(data))
+    reader.seek(995)
+    assert reader.read(2010) == data[995:3005]
+    reader.seek(-4, os.SEEK_END)
+    assert reader.read() == b"tail" and reader.read(5) == b""
+    reader.seek(0)
+    assert reader.read() == data
+
+
 def test_pipeline_stages_merge_and_load_into_one_model(tmp_path):
     """Two model parts (pipeline stages, each with its own optimizer, keeping the full model's parameter
     names) save one checkpoint that loads into the unsplit model: a pp=2 → pp=1 resume."""

@@ -10,7 +10,7 @@ import pytest
 import urllib3
 
 from kiln.errors import KilnError
-from kiln.storage import FileStore, ObjectNotFound, open_store
+from kiln.storage import FileStore, ObjectNotFound, ObjectStore, open_store
 from kiln.storage.retry import RetryPolicy, call_with_retry, is_transient
 
 
@@ -39,6 +39,55 @@ def test_file_store_round_trip(tmp_path):
     assert not (tmp_path / "ckpt" / "step-1").exists()  # empty directories go too
     store.delete("step-1/a.bin")  # deleting twice is fine
     # no temporary files are left behind by the atomic writes
+    assert not [p for p in (tmp_path / "ckpt").rglob("*.tmp")]
+
+
+class WrappedStore(ObjectStore):
+    """A store wrapper (as tests and tools write them) that does not override open_writer."""
+
+    def __init__(self, inner: ObjectStore):
+        self.inner, self.uri = inner, inner.uri
+
+    def put_file(self, key, path):
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key, data):
+        self.inner.put_bytes(key, data)
+
+    def get_file(self, key, path):
+        self.inner.get_file(key, path)
+
+    def get_bytes(self, key, offset=0, length=None):
+        return self.inner.get_bytes(key, offset, length)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def size(self, key):
+        return self.inner.size(key)
+
+
+@pytest.mark.parametrize("backend", ["file", "default"])
+def test_a_streamed_write_appears_whole_or_not_at_all(tmp_path, backend):
+    """open_writer: the key holds every byte once the block exits; if the block raises, the key (and any old
+    value) is untouched. `default` is ObjectStore's spool-then-put_file version, used by store wrappers."""
+    store = FileStore(tmp_path / "ckpt")
+    if backend == "default":
+        store = WrappedStore(store)
+    store.put_bytes("k", b"old")
+    with pytest.raises(RuntimeError, match="serialiser"):
+        with store.open_writer("k") as f:
+            f.write(b"new, but never finished")
+            raise RuntimeError("serialiser failed")
+    assert store.get_bytes("k") == b"old"
+    with store.open_writer("k") as f:
+        for i in range(100):
+            f.write(bytes([i]) * 1000)
+        assert store.get_bytes("k") == b"old"  # readers see the old value until the write completes
+    assert store.get_bytes("k") == b"".join(bytes([i]) * 1000 for i in range(100))
     assert not [p for p in (tmp_path / "ckpt").rglob("*.tmp")]
 
 
