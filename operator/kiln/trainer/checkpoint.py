@@ -19,7 +19,6 @@ ckpt.save(step, ..., final=True); break` — every rank agrees on the same step 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -53,13 +52,13 @@ from kiln.storage.commit import (
     read_commit,
     read_latest,
     read_trainer_state,
-    sha256_file,
     step_dir,
     verify_files,
     write_commit,
     young_daly_interval,
 )
 from kiln.trainer.dcp_store import StoreFS, StoreReader, StoreWriter
+from kiln.trainer.shm_copy import SHM_MANIFEST, read_shm_copy, shm_dir
 
 log = logging.getLogger("kiln.checkpoint")
 
@@ -142,50 +141,6 @@ def install_sigterm_handler() -> threading.Event:
 
 
 # -- the checkpointer ------------------------------------------------------------------------------------------
-
-
-# -- host-memory copy for fast restarts --------------------------------------------------------------------------
-
-SHM_MANIFEST = "SHM.json"
-
-
-def shm_dir(uri: str, rank: int) -> Path | None:
-    """This rank's copy of the newest commit in host memory: <KILN_SHM_DIR>/<run>/rank-<r>, e.g. KILN_SHM_DIR=
-    /dev/shm/kiln; None (off) when unset. Opt-in: a pod's /dev/shm is 64 MiB unless a memory-backed volume is
-    mounted there. <run> hashes the checkpoint URI, so runs sharing a node never mix their copies."""
-    root = os.environ.get("KILN_SHM_DIR", "")
-    if root.strip().lower() in ("", "off", "0", "none", "false"):
-        return None
-    return Path(root) / hashlib.sha256(uri.encode()).hexdigest()[:16] / f"rank-{rank}"
-
-
-def read_shm_copy(path: Path, step: int, world_size: int, commit, *, hash: bool = True) -> dict[str, Path] | str:
-    """The files of a rank's host-memory copy of `step` (name → path), each checked (size; sha256 unless
-    `hash` is off: the owning rank hashes its own) against the store's COMMIT; or why the copy cannot be used."""
-    try:
-        manifest = json.loads((path / SHM_MANIFEST).read_text())
-    except FileNotFoundError:
-        return f"no copy in {path}"
-    except (OSError, ValueError) as err:
-        return f"{path / SHM_MANIFEST} unreadable ({err})"
-    if manifest.get("step") != step:
-        return f"{path} holds step {manifest.get('step')}, the newest commit is {step}"
-    if manifest.get("world_size") != world_size:
-        return f"{path} was saved by {manifest.get('world_size')} ranks, this job has {world_size}"
-    files: dict[str, Path] = {}
-    for f in sorted(path.iterdir()):
-        if f.name == SHM_MANIFEST:
-            continue
-        entry = commit.files.get(f.name)
-        if entry is None:
-            return f"{f} is not in the COMMIT of step {step}"
-        size = f.stat().st_size
-        if size != entry.size:
-            return f"{f} has {size} bytes, COMMIT says {entry.size}"
-        if hash and sha256_file(f) != entry.sha256:
-            return f"{f} sha256 does not match COMMIT"
-        files[f.name] = f
-    return files or f"{path} holds no files"
 
 
 class Checkpointer:
