@@ -58,13 +58,14 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_eval_reads_a_checkpoint_from_the_s3_store(rig, tmp_path, monkeypatch, capsys):
+def test_eval_of_a_pipeline_parallel_checkpoint_in_the_s3_store(rig, tmp_path, monkeypatch, capsys):
     from kiln.storage import open_store
 
     keys = {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}
     uri = f"s3://{rig.s3_bucket}/test-eval/{uuid.uuid4().hex}/"
-    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "lr": 3e-3},
-                      checkpoint={"uri": uri, "endpoint": rig.s3_endpoint})
+    # pipeline=2: each rank saves only its own stage's blocks; one process loads the whole model from both.
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "lr": 3e-3}, parallelism={"pipeline": 2},
+                      checkpoint={"uri": uri, "endpoint": rig.s3_endpoint}, nproc=2)
     out = tmp_path / "out"
     try:
         run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
@@ -76,9 +77,13 @@ def test_eval_reads_a_checkpoint_from_the_s3_store(rig, tmp_path, monkeypatch, c
         assert main(["eval", str(spec), "--json", str(tmp_path / "a.json")]) == 0
         got = json.loads((tmp_path / "a.json").read_text())
         assert (got["step"], got["checkpoint"]) == (3, uri)
-        assert got["loss"] == pytest.approx(read_metrics(out)[-1]["val_loss"], rel=1e-5)
+        logged = read_metrics(out)[-1]
+        assert logged["pp"] == 2
+        # the pipeline's last stage takes the loss from the logits, one process uses the fused kernel: 1e-5
+        assert got["loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
         # a spec without a store, pointed at it from the command line
-        bare = write_spec(tmp_path / "bare.yaml", training={"steps": 3, "lr": 3e-3})
+        bare = write_spec(tmp_path / "bare.yaml", training={"steps": 3, "lr": 3e-3}, parallelism={"pipeline": 2},
+                          nproc=2)
         assert main(["eval", str(bare), "--checkpoint", uri, "--endpoint", rig.s3_endpoint,
                      "--json", str(tmp_path / "b.json")]) == 0
         assert json.loads((tmp_path / "b.json").read_text())["loss"] == got["loss"]
