@@ -4,7 +4,11 @@ Measured in the same run, as the reference: 200 PyTorchJobs created directly by 
 apiserver + watch path alone costs). Reported: per-object latency p50/p99 for both, their ratio, the
 time until the last job exists, and the operator's peak RSS (VmHWM) against its idle RSS.
 
-    python -m tests.bench.bench_operator [--count 200] [--out runs/bench/operator.json]
+Then, separately (so the counting does not slow the timed pass), a second operator talks to the apiserver
+through a counting proxy while `--count-calls` TrainingSpecs are created at once: every request it makes
+(kopf's and kiln's) until the runs settle, per TrainingSpec and by verb and resource.
+
+    python -m tests.bench.bench_operator [--count 200] [--count-calls 20] [--out runs/bench/operator.json]
 
 The runs are created suspended, so no pod or GPU is involved: this measures the operator.
 """
@@ -12,16 +16,22 @@ The runs are created suspended, so no pod or GPU is involved: this measures the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import ssl
 import statistics
 import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kubernetes import watch
+import aiohttp
+import yaml
+from aiohttp import web
+from kubernetes import client, config as kconfig, watch
 
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client
@@ -46,6 +56,12 @@ def rss_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class JobWatcher:
@@ -80,6 +96,88 @@ class JobWatcher:
         self._stop.set()
 
 
+_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "authorization"}
+
+
+class CountingProxy:
+    """A plain-HTTP reverse proxy to the apiserver that records every request made through it.
+
+    The operator under count talks to http://127.0.0.1:<port> without credentials; the proxy forwards with
+    the credentials of `kubeconfig` (the rig's admin certificate). Watches are streamed through, counted apart.
+    """
+
+    def __init__(self, kubeconfig: Path):
+        cfg = client.Configuration()
+        kconfig.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+        self.upstream = cfg.host
+        self.ssl = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        self.ssl.load_cert_chain(cfg.cert_file, cfg.key_file)
+        self.calls: list[tuple[float, str, str]] = []  # (monotonic time, method, path), watches excluded
+        self.watches = 0
+        self._ready = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+        if not self._ready.wait(30):
+            raise TimeoutError("the counting proxy did not start")
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(self._start())
+        self._ready.set()
+        loop.run_forever()
+
+    async def _start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.ssl, limit=0),
+                                             auto_decompress=False)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") in ("true", "1"):
+            self.watches += 1
+        else:
+            self.calls.append((time.monotonic(), request.method, request.path))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        body = await request.read()
+        async with self.session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                                        data=body or None, timeout=aiohttp.ClientTimeout(total=None)) as up:
+            resp = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items() if k.lower() not in _HOP})
+            await resp.prepare(request)
+            try:
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            except ConnectionResetError:  # the operator stopped while a watch was streaming
+                pass
+            return resp
+
+    def kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig for this proxy (no credentials: the proxy adds them)."""
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "proxy",
+            "clusters": [{"name": "proxy", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
+            "users": [{"name": "proxy", "user": {}}],
+            "contexts": [{"name": "proxy", "context": {"cluster": "proxy", "user": "proxy"}}]}))
+        return path
+
+
+def call_kind(method: str, path: str) -> str:
+    """'PATCH pytorchjobs', 'GET trainingspecs/status', ... from a request path."""
+    parts = [p for p in path.split("/") if p]
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # drop api/v1 or apis/<group>/<version>
+    if parts[:1] == ["namespaces"] and len(parts) > 2:
+        parts = parts[2:]
+    resource = parts[0] if parts else "discovery"
+    sub = f"/{parts[2]}" if len(parts) > 2 else ""
+    verb = {"GET": "get" if len(parts) > 1 else "list"}.get(method, method.lower())
+    return f"{verb} {resource}{sub}"
+
+
 def create_all(bodies: list[dict], create) -> dict[str, float]:
     """Create every object from 16 threads at once; returns name → time the create returned."""
     created: dict[str, float] = {}
@@ -97,9 +195,55 @@ def latencies(created: dict[str, float], seen: dict[str, float], names: dict[str
     return [seen[names[n]] - created[n] for n in created]
 
 
+def specs(namespace: str, count: int) -> list[dict]:
+    bodies = []
+    for i in range(count):
+        doc = parse(spec(f"run-{i}"))
+        doc.metadata.namespace = namespace
+        bodies.append(dump_for_apply(doc))
+    return bodies
+
+
+def create_specs(kube: Kube, namespace: str, bodies: list[dict]) -> dict[str, float]:
+    return create_all(bodies, lambda b: kube.custom.create_namespaced_custom_object(
+        "kiln.dev", "v1alpha1", namespace, "trainingspecs", b))
+
+
+def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
+    """Every request an operator makes for `count` new TrainingSpecs, until the runs settle.
+
+    The window opens when the specs are created and closes after 3 s without a request (or at 12 s,
+    before the first elastic timer tick at 15 s), so it holds each run's reconcile and the status
+    refreshes its PyTorchJob's first events trigger — what a burst costs per run.
+    """
+    from tests.integration.test_operator_lifecycle import Operator
+
+    proxy = CountingProxy(rig.kubeconfig)
+    op = Operator(proxy.kubeconfig(log.with_suffix(".kubeconfig")), namespace, log)
+    op.start()
+    try:
+        time.sleep(2)
+        watcher = JobWatcher(kube, namespace)
+        t0 = time.monotonic()
+        created = create_specs(kube, namespace, specs(namespace, count))
+        watcher.wait(list(created), timeout=120)
+        jobs_at = max(watcher.seen.values())
+        watcher.stop()
+        while time.monotonic() < t0 + 12 and time.monotonic() - max(t for t, *_ in proxy.calls) < 3:
+            time.sleep(0.2)
+        window = [c for c in proxy.calls if t0 <= c[0] <= t0 + 12]
+    finally:
+        op.stop()
+    until_jobs = [c for c in window if c[0] <= jobs_at]
+    kinds = Counter(call_kind(m, path) for _, m, path in window)
+    return {"specs": count, "per_spec": len(window) / count, "per_spec_until_all_jobs_exist": len(until_jobs) / count,
+            "by_kind_per_spec": {k: round(v / count, 2) for k, v in kinds.most_common()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--count-calls", type=int, default=20, help="TrainingSpecs for the API-call count (0: skip)")
     parser.add_argument("--out", default="runs/bench/operator.json")
     args = parser.parse_args(argv)
 
@@ -108,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     from tests.rig import cluster
 
     rig, started = cluster.up(lease_pid=os.getpid())
-    ns_ref, ns_kiln = f"bench-ref-{uuid.uuid4().hex[:5]}", f"bench-kiln-{uuid.uuid4().hex[:5]}"
+    namespaces = [f"bench-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("ref", "kiln", "calls")]
+    ns_ref, ns_kiln, ns_calls = namespaces
     op = None
+    calls = None
     try:
         install_crd(rig)
-        for ns in (ns_ref, ns_kiln):
+        for ns in namespaces:
             rig.kubectl("create", "namespace", ns)
         kube = Kube(api_client(str(rig.kubeconfig)))
 
@@ -139,36 +285,43 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2)
         idle_rss = rss_kib(op.proc.pid, "VmRSS")
         watcher = JobWatcher(kube, ns_kiln)
-        bodies = []
-        for i in range(args.count):
-            doc = parse(spec(f"run-{i}"))
-            doc.metadata.namespace = ns_kiln
-            bodies.append(dump_for_apply(doc))
+        cpu0 = cpu_s(op.proc.pid)
+        bodies = specs(ns_kiln, args.count)
         t0 = time.monotonic()
-        created = create_all(bodies, lambda b: kube.custom.create_namespaced_custom_object(
-            "kiln.dev", "v1alpha1", ns_kiln, "trainingspecs", b))
+        created = create_specs(kube, ns_kiln, bodies)
         watcher.wait(list(created), timeout=600)
         kiln_total = max(watcher.seen.values()) - t0
         lat = latencies(created, watcher.seen, {n: n for n in created})
         peak_rss = rss_kib(op.proc.pid, "VmHWM")
+        op_cpu = cpu_s(op.proc.pid) - cpu0
         watcher.stop()
+        op.stop()
+        op = None
+
+        if args.count_calls:
+            calls = count_calls(rig, kube, ns_calls, args.count_calls, log.with_suffix(".calls.log"))
     finally:
         if op:
             op.stop()
-        for ns in (ns_ref, ns_kiln):
+        for ns in namespaces:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
 
     result = {
         "count": args.count,
         "kiln": {"p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "mean_s": statistics.mean(lat),
-                 "all_jobs_exist_after_s": kiln_total},
+                 "all_jobs_exist_after_s": kiln_total, "runs_per_s": args.count / kiln_total,
+                 # the operator's own CPU until the last job existed, per run: less sensitive than the times
+                 # to whatever else shares the machine
+                 "operator_cpu_ms_per_run": 1000 * op_cpu / args.count},
         "reference_direct_create": {"p50_s": percentile(ref, 0.5), "p99_s": percentile(ref, 0.99),
                                     "all_jobs_exist_after_s": ref_total},
         "ratio_p50": percentile(lat, 0.5) / percentile(ref, 0.5),
         "ratio_p99": percentile(lat, 0.99) / percentile(ref, 0.99),
+        "ratio_all_jobs_exist": kiln_total / ref_total,
         "operator_rss_mib": {"idle": idle_rss / 1024, "peak": peak_rss / 1024,
                              "peak_over_idle": peak_rss / max(idle_rss, 1)},
+        "api_calls": calls,
     }
     write_report(result, args.out)
     return 0

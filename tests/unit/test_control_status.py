@@ -143,3 +143,22 @@ def test_goodput_counts_from_creation_through_suspend_and_stops_when_the_run_end
     done = derive({**ts({**d3.status, "phase": "Succeeded"}), **created}, job(("Succeeded", T2)), [],
                   "2026-01-01T01:00:00Z", None)
     assert not changed(d3.status | {"phase": "Succeeded"}, {k: done.status[k] for k in ("goodput", "goodputDetail")})
+
+
+def test_a_goodput_ledger_that_only_moved_with_the_clock_is_written_every_few_seconds_not_on_every_event():
+    created = {"metadata": {"name": "run", "namespace": "ml", "generation": 3, "creationTimestamp": T0}}
+    first = derive({**ts(), **created}, job(("Running", T0)), RUNNING_PODS, T1, APPLIED).status
+    stored = {**ts(first), **created}
+    # a pod event 4 s later: same phase and conditions, only the ledger moved
+    soon = derive(stored, job(("Running", T0)), RUNNING_PODS, "2026-01-01T00:01:04Z", None).status
+    assert soon["goodputDetail"] != first["goodputDetail"] and not changed(first, soon)
+    # the 15 s status timer: the ledger is written, and nothing was lost by skipping the write before
+    later = derive(stored, job(("Running", T0)), RUNNING_PODS, "2026-01-01T00:01:15Z", None).status
+    assert changed(first, later)
+    assert later["goodputDetail"]["wallSeconds"] == 75.0
+    # any other change goes out at once, with the ledger as it is now
+    scaling = derive(stored, job(("Running", T0)), RUNNING_PODS[:1] + [pod("run-worker-1", "Pending")],
+                     "2026-01-01T00:01:01Z", None).status
+    assert scaling["phase"] == "Scaling" and changed(first, scaling)
+    # a status without a ledger yet gets one
+    assert changed({"phase": "Running"}, soon)

@@ -20,12 +20,16 @@ from kiln.control.plan import RUN_LABEL
 from kiln.control.status import Event
 
 _state: dict = {}
+# Threads running the handlers (kopf's executor). A reconcile spends most of its time waiting for the
+# apiserver, so a burst of new runs drains faster with many in flight; each thread keeps its connection.
+WORKERS = 32
 
 
 def _kube() -> Kube:
     if "kube" not in _state:
         config: OperatorConfig = _state.setdefault("config", OperatorConfig.from_env())
-        _state["kube"] = Kube(api_client(_state.get("kubeconfig")), field_manager=config.field_manager)
+        _state["kube"] = Kube(api_client(_state.get("kubeconfig"), connections=WORKERS),
+                              field_manager=config.field_manager)
     return _state["kube"]
 
 
@@ -54,40 +58,71 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kiln.dev", key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Events on TrainingSpecs are kiln's own, plus kopf's failures
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = WORKERS
     settings.watching.server_timeout = 300
+
+
+# Each run's PyTorchJob and pods as the watches deliver them (kopf keeps these indexes in memory and
+# passes them to every handler): a status refresh reads neither from the apiserver.
+@kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
+def run_jobs(namespace, labels, body, **_) -> dict:
+    return {(namespace, labels[RUN_LABEL]): dict(body)}
+
+
+@kopf.index("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
+def run_pods(namespace, labels, meta, status, **_) -> dict:
+    # what kiln.control.status reads of a pod, not its spec
+    return {(namespace, labels[RUN_LABEL]): {"metadata": {"name": meta.get("name"), "namespace": namespace,
+                                                          "deletionTimestamp": meta.get("deletionTimestamp")},
+                                             "status": dict(status)}}
+
+
+def _job(index: kopf.Index, key: tuple[str, str]) -> dict | None:
+    return next(iter(index.get(key, ())), None)
+
+
+def _pods(index: kopf.Index, key: tuple[str, str]) -> list[dict]:
+    return list(index.get(key, ()))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body, logger, **_) -> None:
+def reconcile(body, namespace, name, logger, run_pods: kopf.Index, **_) -> None:
+    # kopf's body is the TrainingSpec as this event delivered it: nothing to read again
     try:
         with metrics.reconcile("spec", retry=(sync.Wait,)):
-            logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post))
+            logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post,
+                                       pods=_pods(run_pods, (namespace, name))))
     except sync.Wait as wait:
         raise kopf.TemporaryError(str(wait), delay=10) from None
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
-def job_changed(namespace, labels, **_) -> None:
+def job_changed(type, body, namespace, labels, run_pods: kopf.Index, **_) -> None:
+    run = labels[RUN_LABEL]
+    job = None if type == "DELETED" else dict(body)
+    if job is not None and not sync.job_unseen(namespace, run, job):
+        return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
-        sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+        sync.refresh_status(_kube(), namespace, run, _post, job=job, pods=_pods(run_pods, (namespace, run)))
 
 
 @kopf.on.event("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
-def pod_changed(namespace, labels, **_) -> None:
+def pod_changed(namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
+    key = (namespace, labels[RUN_LABEL])
     with metrics.reconcile("pod"):
-        sync.refresh_status(_kube(), namespace, labels[RUN_LABEL], _post)
+        sync.refresh_status(_kube(), *key, _post, job=_job(run_jobs, key), pods=_pods(run_pods, key))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=15, initial_delay=15)
-def elastic_tick(namespace, name, **_) -> None:
+def elastic_tick(namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
     with metrics.reconcile("elastic"):
         elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
     with metrics.reconcile("status"):  # goodput counts on while nothing else changes (pending, suspended)
-        sync.refresh_status(_kube(), namespace, name, _post)
+        key = (namespace, name)
+        sync.refresh_status(_kube(), *key, _post, job=_job(run_jobs, key), pods=_pods(run_pods, key))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -95,6 +130,7 @@ def phase_seen(type, body, namespace, name, **_) -> None:
     # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
     if type == "DELETED":
         metrics.forget(namespace, name)
+        sync.forget(namespace, name)
     else:
         metrics.set_phase(namespace, name, (body.get("status") or {}).get("phase") or "Pending")
 

@@ -188,6 +188,22 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
     return False
 
 
-def changed(old_status: dict, new_fields: dict) -> bool:
-    """Whether patching new_fields would change anything (so a quiet cluster sees no writes)."""
-    return any(old_status.get(key) != value for key, value in new_fields.items())
+GOODPUT_FIELDS = ("goodput", "goodputDetail")
+# The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
+# one is this old (the 15 s status timer in kiln.control.handlers keeps it current); with any other change
+# it goes along. Skipping a write loses nothing: the next one attributes the whole interval.
+GOODPUT_REFRESH_S = 10.0
+
+
+def changed(old_status: dict, new_fields: dict, goodput_refresh_s: float = GOODPUT_REFRESH_S) -> bool:
+    """Whether patching new_fields is worth a write (so a quiet cluster, or a burst of pod events, sees
+    no writes that only move the goodput ledger by a few seconds)."""
+    if any(old_status.get(k) != v for k, v in new_fields.items() if k not in GOODPUT_FIELDS):
+        return True
+    if all(old_status.get(k) == new_fields[k] for k in GOODPUT_FIELDS if k in new_fields):
+        return False
+    old_at = (old_status.get("goodputDetail") or {}).get("observedAt")
+    new_at = (new_fields.get("goodputDetail") or {}).get("observedAt")
+    if not old_at or not new_at:
+        return True
+    return goodput.epoch(new_at) - goodput.epoch(old_at) >= goodput_refresh_s

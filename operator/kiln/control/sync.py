@@ -26,6 +26,10 @@ from kiln.errors import KilnError
 PostEvent = Callable[[dict, Event], None]
 
 _locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+# The resourceVersion of the PyTorchJob each run's status was last derived from: an event carrying that
+# version (the watch echoing the operator's own apply) changes nothing and needs no refresh.
+_derived_from: dict[tuple[str, str], str | None] = {}
+READ = object()  # refresh_status: read the job / list the pods (no cached copy at hand)
 
 
 class Wait(Exception):
@@ -36,14 +40,21 @@ def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -> str:
-    """Make the cluster match one TrainingSpec; returns a one-line summary for the log."""
+def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, pods=READ) -> str:
+    """Make the cluster match one TrainingSpec; returns a one-line summary for the log.
+
+    API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
+    what may change); the credentials Secret when the spec names one; then one server-side apply per object
+    and at most one status patch. A new run costs 1 read + 5 applies + 1 status patch.
+    pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
+    """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     with _locks[(namespace, name)]:
         job = kube.job(namespace, name)
         state = job_condition(job)
-        observed = Observed(applied=kube.applied_spec(namespace, name),
-                            job_active=job is not None and state not in ("Succeeded", "Failed"))
+        job_active = job is not None and state not in ("Succeeded", "Failed")
+        observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
+                            job_active=job_active)
         accepted: tuple[str, str, str]
         try:
             doc = TrainingSpec.model_validate(body)
@@ -65,28 +76,50 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent) -
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
-                    kube.apply(obj)
+                    applied = kube.apply(obj)
+                    if obj["kind"] == "PyTorchJob":
+                        if job is None:
+                            pods = []  # created just now: the training-operator has made no pod yet
+                        job = applied
                 accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
-        _write_status(kube, body, post, accepted)
+        _write_status(kube, body, post, accepted, job, pods)
         if accepted[0] == "False" and accepted[1] == "SecretMissing":
             raise Wait(accepted[2])  # retry: the Secret may be created any moment
         return f"{namespace}/{name}: {accepted[1]}"
 
 
-def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent) -> None:
-    """Recompute the status after the job or one of its pods changed."""
+def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ) -> None:
+    """Recompute the status after the job or one of its pods changed.
+
+    job, pods: as the event or the operator's watch has them (None: no job), or READ to ask the apiserver.
+    The TrainingSpec itself is always read: the status is derived from the one stored, never from an older
+    copy (which would post a phase change twice or count the same restart again).
+    """
     with _locks[(namespace, name)]:
         body = kube.trainingspec(namespace, name)
         if body is not None:
-            _write_status(kube, body, post, None)
+            _write_status(kube, body, post, None, kube.job(namespace, name) if job is READ else job, pods)
 
 
-def _write_status(kube: Kube, body: dict, post: PostEvent, accepted) -> None:
+def job_unseen(namespace: str, name: str, job: dict) -> bool:
+    """Whether the status may not reflect this version of the run's job yet (False for the watch's echo
+    of what this operator applied or already refreshed from)."""
+    return _derived_from.get((namespace, name)) != (job.get("metadata") or {}).get("resourceVersion")
+
+
+def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ) -> None:
+    """Derive and patch the status from the job (as just read or applied) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    job = kube.job(namespace, name)
-    pods = kube.pods(namespace, name) if job is not None else []
+    if pods is READ:
+        pods = kube.pods(namespace, name) if job is not None else []
     result = derive(body, job, pods, now(), accepted)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     for event in result.events:
         post(body, event)
+    _derived_from[(namespace, name)] = ((job or {}).get("metadata") or {}).get("resourceVersion")
+
+
+def forget(namespace: str, name: str) -> None:
+    """A TrainingSpec was deleted: drop what the operator remembers of it."""
+    _derived_from.pop((namespace, name), None)
