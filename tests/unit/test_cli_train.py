@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kiln.api.load import load_file
-from kiln.cli.train_cmds import local_spec
+from kiln.cli.train_cmds import eval_checkpoint_uri, local_spec
 from kiln.errors import KilnError
 from kiln.trainer.optim import lr_at
 
@@ -65,3 +65,12 @@ def test_steps_below_warmup_trains_to_the_peak_lr_and_says_so_once(tmp_path, com
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2]
     assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3])  # warm-up over the 2 steps, to the peak
+
+
+def test_eval_reads_where_kiln_run_saved(tmp_path):
+    local = load_file(SAMPLES / "quickstart.yaml")[0]  # no checkpoint.uri: kiln run saves under --output
+    assert eval_checkpoint_uri(local, output=str(tmp_path), checkpoint=None) == f"file://{tmp_path}/checkpoints"
+    assert eval_checkpoint_uri(local, output=None, checkpoint=None).endswith("/runs/quickstart/checkpoints")
+    store = load_file(SAMPLES / "gpu-single-node.yaml")[0]  # checkpoint.uri: kiln run saves there, whatever --output
+    assert eval_checkpoint_uri(store, output=str(tmp_path), checkpoint=None) == "s3://checkpoints/llama-1b-single-node/"
+    assert eval_checkpoint_uri(store, output=None, checkpoint="file:///elsewhere/") == "file:///elsewhere/"

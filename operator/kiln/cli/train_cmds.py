@@ -218,11 +218,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def eval_checkpoint_uri(doc: TrainingSpec, *, output: str | None, checkpoint: str | None) -> str:
-    """Where `kiln eval` reads: --checkpoint, else the spec's checkpoint.uri, else `kiln run`'s default for
-    the run folder (file://OUTPUT/checkpoints)."""
+    """Where `kiln eval` reads: --checkpoint, else where `kiln run` saved: the spec's checkpoint.uri, else
+    file://OUTPUT/checkpoints."""
     if checkpoint:
         return checkpoint
-    if doc.spec.checkpoint.uri and not output:
+    if doc.spec.checkpoint.uri:
         return doc.spec.checkpoint.uri
     folder = Path(output or f"runs/{doc.metadata.name}")
     return f"file://{(folder / 'checkpoints').resolve()}"
