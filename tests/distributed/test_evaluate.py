@@ -14,7 +14,13 @@ from kiln.api.load import load_file
 from kiln.cli.main import main
 from kiln.trainer.evaluate import evaluate
 
-from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
+from tests.distributed.trainer_helpers import (
+    MICRO_MODEL,
+    env,
+    kiln,
+    read_metrics,
+    write_spec,
+)
 
 
 @pytest.mark.distributed
@@ -47,6 +53,12 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
     assert main(["eval", str(spec), "--output", str(out), "--max-loss", f"{got['loss'] - 0.01:.4f}"]) == 1
     printed, err = capsys.readouterr()
     assert printed.count("held-out loss") == 2 and "is above --max-loss" in err, err
+
+    # a spec of another model shape cannot read these weights: one line naming the checkpoint and the cause
+    other = write_spec(tmp_path / "other.yaml", model={**MICRO_MODEL, "dim": 32}, nproc=2)
+    assert main(["eval", str(other), "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error: checkpoint step 8 at file://") and "does not fit this model" in err, err
 
     doc = load_file(spec)[0]
     again = evaluate(doc, checkpoint_uri=got["checkpoint"], device=torch.device("cpu"))

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+
 REPO = Path(__file__).resolve().parents[2]
 PIPELINES = REPO / "pipelines"
 GITHUB = PIPELINES / "ci" / "github" / "kiln-train.yaml"
@@ -263,8 +265,6 @@ KFP_PUBLISH = textwrap.dedent("""
 @pytest.mark.slow  # trains a micro model for 3 steps; cold: builds kfp once into $KILN_CACHE_DIR/tools
 @pytest.mark.distributed
 def test_kfp_evaluate_and_publish_steps_on_a_real_checkpoint(kfp_python, tmp_path):
-    from tests.distributed.trainer_helpers import env, read_metrics, write_spec
-
     docs = compile_kfp(kfp_python, tmp_path / "kiln-train.yaml")
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "lr": 3e-3}, checkpoint={"intervalSteps": 1})
     out = tmp_path / "run"
