@@ -152,7 +152,7 @@ class CountingProxy:
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
                 await resp.write_eof()
-            except ConnectionResetError:  # the operator stopped while a watch was streaming
+            except (ConnectionResetError, aiohttp.ClientConnectionError):  # the operator stopped mid-watch
                 pass
             return resp
 

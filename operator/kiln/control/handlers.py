@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 
@@ -23,12 +24,13 @@ _state: dict = {}
 # Threads running the handlers (kopf's executor). A reconcile spends most of its time waiting for the
 # apiserver, so a burst of new runs drains faster with many in flight; each thread keeps its connection.
 WORKERS = 32
+TICK_WORKERS = 8  # threads for the periodic ticks (below), apart from the handlers'
 
 
 def _kube() -> Kube:
     if "kube" not in _state:
         config: OperatorConfig = _state.setdefault("config", OperatorConfig.from_env())
-        _state["kube"] = Kube(api_client(_state.get("kubeconfig"), connections=WORKERS),
+        _state["kube"] = Kube(api_client(_state.get("kubeconfig"), connections=WORKERS + TICK_WORKERS),
                               field_manager=config.field_manager)
     return _state["kube"]
 
@@ -77,7 +79,7 @@ def run_pods(namespace, labels, meta, status, **_) -> dict:
                                              "status": dict(status)}}
 
 
-def _job(index: kopf.Index, key: tuple[str, str]) -> dict | None:
+def _one(index: kopf.Index, key: tuple[str, str]) -> dict | None:
     return next(iter(index.get(key, ())), None)
 
 
@@ -100,39 +102,82 @@ def reconcile(body, namespace, name, logger, run_pods: kopf.Index, **_) -> None:
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
 def job_changed(type, body, namespace, labels, run_pods: kopf.Index, **_) -> None:
-    run = labels[RUN_LABEL]
+    key = (namespace, labels[RUN_LABEL])
     job = None if type == "DELETED" else dict(body)
-    if job is not None and not sync.job_unseen(namespace, run, job):
+    if job is not None and not sync.job_unseen(*key, job):
         return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
-        sync.refresh_status(_kube(), namespace, run, _post, job=job, pods=_pods(run_pods, (namespace, run)))
+        sync.refresh_status(_kube(), *key, _post, job=job, pods=_pods(run_pods, key))
 
 
 @kopf.on.event("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
 def pod_changed(namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     key = (namespace, labels[RUN_LABEL])
     with metrics.reconcile("pod"):
-        sync.refresh_status(_kube(), *key, _post, job=_job(run_jobs, key), pods=_pods(run_pods, key))
+        sync.refresh_status(_kube(), *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=15, initial_delay=15)
-def elastic_tick(namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
-    # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
-    with metrics.reconcile("elastic"):
-        elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
-    with metrics.reconcile("status"):  # goodput counts on while nothing else changes (pending, suspended)
-        key = (namespace, name)
-        sync.refresh_status(_kube(), *key, _post, job=_job(run_jobs, key), pods=_pods(run_pods, key))
+# Every run's periodic tick: the elastic loop and a status refresh (goodput counts on while nothing else
+# changes: pending, suspended). Not a kopf.timer: kopf puts a finalizer on every object that has one, which
+# costs each new run a PATCH and a watch round trip before its reconcile, and leaves deleting a run waiting
+# for the operator. One asyncio task hands due runs to a few threads instead, TICK_S after each run was
+# first seen and then every TICK_S (as the timer did).
+TICK_S = 15.0
+_due: dict[tuple[str, str], float] = {}  # run → when its next tick is due (time.monotonic)
+_ticking: set[tuple[str, str]] = set()  # never two ticks of one run at once
+_log = logging.getLogger("kiln.operator")
+
+
+def tick(namespace: str, name: str) -> None:
+    key = (namespace, name)
+    run_jobs, run_pods = _state["indexes"]
+    try:
+        # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
+        with metrics.reconcile("elastic"):
+            elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
+        with metrics.reconcile("status"):
+            sync.refresh_status(_kube(), *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
+    except Exception:  # counted by metrics.reconcile; the next tick tries again
+        _log.exception("%s/%s: periodic tick failed", namespace, name)
+    finally:
+        _ticking.discard(key)
+
+
+async def _tick_due_runs() -> None:
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=TICK_WORKERS, thread_name_prefix="kiln-tick") as pool:
+        while True:
+            await asyncio.sleep(1)
+            now = time.monotonic()
+            for key, due in list(_due.items()):
+                if due <= now and key not in _ticking and "indexes" in _state:
+                    _due[key] = now + TICK_S
+                    _ticking.add(key)
+                    loop.run_in_executor(pool, tick, *key)
+
+
+@kopf.on.startup()
+async def start_ticks(**_) -> None:
+    _state["ticks"] = asyncio.get_running_loop().create_task(_tick_due_runs())
+
+
+@kopf.on.cleanup()
+async def stop_ticks(**_) -> None:
+    if "ticks" in _state:
+        _state.pop("ticks").cancel()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def phase_seen(type, body, namespace, name, **_) -> None:
+def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
+    _state.setdefault("indexes", (run_jobs, run_pods))  # kopf's live indexes, for the ticks
     if type == "DELETED":
         metrics.forget(namespace, name)
-        sync.forget(namespace, name)
+        sync.forget(_kube(), namespace, name)
+        _due.pop((namespace, name), None)
     else:
         metrics.set_phase(namespace, name, (body.get("status") or {}).get("phase") or "Pending")
+        _due.setdefault((namespace, name), time.monotonic() + TICK_S)
 
 
 def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,

@@ -68,6 +68,8 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.field_manager = field_manager
+        # (namespace, name) → the TrainingSpec as this client last read it or its status patch returned it
+        self.last_spec: dict[tuple[str, str], dict] = {}
 
     # ---- writes ----
 
@@ -81,9 +83,12 @@ class Kube:
             body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
         return json.loads(response.data)
 
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
-                                                          {"status": status})
+    def patch_status(self, namespace: str, name: str, status: dict) -> dict:
+        """Merge-patch the TrainingSpec's status; returns the object as stored."""
+        body = json.loads(self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False).data)
+        self.last_spec[(namespace, name)] = body
+        return body
 
     # ---- reads ----
 
@@ -96,7 +101,10 @@ class Kube:
             raise
 
     def trainingspec(self, namespace: str, name: str) -> dict | None:
-        return self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        body = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        if body is not None:
+            self.last_spec[(namespace, name)] = body
+        return body
 
     def trainingspecs(self, namespace: str | None) -> list[dict]:
         if namespace:

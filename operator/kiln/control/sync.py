@@ -92,11 +92,15 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
     """Recompute the status after the job or one of its pods changed.
 
     job, pods: as the event or the operator's watch has them (None: no job), or READ to ask the apiserver.
-    The TrainingSpec itself is always read: the status is derived from the one stored, never from an older
-    copy (which would post a phase change twice or count the same restart again).
+    The TrainingSpec is the one this operator last read or wrote the status of (read once after a start).
+    That copy holds the newest value of every field derive() computes, since no one else writes those, and
+    all of them go through Kube.patch_status; a watch's copy may be older (deriving from an older status
+    posts a phase change twice or drops a condition written meanwhile). What it may lack is newer than the
+    status needs: the trainer's progress (goodput credits its counters on the next refresh) and a spec edit
+    (whose reconcile follows, under the same lock, with the new spec).
     """
     with _locks[(namespace, name)]:
-        body = kube.trainingspec(namespace, name)
+        body = kube.last_spec.get((namespace, name)) or kube.trainingspec(namespace, name)
         if body is not None:
             _write_status(kube, body, post, None, kube.job(namespace, name) if job is READ else job, pods)
 
@@ -110,16 +114,23 @@ def job_unseen(namespace: str, name: str, job: dict) -> bool:
 def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ) -> None:
     """Derive and patch the status from the job (as just read or applied) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    known = kube.last_spec.get((namespace, name))
+    if known is not None and known is not body and known["metadata"].get("uid") == body["metadata"].get("uid"):
+        # a kopf event's copy may predate this operator's last status write: derive from that write
+        body = {**body, "status": known.get("status") or {}}
     if pods is READ:
         pods = kube.pods(namespace, name) if job is not None else []
     result = derive(body, job, pods, now(), accepted)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
+    else:
+        kube.last_spec[(namespace, name)] = body
     for event in result.events:
         post(body, event)
     _derived_from[(namespace, name)] = ((job or {}).get("metadata") or {}).get("resourceVersion")
 
 
-def forget(namespace: str, name: str) -> None:
+def forget(kube: Kube, namespace: str, name: str) -> None:
     """A TrainingSpec was deleted: drop what the operator remembers of it."""
     _derived_from.pop((namespace, name), None)
+    kube.last_spec.pop((namespace, name), None)
