@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import tempfile
 import time
 import uuid
@@ -118,11 +119,37 @@ def main() -> None:
             spec = CheckpointSpec(uri=uri + sub + "/", endpoint=endpoint, keep=1, async_save=async_save)
             return Checkpointer(spec, default_uri="", rank=0, world_size=1)
 
+        # The reference: a plain minio multipart PUT (fput_object, same part size and parallelism as the
+        # checkpoint's uploads) of as many bytes as one checkpoint, and a plain parallel ranged GET of them back
+        # (file://: an atomic copy into the same directory). Each checkpoint measurement is paired with a
+        # reference measurement taken right after it, so a busy machine slows both alike.
+        store = open_store(uri + "ref/", endpoint=endpoint)
+        blob = tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR"))
+
+        def put() -> None:
+            if args.uri:
+                store.put_file("blob", blob.name)
+            else:
+                store.client.fput_object(
+                    store.bucket,
+                    store.prefix + "blob",
+                    blob.name,
+                    part_size=store.part_size,
+                    num_parallel_uploads=store.parallelism,
+                )
+
         # 1. synchronous save: the loop is blocked for all of it (stage + serialise + hash + upload + commit)
         sync = checkpointer("sync", async_save=False)
-        sync_s = [_time(lambda i=i: sync.save(i + 1, [model], [opt], {"step": i + 1})) for i in range(args.repeats)]
-        commit = read_commit(sync.store, args.repeats)
-        ckpt_bytes = sum(e.size for e in commit.files.values())
+        sync_s, put_s = [], []
+        for i in range(args.repeats):
+            sync_s.append(_time(lambda i=i: sync.save(i + 1, [model], [opt], {"step": i + 1})))
+            if i == 0:  # now the size is known: write the reference file
+                ckpt_bytes = sum(e.size for e in read_commit(sync.store, 1).files.values())
+                chunk = os.urandom(16 * MiB)
+                for off in range(0, ckpt_bytes, len(chunk)):
+                    blob.write(chunk[: min(len(chunk), ckpt_bytes - off)])
+                blob.flush()
+            put_s.append(_time(put))
         sync.close()
 
         # 2. asynchronous save: the loop is blocked only for staging; the rest is measured after wait()
@@ -136,35 +163,14 @@ def main() -> None:
             total_s.append(time.perf_counter() - t0)
         asy.close()
 
-        # 3. the reference: one plain minio multipart PUT (fput_object) of the same number of bytes
-        #    (file://: an atomic copy of a file of that size into the same directory)
-        store = open_store(uri + "ref/", endpoint=endpoint)
-        with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
-            chunk = os.urandom(16 * MiB)
-            for off in range(0, ckpt_bytes, len(chunk)):
-                f.write(chunk[: min(len(chunk), ckpt_bytes - off)])
-            f.flush()
-            if args.uri:
-                put_s = [_time(lambda: store.put_file("blob", f.name)) for _ in range(args.repeats)]
-            else:
-                put_s = [
-                    _time(
-                        lambda: store.client.fput_object(
-                            store.bucket,
-                            store.prefix + "blob",
-                            f.name,
-                            part_size=store.part_size,
-                            num_parallel_uploads=store.parallelism,
-                        )
-                    )
-                    for _ in range(args.repeats)
-                ]
-            get_s = [_time(lambda: store.get_file("blob", f.name + ".back")) for _ in range(args.repeats)]
-            os.unlink(f.name + ".back")
-
-        # 4. restore of the async checkpoint (verify sha256 of every file + DCP load through ranged GETs)
+        # 3. restore of the async checkpoint (download, check sha256 of every file, DCP load), paired with a GET
         model2, opt2, _ = _state(args, device)
-        restore_s = [_time(lambda: checkpointer("async", True).restore([model2], [opt2])) for _ in range(args.repeats)]
+        restore_s, get_s = [], []
+        for _ in range(args.repeats):
+            restore_s.append(_time(lambda: checkpointer("async", True).restore([model2], [opt2])))
+            get_s.append(_time(lambda: store.get_file("blob", blob.name + ".back")))
+        os.unlink(blob.name + ".back")
+        blob.close()
 
         best = min
         results.update(
@@ -176,10 +182,12 @@ def main() -> None:
             checkpoint_throughput_MiBps=ckpt_bytes / MiB / best(sync_s),
             plain_put_throughput_MiBps=ckpt_bytes / MiB / best(put_s),
             throughput_ratio_vs_plain_put=best(put_s) / best(sync_s),
+            throughput_ratio_vs_plain_put_paired_median=statistics.median(p / s for p, s in zip(put_s, sync_s)),
             background_throughput_ratio_vs_plain_put=best(put_s) / (best(total_s) - best(block_s)),
             restore_s=best(restore_s),
             plain_get_s=best(get_s),
             restore_ratio_vs_plain_get=best(get_s) / best(restore_s),
+            restore_ratio_vs_plain_get_paired_median=statistics.median(g / r for g, r in zip(get_s, restore_s)),
             raw={
                 "sync_s": sync_s,
                 "async_block_s": block_s,

@@ -227,11 +227,16 @@ def test_a_dropped_connection_retries_only_that_part(rig, rig_env, rig_uri, capl
             with store.open_writer("obj.bin") as w:
                 for off in range(0, len(data), 3 * MiB + 7):  # writes that do not line up with the parts
                     w.write(data[off : off + 3 * MiB + 7])
+        assert proxy.dropped == 1
+        assert proxy.seen == {"uploads": 1, "1": 1, "2": 2, "3": 1, "4": 1}
+        # an object that fits in one part (7 MiB < 16 MiB) is one plain PUT: no multipart round trips
+        small = os.urandom(7 * MiB)
+        open_store(rig_uri, endpoint=proxy.endpoint, env=rig_env, part_size=16 * MiB).put_bytes("small.bin", small)
+        assert proxy.seen == {"uploads": 1, "1": 1, "2": 2, "3": 1, "4": 1}
     finally:
         proxy.close()
-    assert proxy.dropped == 1
-    assert proxy.seen == {"uploads": 1, "1": 1, "2": 2, "3": 1, "4": 1}
-    assert store.get_bytes("obj.bin") == data
+    direct = open_store(rig_uri, endpoint=rig.s3_endpoint, env=rig_env)  # what the server holds
+    assert direct.get_bytes("obj.bin") == data and direct.get_bytes("small.bin") == small
     retries = [r.message for r in caplog.records if "retry" in r.message]
     assert len(retries) == 1 and "upload part 2 of" in retries[0] and "obj.bin" in retries[0]
 

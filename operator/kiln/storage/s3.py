@@ -33,6 +33,7 @@ log = logging.getLogger("kiln.storage")
 
 MiB = 1 << 20
 MAX_PARTS = 10_000  # the S3 limit on parts per multipart upload
+MIN_PART = 5 * MiB  # the S3 minimum for every part but the last
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 
@@ -53,7 +54,7 @@ class S3Store(ObjectStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.uri = f"s3://{bucket}/{self.prefix}"
-        self.part_size = max(5 * MiB, part_size)
+        self.part_size = max(MIN_PART, part_size)
         self.parallelism = max(1, parallelism)
         self.retry = retry or RetryPolicy()
         # Part uploads of every open writer share one pool; `_slots` bounds the parts held in memory (queued or
@@ -133,8 +134,17 @@ class S3Store(ObjectStore):
             writer.write_from(f)
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        if len(data) > self.part_size:
+            with self.open_writer(key) as writer:
+                writer.write(data)
+            return
+        # one PUT (minio would cut anything over 5 MiB into parts of its own, without per-part retry)
         self._call(
-            lambda: self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data)), "upload", key
+            lambda: self.client.put_object(
+                self.bucket, self._name(key), io.BytesIO(data), len(data), part_size=max(len(data), MIN_PART)
+            ),
+            "upload",
+            key,
         )
 
     def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
