@@ -108,8 +108,9 @@ def test_eval_of_a_pipeline_parallel_checkpoint_in_the_s3_store(rig, tmp_path, m
     (["--output", "{tmp}/never-trained"], ["no committed checkpoint under file://{tmp}/never-trained/checkpoints"]),
     (["--checkpoint", "ftp://host/x"], ["ftp://host/x", "s3://bucket/prefix/ or file:///path/"]),
     (["--batches", "0"], ["--batches must be at least 1, not 0"]),
+    (["--device", "cuda:99"], ["--device cuda:99", "use --device cpu"]),
     (["--data", "file://{tmp}/no-such-dir/"], ["--data", "{tmp}/no-such-dir/", "no such folder"]),
-], ids=["uncommitted", "bad-uri", "no-batches", "missing-data"])
+], ids=["uncommitted", "bad-uri", "no-batches", "no-such-gpu", "missing-data"])
 def test_eval_bad_input_is_a_clear_error(tmp_path, capsys, args, says):
     spec = write_spec(tmp_path / "spec.yaml")
     # A step folder without COMMIT (a save that died before committing) does not count as a checkpoint.

@@ -232,7 +232,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from kiln.trainer.evaluate import evaluate
-    from kiln.trainer.loop import EVAL_BATCHES
 
     doc = load_one(args.spec)
     uri = eval_checkpoint_uri(doc, output=args.output, checkpoint=args.checkpoint)
@@ -240,8 +239,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device = torch.device(args.device) if args.device else None
     except RuntimeError as err:
         raise KilnError(f"--device {args.device}: {err}; use cpu, cuda or cuda:N") from None
-    result = evaluate(doc, checkpoint_uri=uri, batches=EVAL_BATCHES if args.batches is None else args.batches, device=device,
-                      data_uri=args.data, endpoint=args.endpoint)
+    result = evaluate(doc, checkpoint_uri=uri, batches=args.batches, device=device, data_uri=args.data,
+                      endpoint=args.endpoint)
     print(f"kiln: step {result.step} of {uri}: held-out loss {result.loss:.4f}, perplexity "
           f"{result.perplexity:.2f} over {result.tokens:,} tokens", flush=True)
     if args.json:

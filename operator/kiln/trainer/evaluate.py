@@ -124,14 +124,18 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int = EVAL_BATCHES,
+def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int | None = None,
              device: torch.device | None = None, data_uri: str | None = None,
              endpoint: str | None = None) -> EvalResult:
     """Held-out loss of the newest committed checkpoint under checkpoint_uri (None: the untrained model).
     `endpoint` replaces the spec's checkpoint.endpoint (the S3 server seen from here)."""
+    batches = EVAL_BATCHES if batches is None else batches  # default: the trainer's val_loss batches
     if batches < 1:
         raise KilnError(f"--batches must be at least 1, not {batches}")
     device = device or default_device()
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise KilnError(f"--device {device}: this machine has {torch.cuda.device_count()} usable CUDA GPU(s); "
+                        f"use --device cpu" + (" or cuda:0" if torch.cuda.device_count() else ""))
     tr = doc.spec.training
     dims = model_dims(doc)
     loader = validation_loader(doc, dims, data_uri, endpoint)  # first: a bad data URI fails before any loading
