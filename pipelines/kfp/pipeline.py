@@ -51,19 +51,21 @@ kiln wait "$name" --for succeeded --timeout "$1"
 
 
 @dsl.container_component
-def evaluate(spec: str, checkpoint_uri: str, endpoint: str, loss: dsl.OutputPath(float), step: dsl.OutputPath(int)):
+def evaluate(spec: str, checkpoint_uri: str, endpoint: str, eval_data: str, loss: dsl.OutputPath(float),
+             step: dsl.OutputPath(int)):
     """`kiln eval` of the newest committed checkpoint; its held-out loss and step become the outputs.
-    No committed (or no intact) checkpoint fails the step with kiln's message naming the URI."""
+    No committed (or no intact) checkpoint fails the step with kiln's message naming the URI. eval_data: held-out
+    token shards, for specs whose data.uri has no validation split of its own ("" = the spec's split)."""
     return dsl.ContainerSpec(
         image=TRAINER_IMAGE,
         command=["sh", "-c", """
 set -eu
 printf '%s' "$0" > /tmp/spec.yaml
-kiln eval /tmp/spec.yaml --checkpoint "$1" ${2:+--endpoint "$2"} --json /tmp/eval.json
-mkdir -p "$(dirname "$3")" "$(dirname "$4")"
-python -c 'import json, sys; r = json.load(open(sys.argv[1])); open(sys.argv[2], "w").write(repr(r["loss"])); open(sys.argv[3], "w").write(str(r["step"]))' /tmp/eval.json "$3" "$4"
+kiln eval /tmp/spec.yaml --checkpoint "$1" ${2:+--endpoint "$2"} ${3:+--data "$3"} --json /tmp/eval.json
+mkdir -p "$(dirname "$4")" "$(dirname "$5")"
+python -c 'import json, sys; r = json.load(open(sys.argv[1])); open(sys.argv[2], "w").write(repr(r["loss"])); open(sys.argv[3], "w").write(str(r["step"]))' /tmp/eval.json "$4" "$5"
 """],
-        args=[spec, checkpoint_uri, endpoint, loss, step],
+        args=[spec, checkpoint_uri, endpoint, eval_data, loss, step],
     )
 
 
@@ -90,11 +92,11 @@ def publish(checkpoint_uri: str, endpoint: str, step: int, release_uri: str) -> 
 
 @dsl.pipeline(name="kiln-train", description="Validate, train, evaluate and publish a kiln TrainingSpec.")
 def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, max_eval_loss: float, endpoint: str = "",
-               credentials_secret: str = "", timeout: str = "24h"):
+               credentials_secret: str = "", timeout: str = "24h", eval_data: str = ""):
     checked = validate(spec=spec)
     trained = train(spec=spec, timeout=timeout).after(checked)
     trained.set_caching_options(False)  # a training run is never "the same" as an earlier one
-    scored = evaluate(spec=spec, checkpoint_uri=checkpoint_uri, endpoint=endpoint).after(trained)
+    scored = evaluate(spec=spec, checkpoint_uri=checkpoint_uri, endpoint=endpoint, eval_data=eval_data).after(trained)
     tasks = [scored]
     # The gate: a checkpoint whose held-out loss is above max_eval_loss is not published (the run shows
     # the condition as not met, and evaluate's `loss` output says by how much).

@@ -8,10 +8,12 @@ import subprocess
 import sys
 import uuid
 
+import numpy as np
 import pytest
 import torch
 from kiln.api.load import load_file
 from kiln.cli.main import main
+from kiln.trainer.data import VALIDATION_FRACTION, pydoc_bytes
 from kiln.trainer.evaluate import evaluate
 
 from tests.distributed.trainer_helpers import (
@@ -21,6 +23,12 @@ from tests.distributed.trainer_helpers import (
     read_metrics,
     write_spec,
 )
+
+
+def validation_tokens() -> np.ndarray:
+    """The bytes of builtin:pydoc's validation split (its last VALIDATION_FRACTION), as a token shard."""
+    tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
+    return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.int64)
 
 
 @pytest.mark.distributed
@@ -53,6 +61,14 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
     assert main(["eval", str(spec), "--output", str(out), "--max-loss", f"{got['loss'] - 0.01:.4f}"]) == 1
     printed, err = capsys.readouterr()
     assert printed.count("held-out loss") == 2 and "is above --max-loss" in err, err
+
+    # --data: held-out shards from a folder; here the validation split's own bytes, so the same loss
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    np.save(held_out / "val.npy", validation_tokens())
+    assert main(["eval", str(spec), "--output", str(out), "--data", f"file://{held_out}/",
+                 "--json", str(tmp_path / "data.json")]) == 0
+    assert json.loads((tmp_path / "data.json").read_text())["loss"] == got["loss"]
 
     # a spec of another model shape cannot read these weights: one line naming the checkpoint and the cause
     other = write_spec(tmp_path / "other.yaml", model={**MICRO_MODEL, "dim": 32}, nproc=2)

@@ -24,6 +24,7 @@ import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -227,12 +228,12 @@ def test_kfp_pipeline_compiles_to_validate_train_evaluate_gated_publish(kfp_pyth
     assert {"exec-evaluate", "exec-publish"} <= set(secrets)
 
 
-def run_evaluate_step(docs: list[dict], tmp_path: Path, spec: str, checkpoint_uri: str) -> tuple:
+def run_evaluate_step(docs: list[dict], tmp_path: Path, spec: str, checkpoint_uri: str, eval_data: str = "") -> tuple:
     """The compiled evaluate container's own command, run here with its parameters filled in as the KFP
     launcher fills them; kiln and python come from PATH as in the trainer image. (rc, stderr, outputs)."""
     container = docs[0]["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
     outputs = {"loss": tmp_path / "outputs" / "loss", "step": tmp_path / "outputs" / "step"}
-    values = {"spec": spec, "checkpoint_uri": checkpoint_uri, "endpoint": ""}
+    values = {"spec": spec, "checkpoint_uri": checkpoint_uri, "endpoint": "", "eval_data": eval_data}
 
     def fill(arg: str) -> str:
         arg = re.sub(r"\{\{\$\.inputs\.parameters\['(\w+)'\]\}\}", lambda m: values[m.group(1)], arg)
@@ -273,7 +274,14 @@ def test_kfp_evaluate_and_publish_steps_on_a_real_checkpoint(kfp_python, tmp_pat
     assert trained.returncode == 0, trained.stderr[-3000:]
     src = f"file://{out}/checkpoints"
 
-    rc, stderr, got = run_evaluate_step(docs, tmp_path, spec.read_text(), src)
+    # (imports torch: only here)
+    from tests.distributed.test_evaluate import validation_tokens
+
+    # eval_data: held-out shards, here the validation split's own bytes (so the trainer's val_loss still holds)
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    np.save(held_out / "val.npy", validation_tokens())
+    rc, stderr, got = run_evaluate_step(docs, tmp_path, spec.read_text(), src, eval_data=f"file://{held_out}/")
     assert rc == 0, stderr[-3000:]
     # the outputs the gate and publish read: the trainer's own held-out loss at that step, and the step
     assert int(got["step"]) == 3
