@@ -28,7 +28,7 @@ from tests.distributed.trainer_helpers import (
 def validation_tokens() -> np.ndarray:
     """The bytes of builtin:pydoc's validation split (its last VALIDATION_FRACTION), as a token shard."""
     tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
-    return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.int64)
+    return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.uint16)
 
 
 @pytest.mark.distributed
