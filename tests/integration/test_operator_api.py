@@ -262,3 +262,39 @@ def test_random_valid_specs_render_jobs_the_apiserver_accepts(kube, namespace, b
     doc.metadata.namespace = namespace
     for obj in plan(doc).objects:
         apply_dry_run(kube, without_owner(obj))
+
+
+def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
+    """kube.apply: one server-side apply per object; the same body again sends nothing (so a drift made by
+    someone else stays); after forget_applied (a run's job found missing, an operator restart) it is sent
+    again and the operator's fields win back."""
+    doc = parse({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
+                 "metadata": {"name": "once", "namespace": namespace},
+                 "spec": {"suspend": True, "resources": {"nodes": 1, "gpusPerNode": 1}}})
+    objects = [without_owner(o) for o in plan(doc).objects]
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"]
+    for obj in objects:
+        stored = kube.apply(obj)
+        assert (stored["kind"], stored["metadata"]["name"]) == (obj["kind"], obj["metadata"]["name"])
+        assert {(m["manager"], m["operation"]) for m in stored["metadata"]["managedFields"]} == {
+            ("kiln-operator", "Apply")}
+    cm = objects[3]["metadata"]["name"]
+    spec_yaml = objects[3]["data"]["spec.yaml"]
+    kube.core.patch_namespaced_config_map(cm, namespace, {"data": {"spec.yaml": "edited"}})
+
+    assert all(kube.apply(o) is None for o in objects)  # nothing sent: the edit stays
+    assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == "edited"
+
+    bigger = copy.deepcopy(objects[4])
+    bigger["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 2
+    assert kube.apply(bigger)["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2  # changed: sent
+
+    kube.forget_applied(namespace, "once")
+    assert kube.apply(objects[3]) is not None
+    assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == spec_yaml
+
+
+def test_apply_names_a_kind_it_does_not_write():
+    with pytest.raises(ValueError, match="kiln does not write apps/v1 Deployment"):
+        Kube(k8s.ApiClient()).apply(
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x", "namespace": "y"}})

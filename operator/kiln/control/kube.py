@@ -6,6 +6,7 @@ so the pure functions in plan/status see exactly what `kubectl get -o json` show
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -70,18 +71,31 @@ class Kube:
         self.field_manager = field_manager
         # (namespace, name) → the TrainingSpec as this client last read it or its status patch returned it
         self.last_spec: dict[tuple[str, str], dict] = {}
+        # (namespace, run) → {REST path: digest of the body this client last applied there}
+        self._applied: dict[tuple[str, str], dict[str, str]] = {}
 
     # ---- writes ----
 
-    def apply(self, obj: dict) -> dict:
+    def apply(self, obj: dict) -> dict | None:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets): one
-        PATCH, no read before it (the apiserver creates or merges). Returns the object as stored."""
+        PATCH, no read before it (the apiserver creates or merges). Returns the object as stored, or None
+        without a request when this client applied the very same body before (see forget_applied)."""
+        path, meta = object_path(obj), obj["metadata"]
+        run = (meta["namespace"], (meta.get("labels") or {}).get(RUN_LABEL) or meta["name"])
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+        if self._applied.get(run, {}).get(path) == digest:
+            return None
         response = self.api.call_api(
-            object_path(obj), "PATCH",
+            path, "PATCH",
             query_params=[("fieldManager", self.field_manager), ("force", "true")],
             header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
             body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+        self._applied.setdefault(run, {})[path] = digest
         return json.loads(response.data)
+
+    def forget_applied(self, namespace: str, run: str) -> None:
+        """Apply every object of a run again, even unchanged ones (one was found missing, or the run is gone)."""
+        self._applied.pop((namespace, run), None)
 
     def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         """Merge-patch the TrainingSpec's status; returns the object as stored."""

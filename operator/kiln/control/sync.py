@@ -45,12 +45,15 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
 
     API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
     what may change); the credentials Secret when the spec names one; then one server-side apply per object
-    and at most one status patch. A new run costs 1 read + 5 applies + 1 status patch.
+    this operator has not applied with the same content before, and at most one status patch. A new run
+    costs 1 read + 5 applies + 1 status patch; a suspend, 1 read + 2 (ConfigMap and job) + 1 + 1.
     pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     with _locks[(namespace, name)]:
         job = kube.job(namespace, name)
+        if job is None:  # never made, or deleted by someone: the other objects may be gone too
+            kube.forget_applied(namespace, name)
         state = job_condition(job)
         job_active = job is not None and state not in ("Succeeded", "Failed")
         observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
@@ -77,7 +80,7 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
                     applied = kube.apply(obj)
-                    if obj["kind"] == "PyTorchJob":
+                    if obj["kind"] == "PyTorchJob" and applied is not None:
                         if job is None:
                             pods = []  # created just now: the training-operator has made no pod yet
                         job = applied
@@ -134,3 +137,4 @@ def forget(kube: Kube, namespace: str, name: str) -> None:
     """A TrainingSpec was deleted: drop what the operator remembers of it."""
     _derived_from.pop((namespace, name), None)
     kube.last_spec.pop((namespace, name), None)
+    kube.forget_applied(namespace, name)
