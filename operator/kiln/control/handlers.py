@@ -61,6 +61,11 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
         prefix="kiln.dev", key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Events on TrainingSpecs are kiln's own, plus kopf's failures
     settings.execution.max_workers = WORKERS
+    # After its own PATCH kopf waits this long for the watch to deliver the patched version before it trusts
+    # an older event. In a burst the watch lags more than kopf's default 5 s: the echo of the status patch
+    # a reconcile made (older, without kopf's annotation) then looked like a new creation and most runs were
+    # reconciled twice. Longer would also delay a spec edit that lands in the same 0.1 s batch as that patch.
+    settings.persistence.consistency_timeout = 15
     settings.watching.server_timeout = 300
 
 

@@ -18,6 +18,8 @@ from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.control.plan import RUN_LABEL, S3_KEYS, SPEC_FILE, names
 from kiln.errors import KilnError
 
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when present (same result)
+
 # The REST resource (plural) of every kind kiln writes. Known up front, so an apply is one request: a
 # discovery client (kubernetes.dynamic) reads ~30 discovery documents first and re-reads them on a miss.
 PLURALS = {
@@ -136,7 +138,7 @@ class Kube:
         cm = self._get(self.core.read_namespaced_config_map, names(name)["configmap"], namespace)
         if not cm:
             return None
-        return yaml.safe_load((cm.get("data") or {}).get(SPEC_FILE) or "null")
+        return yaml.load((cm.get("data") or {}).get(SPEC_FILE) or "null", Loader=SafeLoader)
 
     def pods(self, namespace: str, name: str) -> list[dict]:
         data = self.core.list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={name}",

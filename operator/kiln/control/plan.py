@@ -24,6 +24,9 @@ from kiln.control.config import OperatorConfig
 from kiln.control.elastic import with_avoided_nodes
 from kiln.errors import KilnError
 
+# libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
+SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 SPEC_MOUNT = "/etc/kiln"
 SPEC_FILE = "spec.yaml"
 CONTAINER = "pytorch"  # the training-operator finds the container by this name
@@ -141,7 +144,7 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
         return m
 
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(n["configmap"]),
-                 "data": {SPEC_FILE: yaml.safe_dump(resolved_dict, sort_keys=False)}}
+                 "data": {SPEC_FILE: yaml.dump(resolved_dict, Dumper=SafeDumper, sort_keys=False)}}
     return Plan(objects=[*trainer_identity(meta.name, metadata), configmap,
                          pytorchjob(resolved, observed, config, metadata)])
 
