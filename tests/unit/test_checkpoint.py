@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
+from kiln.storage import FileStore
 from kiln.storage.commit import committed_steps
 from kiln.trainer import checkpoint as ckpt_mod
 from kiln.trainer.checkpoint import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
@@ -242,6 +244,43 @@ def test_ranged_reader_reads_like_a_file(tmp_path):
     buf = bytearray(100)
     assert reader.readinto(buf) == 100 and bytes(buf) == data[5000:5100] and reader.tell() == 5100
     reader.close()
+
+
+class RemoteLike(FileStore):
+    """A real file store read only through get_bytes (no local path), as S3 is; counts the bytes read."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.read = collections.Counter()
+
+    def local_path(self, key):
+        return None
+
+    def get_bytes(self, key, offset=0, length=None):
+        data = super().get_bytes(key, offset, length)
+        self.read[key] += len(data)
+        return data
+
+
+@pytest.mark.parametrize("memory", ["plenty", "short"])
+def test_restore_from_a_remote_store_reads_each_shard_once_or_twice_when_memory_is_short(
+    tmp_path, monkeypatch, caplog, memory
+):
+    snaps = run(tmp_path, 2, interval_steps=2)
+    store = RemoteLike(tmp_path)
+    if memory == "short":
+        monkeypatch.setattr(ckpt_mod, "memory_available", lambda: 1 << 10)
+    model, opt = make(seed=1)
+    with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
+        ck = Checkpointer(CheckpointSpec(uri=f"file://{tmp_path}"), default_uri="", rank=0, world_size=1, store=store)
+        assert ck.restore([model], [opt])["step"] == 2
+    assert_same(model, opt, snaps[2])
+    shards = {p.name: p.stat().st_size for p in (tmp_path / "step-00000002").glob("*.distcp")}
+    reads = 1 if memory == "plenty" else 2  # checked and loaded from the same bytes, or checked then streamed
+    assert {k.split("/")[1]: n for k, n in store.read.items() if k.endswith(".distcp")} == {
+        name: reads * size for name, size in shards.items()
+    }
+    assert ("do not fit in half the available host memory" in caplog.text) == (memory == "short")
 
 
 def test_block_reader_serves_verified_bytes_like_a_file():

@@ -114,6 +114,18 @@ def _reader_rank(name: str, world_size: int) -> int:
     return int(m.group(1)) % world_size if m else 0
 
 
+def memory_available() -> int:
+    """Bytes of host memory the kernel can hand out without swapping (MemAvailable); 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def _first_line(err: BaseException) -> str:
     lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
     return (lines[-1] if lines else type(err).__name__)[:300]
@@ -519,7 +531,19 @@ class Checkpointer:
         if isinstance(commit, str):
             return [commit], {}
         names = [n for n in sorted(commit.files) if _reader_rank(n, self.world_size) == self.rank]
-        mine, fetched = fetch_verified(self.store, step, commit, names, keep=True)
+        share = sum(commit.files[n].size for n in names)
+        # The checked bytes wait in host memory until DCP has loaded them; a share too big for that is checked
+        # here and read from the store a second time by the loader instead.
+        keep = share <= memory_available() // 2
+        if not keep:
+            log.warning(
+                "checkpoint step %d: rank %d's %d MiB do not fit in half the available host memory; checking "
+                "them, then downloading them again to load",
+                step,
+                self.rank,
+                share >> 20,
+            )
+        mine, fetched = fetch_verified(self.store, step, commit, names, keep=keep)
         if not self._distributed:
             return mine, fetched
         everyone: list = [None] * self.world_size
