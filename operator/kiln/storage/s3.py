@@ -319,6 +319,7 @@ class MultipartWriter(io.RawIOBase):
             return
         if self.fill:
             self._send()
+        st._recycle(self.buf)  # the empty buffer _send left for a next part
         parts = [Part(i + 1, fut.result()) for i, fut in enumerate(self.parts)]
         st._call(
             lambda: st.client._complete_multipart_upload(st.bucket, self.name, self.upload_id, parts),
