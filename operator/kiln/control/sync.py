@@ -46,7 +46,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
     what may change); the credentials Secret when the spec names one; then one server-side apply per object
     this operator has not applied with the same content before, and at most one status patch. A new run
-    costs 1 read + 5 applies + 1 status patch; a suspend, 1 read + 2 (ConfigMap and job) + 1 + 1.
+    costs 1 read + 5 applies + 1 status patch; suspending a running one, 2 reads (job, ConfigMap) + 2
+    applies (ConfigMap, job) + 1 status patch.
     pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
