@@ -69,7 +69,8 @@ def _complete_lines(path: Path) -> list[str]:
         return []
 
 
-def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log: Path, max_kills: int = 0) -> dict:
+def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log: Path, max_kills: int = 0,
+         last_step: int = 0) -> dict:
     """Run `kiln train` under torchrun; with kill_every, SIGKILL one worker (ranks in turn) each time training
     has made kill_every seconds of progress since it last came back.
 
@@ -103,7 +104,9 @@ def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log
             peak = max(peak, len(_complete_lines(metrics)))
             if kill_every and next_kill is None and peak > 0:
                 next_kill = now + kill_every
-            if next_kill is not None and now >= next_kill and not 0 < max_kills <= len(kills):
+            # no kill once the last step is logged: a restart then only finds the final commit, no step follows
+            if next_kill is not None and now >= next_kill and not 0 < max_kills <= len(kills) \
+                    and not 0 < last_step <= peak:
                 workers = _children(proc.pid)
                 if workers:
                     victim = workers[len(kills) % len(workers)]  # ranks in turn: rank 0 also commits and logs
@@ -151,7 +154,8 @@ def main(argv=None) -> dict:
         spec = _spec(tmp / "spec.yaml", args.steps, args.interval)
         logs = Path(args.out).with_suffix("")
         ref = _run(spec, tmp / "ref", None, 0, Path(f"{logs}.reference.log"))
-        faulty = _run(spec, tmp / "faulty", args.kill_every, 100, Path(f"{logs}.faulty.log"), args.max_kills)
+        faulty = _run(spec, tmp / "faulty", args.kill_every, 100, Path(f"{logs}.faulty.log"), args.max_kills,
+                      args.steps)
     rec = [k["kill_to_step_s"] for k in faulty["kills"] if "kill_to_step_s" in k]
     report = {
         "benchmark": "faults", "steps": args.steps, "checkpoint_interval_steps": args.interval,
