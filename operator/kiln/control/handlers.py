@@ -173,8 +173,9 @@ async def stop_ticks(**_) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
+async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
+    # In memory only, so it runs on kopf's event loop: no hop to a worker thread for every event.
     _state.setdefault("indexes", (run_jobs, run_pods))  # kopf's live indexes, for the ticks
     if type == "DELETED":
         metrics.forget(namespace, name)
