@@ -266,7 +266,7 @@ def test_random_valid_specs_render_jobs_the_apiserver_accepts(kube, namespace, b
 
 def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
     """kube.apply: one server-side apply per object; the same body again sends nothing (so a drift made by
-    someone else stays); after forget_applied (a run's job found missing, an operator restart) it is sent
+    someone else stays until the resync period ends); after forget_applied (a run's job found missing, an operator restart) it is sent
     again and the operator's fields win back."""
     doc = parse({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
                  "metadata": {"name": "once", "namespace": namespace},
@@ -291,6 +291,17 @@ def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
 
     kube.forget_applied(namespace, "once")
     assert kube.apply(objects[3]) is not None
+    assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == spec_yaml
+
+    # Level-triggered after all: once resync_seconds have passed, an unchanged body is sent again, so an edit
+    # (or a deletion) by someone else is repaired without an operator restart.
+    kube.core.patch_namespaced_config_map(cm, namespace, {"data": {"spec.yaml": "edited again"}})
+    assert kube.apply(objects[3]) is None
+    resync, kube.resync_seconds = kube.resync_seconds, 0.0
+    try:
+        assert kube.apply(objects[3]) is not None
+    finally:
+        kube.resync_seconds = resync
     assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == spec_yaml
 
 

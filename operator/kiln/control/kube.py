@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any
 
 import yaml
@@ -66,33 +67,37 @@ def api_client(kubeconfig: str | None = None, context: str | None = None,
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, field_manager: str = "kiln-operator"):
+    def __init__(self, api: client.ApiClient, field_manager: str = "kiln-operator", resync_seconds: float = 300.0):
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.field_manager = field_manager
         # (namespace, name) → the TrainingSpec as this client last read it or its status patch returned it
         self.last_spec: dict[tuple[str, str], dict] = {}
-        # (namespace, run) → {REST path: digest of the body this client last applied there}
-        self._applied: dict[tuple[str, str], dict[str, str]] = {}
+        # (namespace, run) → {REST path: (digest of the body this client last applied there, when)}. An unchanged
+        # body is sent again after resync_seconds, so an edit or deletion by someone else is repaired in minutes.
+        self._applied: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
+        self.resync_seconds = resync_seconds
 
     # ---- writes ----
 
     def apply(self, obj: dict) -> dict | None:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets): one
         PATCH, no read before it (the apiserver creates or merges). Returns the object as stored, or None
-        without a request when this client applied the very same body before (see forget_applied)."""
+        without a request when this client applied the very same body less than resync_seconds ago (see
+        forget_applied)."""
         path, meta = object_path(obj), obj["metadata"]
         run = (meta["namespace"], (meta.get("labels") or {}).get(RUN_LABEL) or meta["name"])
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-        if self._applied.get(run, {}).get(path) == digest:
+        digest_then, applied_at = self._applied.get(run, {}).get(path, ("", 0.0))
+        if digest_then == digest and time.monotonic() - applied_at < self.resync_seconds:
             return None
         response = self.api.call_api(
             path, "PATCH",
             query_params=[("fieldManager", self.field_manager), ("force", "true")],
             header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
             body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
-        self._applied.setdefault(run, {})[path] = digest
+        self._applied.setdefault(run, {})[path] = (digest, time.monotonic())
         return json.loads(response.data)
 
     def forget_applied(self, namespace: str, run: str) -> None:
