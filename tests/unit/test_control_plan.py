@@ -211,3 +211,9 @@ def test_grace_period_covers_a_final_save_and_torchrun_waits_for_it():
     # torchrun forwards SIGTERM, then SIGKILLs the ranks after PET_SHUTDOWN_TIMEOUT: inside the grace period
     assert env_of(pod)["PET_SHUTDOWN_TIMEOUT"] == "290"
     assert int(env_of(pod_of(BASE))["PET_SHUTDOWN_TIMEOUT"]) < pod_of(BASE)["terminationGracePeriodSeconds"]
+
+
+def test_torchrun_restarts_rendezvous_on_a_fresh_store():
+    # In-place restarts (elasticPolicy.maxRestarts) on torchrun's shared store re-read the dead generation's
+    # gloo addresses; tests/bench/bench_faults.py measures the difference. The pod opts out.
+    assert env_of(pod_of(BASE))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

@@ -202,6 +202,10 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     # SIGKILL them before the pod's grace period would.
     env.append(k.V1EnvVar(name="PET_SHUTDOWN_TIMEOUT",
                           value=str(max(1, config.termination_grace_seconds - SHUTDOWN_MARGIN_S))))
+    # torchrun restarts the ranks in place (elasticPolicy.maxRestarts). With its default shared TCP store a
+    # restarted generation can read the dead one's gloo addresses (connectFullMesh refused, then a hang
+    # until the store timeout, measured in tests/bench/bench_faults.py): a fresh store per round instead.
+    env.append(k.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"))
     # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
     # the scratch default, which is on this pod's disk already.
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
