@@ -22,6 +22,7 @@ from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
+from tests.store_wrappers import PassThroughStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rig]
 
@@ -29,11 +30,11 @@ WORLD = 2
 WIDTH = 256
 
 
-class ReadCountingStore(ObjectStore):
+class ReadCountingStore(PassThroughStore):
     """The real store, counting the bytes read from each key (to show each shard is downloaded once)."""
 
     def __init__(self, inner: ObjectStore):
-        self.inner, self.uri = inner, inner.uri
+        super().__init__(inner)
         self.read: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -43,23 +44,8 @@ class ReadCountingStore(ObjectStore):
             self.read[key] += len(data)
         return data
 
-    def put_file(self, key, path):
-        self.inner.put_file(key, path)
-
-    def put_bytes(self, key, data):
-        self.inner.put_bytes(key, data)
-
     def get_file(self, key, path):
         raise AssertionError("restore reads through get_bytes")
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-    def size(self, key):
-        return self.inner.size(key)
 
 
 def _free_port() -> int:

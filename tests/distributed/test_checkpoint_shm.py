@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
-from torch import nn
+from tests.store_wrappers import PassThroughStore
 
 pytestmark = [pytest.mark.distributed]
 
@@ -27,21 +29,16 @@ WIDTH = 64
 STEPS = 3  # saved steps; the copy in memory must hold only the last
 
 
-class CountingStore(ObjectStore):
+class CountingStore(PassThroughStore):
     """The real store, counting every access to a shard file (*.distcp): a memory restore makes none."""
 
     def __init__(self, inner: ObjectStore):
-        self.inner, self.uri, self.shard_accesses = inner, inner.uri, 0
+        super().__init__(inner)
+        self.shard_accesses = 0
 
     def _count(self, key: str) -> None:
         if key.endswith(".distcp"):
             self.shard_accesses += 1
-
-    def put_file(self, key, path):
-        self.inner.put_file(key, path)
-
-    def put_bytes(self, key, data):
-        self.inner.put_bytes(key, data)
 
     def get_file(self, key, path):
         self._count(key)
@@ -50,12 +47,6 @@ class CountingStore(ObjectStore):
     def get_bytes(self, key, offset=0, length=None):
         self._count(key)
         return self.inner.get_bytes(key, offset, length)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
 
     def size(self, key):
         self._count(key)

@@ -8,10 +8,11 @@ import ssl
 
 import pytest
 import urllib3
-
 from kiln.errors import KilnError
-from kiln.storage import FileStore, ObjectNotFound, ObjectStore, open_store
+from kiln.storage import FileStore, ObjectNotFound, open_store
 from kiln.storage.retry import RetryPolicy, call_with_retry, is_transient
+
+from tests.store_wrappers import PassThroughStore
 
 
 def test_file_store_round_trip(tmp_path):
@@ -42,32 +43,8 @@ def test_file_store_round_trip(tmp_path):
     assert not [p for p in (tmp_path / "ckpt").rglob("*.tmp")]
 
 
-class WrappedStore(ObjectStore):
+class WrappedStore(PassThroughStore):
     """A store wrapper (as tests and tools write them) that does not override open_writer."""
-
-    def __init__(self, inner: ObjectStore):
-        self.inner, self.uri = inner, inner.uri
-
-    def put_file(self, key, path):
-        self.inner.put_file(key, path)
-
-    def put_bytes(self, key, data):
-        self.inner.put_bytes(key, data)
-
-    def get_file(self, key, path):
-        self.inner.get_file(key, path)
-
-    def get_bytes(self, key, offset=0, length=None):
-        return self.inner.get_bytes(key, offset, length)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-    def size(self, key):
-        return self.inner.size(key)
 
 
 @pytest.mark.parametrize("backend", ["file", "default"])
