@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from kiln.control.plan import TORCHRUN_ENV
 from tests.bench.report import write_report
 
 MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
@@ -70,7 +72,7 @@ def _complete_lines(path: Path) -> list[str]:
 
 
 def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log: Path, max_kills: int = 0,
-         last_step: int = 0) -> dict:
+         last_step: int = 0, torchrun_env: dict[str, str] = TORCHRUN_ENV, timeout_s: float | None = None) -> dict:
     """Run `kiln train` under torchrun; with kill_every, SIGKILL one worker (ranks in turn) each time training
     has made kill_every seconds of progress since it last came back.
 
@@ -79,12 +81,13 @@ def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log
     and the killed generation's rank 0 may still log a step after the kill. Hence: the workers must all be
     new, and the line must differ from the file as it was at the kill (same position, other text, or past
     its end). Its position is the restored commit, so steps redone = last step before the kill - commit.
+    After timeout_s (if given) torchrun and its workers are killed and rc is None: a hung restart.
     """
-    # torchrun shares one TCPStore across restarts by default, and the workers' env:// rendezvous adds no
-    # per-attempt prefix: a restarted generation can read the dead one's gloo addresses (connectFullMesh
-    # "Connection refused", or a wait of up to the 30 min store timeout). Opting out gives every attempt a
-    # fresh store.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # torchrun_env: what the operator sets in trainer pods (kiln.control.plan.TORCHRUN_ENV). torchrun shares
+    # one TCPStore across restarts by default, and the workers' env:// rendezvous adds no per-attempt prefix:
+    # a restarted generation can read the dead one's gloo addresses (connectFullMesh "Connection refused",
+    # or a wait of up to the 30 min store timeout). Opting out gives every attempt a fresh store.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **torchrun_env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            f"--max-restarts={max_restarts}", "-m", "kiln.cli.main", "train", "--config", str(spec),
            "--output", str(out)]
@@ -92,44 +95,53 @@ def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log
     t0 = time.monotonic()
     log.parent.mkdir(parents=True, exist_ok=True)
     log_file = log.open("w")  # torchrun's and the workers' output: why a generation failed, if one did
-    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     kills: list[dict] = []
     next_kill = None  # kill_every after the first step: start-up is not training time
     pending: dict | None = None  # the kill not yet recovered from
     peak = 0  # the most steps the current generation had logged
-    while proc.poll() is None:
-        time.sleep(0.1)
-        now = time.monotonic()
-        if pending is None:
-            peak = max(peak, len(_complete_lines(metrics)))
-            if kill_every and next_kill is None and peak > 0:
-                next_kill = now + kill_every
-            # no kill once the last step is logged: a restart then only finds the final commit, no step follows
-            if next_kill is not None and now >= next_kill and not 0 < max_kills <= len(kills) \
-                    and not 0 < last_step <= peak:
-                workers = _children(proc.pid)
-                if workers:
-                    victim = workers[len(kills) % len(workers)]  # ranks in turn: rank 0 also commits and logs
-                    rank = _rank_of(victim)
-                    os.kill(victim, signal.SIGKILL)  # one worker dies, as on a lost GPU
-                    pending = {"at_s": now - t0, "rank": rank, "old": set(workers),
-                               "lines": _complete_lines(metrics)}
-                    kills.append(pending)
-            continue
-        workers = set(_children(proc.pid))
-        lines = _complete_lines(metrics)
-        if not workers or workers & pending["old"]:
-            # the killed generation's rank 0 may still log a step in flight: that is old, not recovery
-            pending["lines"], peak = lines, max(peak, len(lines))
-            continue  # the agent has not restarted the workers yet
-        first_new = next((i for i, line in enumerate(lines) if i >= len(pending["lines"]) or line != pending["lines"][i]),
-                         None)
-        if first_new is None:
-            continue  # restoring, or in the middle of rewriting the file
-        pending.update(kill_to_step_s=now - t0 - pending["at_s"], resumed_from_step=first_new,
-                       steps_redone=peak - first_new)
-        pending, peak = None, len(lines)
-        next_kill = now + kill_every  # the next kill comes kill_every after training is back
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            now = time.monotonic()
+            if timeout_s is not None and now - t0 > timeout_s:
+                timed_out = True  # a hung restart: the finally below kills torchrun and its workers
+                break
+            if pending is None:
+                peak = max(peak, len(_complete_lines(metrics)))
+                if kill_every and next_kill is None and peak > 0:
+                    next_kill = now + kill_every
+                # no kill once the last step is logged: a restart then only finds the final commit, no step follows
+                if next_kill is not None and now >= next_kill and not 0 < max_kills <= len(kills) \
+                        and not 0 < last_step <= peak:
+                    workers = _children(proc.pid)
+                    if workers:
+                        victim = workers[len(kills) % len(workers)]  # ranks in turn: rank 0 also commits and logs
+                        rank = _rank_of(victim)
+                        os.kill(victim, signal.SIGKILL)  # one worker dies, as on a lost GPU
+                        pending = {"at_s": now - t0, "rank": rank, "old": set(workers),
+                                   "lines": _complete_lines(metrics)}
+                        kills.append(pending)
+                continue
+            workers = set(_children(proc.pid))
+            lines = _complete_lines(metrics)
+            if not workers or workers & pending["old"]:
+                # the killed generation's rank 0 may still log a step in flight: that is old, not recovery
+                pending["lines"], peak = lines, max(peak, len(lines))
+                continue  # the agent has not restarted the workers yet
+            first_new = next((i for i, line in enumerate(lines) if i >= len(pending["lines"]) or line != pending["lines"][i]),
+                             None)
+            if first_new is None:
+                continue  # restoring, or in the middle of rewriting the file
+            pending.update(kill_to_step_s=now - t0 - pending["at_s"], resumed_from_step=first_new,
+                           steps_redone=peak - first_new)
+            pending, peak = None, len(lines)
+            next_kill = now + kill_every  # the next kill comes kill_every after training is back
+    finally:
+        if proc.poll() is None:  # timed out, interrupted, or the watcher failed: leave no training behind
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker generation (its own session)
+            proc.wait()
     wall = time.monotonic() - t0
     log_file.close()
     records = [json.loads(line) for line in _complete_lines(metrics) if line.strip()]
@@ -137,7 +149,7 @@ def _run(spec: Path, out: Path, kill_every: float | None, max_restarts: int, log
         del k["old"], k["lines"]
     # torchrun's agent logs each failed worker group once: more failures than kills = failures of its own
     failures = log.read_text(errors="replace").count("failed (exitcode")
-    return {"rc": proc.returncode, "wall_s": wall, "final_step": records[-1]["step"] if records else 0,
+    return {"rc": None if timed_out else proc.returncode, "wall_s": wall, "final_step": records[-1]["step"] if records else 0,
             "kills": kills, "worker_group_failures": failures, "final_loss": records[-1]["loss"] if records else None}
 
 

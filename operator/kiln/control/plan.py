@@ -40,6 +40,10 @@ SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit
 # torchrun forwards SIGTERM to the ranks, then SIGKILLs them after PET_SHUTDOWN_TIMEOUT (its default: 30 s);
 # it must fit in the pod's grace period with this margin for torchrun's own exit.
 SHUTDOWN_MARGIN_S = 10
+# torchrun restarts the ranks in place (elasticPolicy.maxRestarts). With its default shared TCP store a
+# restarted generation can read the dead one's gloo addresses (connectFullMesh refused, then a hang until
+# the store timeout; tests/distributed/test_torchrun_restart.py): a fresh store per rendezvous round.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # Changing these under a running job would silently break it (the checkpoint no longer fits the model,
 # the data cursor no longer means anything): the operator refuses the change instead of applying it.
@@ -202,10 +206,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     # SIGKILL them before the pod's grace period would.
     env.append(k.V1EnvVar(name="PET_SHUTDOWN_TIMEOUT",
                           value=str(max(1, config.termination_grace_seconds - SHUTDOWN_MARGIN_S))))
-    # torchrun restarts the ranks in place (elasticPolicy.maxRestarts). With its default shared TCP store a
-    # restarted generation can read the dead one's gloo addresses (connectFullMesh refused, then a hang
-    # until the store timeout, measured in tests/bench/bench_faults.py): a fresh store per round instead.
-    env.append(k.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"))
+    env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
     # the scratch default, which is on this pod's disk already.
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
