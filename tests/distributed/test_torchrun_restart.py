@@ -11,7 +11,7 @@ from tests.bench.bench_faults import _run, _spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 40
+STEPS = 120  # long enough that the second kill lands before the end on an idle machine (~8 steps/s)
 
 
 def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path):
