@@ -73,6 +73,9 @@ INVALID = [
     ({"checkpoint.uri": "gs://bucket/x"}, "spec.checkpoint.uri:", "s3:// or file://"),
     ({"checkpoint.intervalSteps": 0}, "spec.checkpoint.intervalSteps:", "positive integer or 'auto'"),
     ({"data": {"uri": "http://example.com/data"}}, "spec.data.uri:", "'synthetic', builtin:<name>"),
+    ({"model": {"preset": "tiny", "from": "s3://models/llama/"}}, "spec.model.from:", "exclude each other"),
+    ({"model": {"from": "hf://meta-llama/Llama-3.2-1B"}}, "spec.model.from:", "file:///path/ or s3://"),
+    ({"data": {"tokenizer": "gpt2"}}, "spec.data.tokenizer:", "'byte', or a tokenizer.json"),
 ]
 
 

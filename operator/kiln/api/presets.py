@@ -10,6 +10,16 @@ if TYPE_CHECKING:  # spec.py imports PRESETS (the preset enum); only the type is
     from kiln.api.spec import ModelSpec
 
 
+class RopeScaling(BaseModel):
+    """Llama 3.1's RoPE frequency scaling (config.json rope_scaling of type llama3)."""
+
+    model_config = ConfigDict(frozen=True)
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
 class ModelDims(BaseModel):
     """Concrete model dimensions, every field set (what the trainer builds)."""
 
@@ -23,6 +33,7 @@ class ModelDims(BaseModel):
     ffn_dim: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None  # only from a model folder's config.json (kiln.api.hf)
 
     @property
     def head_dim(self) -> int:
@@ -49,13 +60,18 @@ PRESETS: dict[str, dict] = {
 
 
 def resolve_model(spec: ModelSpec) -> ModelDims:
-    """Preset values, overridden by every explicit field; raises ValueError naming what is missing."""
+    """Preset values, overridden by every explicit field; raises ValueError naming what is missing.
+
+    A spec with model.from has its dimensions in the folder's config.json: kiln.api.hf.dims_from_config."""
+    if spec.from_ is not None:
+        raise ValueError(f"model.from {spec.from_}: the dimensions are in the folder's config.json; read it with "
+                         f"kiln.trainer.hf.resolve_dims")
     values: dict = {}
     if spec.preset is not None:
         if spec.preset not in PRESETS:
             raise ValueError(f"model.preset {spec.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         values.update(PRESETS[spec.preset])
-    explicit = spec.model_dump(exclude={"preset"}, exclude_none=True)
+    explicit = spec.model_dump(exclude={"preset", "from_"}, exclude_none=True)
     values.update(explicit)
     if "dim" in values and "ffn_dim" not in values:
         values["ffn_dim"] = llama_ffn_dim(values["dim"])

@@ -62,7 +62,7 @@ def model_value(spec: "TrainingSpecSpec", field: str) -> int | None:
 
 
 def model_complete(spec: "TrainingSpecSpec") -> bool:
-    return spec.model.preset is not None or all(
+    return spec.model.preset is not None or spec.model.from_ is not None or all(
         getattr(spec.model, f) is not None for f in ("dim", "layers", "heads", "vocab_size", "seq_len")
     )
 
@@ -198,7 +198,7 @@ def _check_warmup(s):
 
 def _check_gpu_type(s):
     if s.resources.gpu_type and s.resources.gpus_per_node == 0:
-        return f"got gpuType={s.resources.gpu_type!r} with gpusPerNode=0"
+        return f"got gpuType={shown(s.resources.gpu_type)} with gpusPerNode=0"
     return None
 
 
@@ -242,7 +242,7 @@ def _check_plan_nodes(s):
 def _check_ckpt_uri(s):
     uri = s.checkpoint.uri
     if uri is not None and not uri.startswith(("s3://", "file://")):
-        return f"got {uri!r}"
+        return f"got {shown(uri)}"
     return None
 
 
@@ -253,10 +253,30 @@ def _check_interval(s):
     return None
 
 
+def _check_from_preset(s):
+    if s.model.from_ is not None and s.model.preset is not None:
+        return f"got preset={s.model.preset!r}, from={s.model.from_!r}"
+    return None
+
+
+def _check_from_uri(s):
+    uri = s.model.from_
+    if uri is not None and not uri.startswith(("s3://", "file://")):
+        return f"got {shown(uri)}"
+    return None
+
+
+def _check_tokenizer(s):
+    tok = s.data.tokenizer
+    if tok is not None and not (tok == "byte" or tok.startswith(("s3://", "file://"))):
+        return f"got {tok!r}"
+    return None
+
+
 def _check_data_uri(s):
     uri = s.data.uri
     if not (uri == "synthetic" or uri.startswith(("builtin:", "file://", "s3://"))):
-        return f"got {uri!r}"
+        return f"got {shown(uri)}"
     return None
 
 
@@ -268,16 +288,36 @@ def _check_s3_cluster(s):
     return None
 
 
+DIVISORS_LISTED_UP_TO = 10**8  # finding them costs sqrt(n) steps: 10^4 here; an int64 would take minutes
+
+
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    if n > DIVISORS_LISTED_UP_TO:
+        return f"the divisors of {n}"
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: errors quote the input, but never megabytes of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
 
 
 RULES: list[Rule] = [
     Rule("model-complete", "model",
-         "set model.preset, or all of model.dim, layers, heads, vocabSize and seqLen",
-         "has(self.model.preset) || (has(self.model.dim) && has(self.model.layers) && has(self.model.heads)"
+         "set model.preset, model.from, or all of model.dim, layers, heads, vocabSize and seqLen",
+         "has(self.model.preset) || has(self.model.from) || (has(self.model.dim) && has(self.model.layers) && has(self.model.heads)"
          " && has(self.model.vocabSize) && has(self.model.seqLen))",
          _check_model_complete),
+    Rule("model-from-or-preset", "model.from",
+         "model.from and model.preset exclude each other: the model folder's config.json sets the dimensions",
+         "!has(self.model.from) || !has(self.model.preset)",
+         _check_from_preset),
+    Rule("model-from-scheme", "model.from",
+         "model.from must be a model folder: file:///path/ or s3://bucket/prefix/",
+         "!has(self.model.from) || self.model.from.startsWith('s3://') || self.model.from.startsWith('file://')",
+         _check_from_uri),
     Rule("kv-heads-divide-heads", "model.kvHeads",
          "model.kvHeads must divide model.heads (grouped-query attention)",
          f"!{cel_model_known('heads', 'kv_heads')} || {cel_model('heads')} % {cel_model('kv_heads')} == 0",
@@ -363,6 +403,11 @@ RULES: list[Rule] = [
          "self.data.uri == 'synthetic' || self.data.uri.startsWith('builtin:')"
          " || self.data.uri.startsWith('file://') || self.data.uri.startsWith('s3://')",
          _check_data_uri),
+    Rule("data-tokenizer", "data.tokenizer",
+         "data.tokenizer must be 'byte', or a tokenizer.json or model folder at file://... or s3://...",
+         "!has(self.data.tokenizer) || self.data.tokenizer == 'byte' || self.data.tokenizer.startsWith('s3://')"
+         " || self.data.tokenizer.startsWith('file://')",
+         _check_tokenizer),
     Rule("s3-needs-endpoint-and-secret", "checkpoint.credentialsSecret",
          "an s3:// checkpoint.uri on Kubernetes needs checkpoint.endpoint and checkpoint.credentialsSecret "
          "(a Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
@@ -393,5 +438,5 @@ def check(spec: "TrainingSpecSpec", scope: Scope | Literal["all"] = "all") -> li
 
 def check_name(name: str) -> list[str]:
     if len(name) > NAME_MAX or not re.match(NAME_PATTERN, name):
-        return [f"{NAME_MESSAGE} (got {name!r})"]
+        return [f"{NAME_MESSAGE} (got {shown(name)})"]
     return []

@@ -36,12 +36,20 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in
 
 
 class ModelSpec(ApiModel):
-    """Which model to train: a named preset, optionally with explicit dimensions overriding it."""
+    """Which model to train: a named preset, optionally with explicit dimensions overriding it, or a model
+    folder in Hugging Face layout (model.from) whose weights training starts from."""
 
     preset: PresetName | None = Field(
         None,
         description="Named model size: tiny (CPU tests), small, llama-1b, llama-8b. Explicit fields override it; "
-        "without a preset set all of dim, layers, heads, vocabSize, seqLen.",
+        "without a preset or from, set all of dim, layers, heads, vocabSize, seqLen.",
+    )
+    from_: str | None = Field(
+        None, alias="from", max_length=1024,
+        description="A Llama-family model folder in Hugging Face layout to start from (config.json, model.safetensors "
+        "or sharded with model.safetensors.index.json, tokenizer files): file:///path/ or s3://bucket/prefix/. Its "
+        "config.json sets the dimensions (explicit fields must agree with it; seqLen is free up to "
+        "max_position_embeddings, default min(2048, it)). A resumed run loads its own checkpoints, not this.",
     )
     dim: int | None = Field(None, ge=8, description="Hidden size (model width).")
     layers: int | None = Field(None, ge=1, description="Number of transformer blocks.")
@@ -63,6 +71,13 @@ class DataSpec(ApiModel):
             "'synthetic' (random tokens, for throughput tests), 'builtin:pydoc' (a small English corpus that ships "
             "with Python, byte-tokenized), or a folder of tokenized shards: file:///path/ or s3://bucket/prefix/."
         ),
+    )
+    tokenizer: str | None = Field(
+        None, max_length=1024,
+        description="'byte' (the built-in byte tokenizer, vocabulary 256), a tokenizer.json or a model folder holding "
+        "one: file://... or s3://.... Default: the model folder's tokenizer when model.from is set, else 'byte'. "
+        "builtin:pydoc is tokenized with it; token shards must have been made with it. Its vocabulary must fit "
+        "model.vocabSize.",
     )
 
 

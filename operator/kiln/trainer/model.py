@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.api import ModelDims
+from kiln.api.presets import RopeScaling
 from kiln.trainer import kernels
 
 
@@ -38,11 +39,28 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim // 2): position p rotates pair i by p * theta^(-2i/head_dim)."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2): position p rotates pair i by p * theta^(-2i/head_dim)
+    (with Llama 3.1's frequency scaling when `scaling` is given)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths slowed down by `factor`, short ones kept, a smooth blend
+    between (Meta's reference, as transformers' `llama3` rope type computes it)."""
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
 
 
 class Attention(nn.Module):
@@ -109,7 +127,7 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(dims.dim, dims.norm_eps)
         self.output: nn.Linear | None = nn.Linear(dims.dim, dims.vocab_size, bias=False)
         # Derived, never checkpointed: recomputed by init_weights on the real device.
-        cos, sin = rope_tables(dims.head_dim, dims.seq_len, dims.rope_theta)
+        cos, sin = rope_tables(dims.head_dim, dims.seq_len, dims.rope_theta, scaling=dims.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # The fused linear+cross-entropy needs the whole output weight and the last hidden state in one
@@ -130,16 +148,23 @@ class Transformer(nn.Module):
         return logits if targets is None else cross_entropy(logits, targets)
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The derived, non-checkpointed buffers (RoPE tables) on the real device; weights are left as they are
+        (for a model whose weights are loaded instead, kiln.trainer.hf)."""
+        d = self.dims
+        cos, sin = rope_tables(d.head_dim, d.seq_len, d.rope_theta, device=self.rope_cos.device, scaling=d.rope_scaling)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from (seed, its name): the same values in every parallel layout.
 
         Each rank computes the full tensor from a generator seeded by the parameter's name and keeps its
         own shard, so a model split by FSDP, TP or PP starts exactly where the single-process model does.
         """
+        self.init_buffers()
         device = self.rope_cos.device
-        cos, sin = rope_tables(self.dims.head_dim, self.dims.seq_len, self.dims.rope_theta, device=device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
         # Residual-branch outputs are scaled down so the residual stream's variance stays O(1) with depth.
         out_std = 0.02 / math.sqrt(2 * self.dims.layers)
         for name, param in self.named_parameters():
