@@ -1,22 +1,32 @@
-# The two entry points of README.md. Both work on a fresh machine: they install what they need.
+# The two entry points of README.md. Both work on a fresh machine: they install what they need into a
+# virtual environment of this checkout (.venv, git-ignored), so two clones never re-point each other's kiln.
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
+VENV ?= .venv
+PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Tests and recipes find this checkout's `kiln`, `torchrun`, `hadolint`, ... first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: install quickstart rig test bench
+.PHONY: install quickstart rig test bench venv
 
-install:
-	$(PIP) install -q -e '.[dev]'
+venv: $(PY)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
 
-quickstart:
-	$(PIP) install -q -e '.[train]'
-	kiln run manifests/samples/quickstart.yaml --output runs/quickstart
+install: $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+
+quickstart: $(PY)
+	$(PY) -m pip install -q -e '.[train]'
+	$(VENV)/bin/kiln run manifests/samples/quickstart.yaml --output runs/quickstart
 
 rig: install
-	$(PYTHON) -m tests.rig build
+	$(PY) -m tests.rig build
 
 test: rig
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: rig
-	$(PYTHON) -m tests.bench
+	$(PY) -m tests.bench

@@ -47,8 +47,11 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
     pod = worker(job)["template"]["spec"]
     (c,) = pod["containers"]
     assert c["name"] == "pytorch" and c["image"] == "registry.test/trainer:1"
-    assert c["command"] == ["torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml"]
-    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8"}, "requests": {"nvidia.com/gpu": "8"}}
+    assert c["command"] == ["torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml",
+                            "--output", "/var/lib/kiln/run"]
+    # no cpu/memory in the spec: the operator's defaults (a cpu request, memory request = limit)
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "4Gi"},
+                              "requests": {"nvidia.com/gpu": "8", "memory": "4Gi", "cpu": "1"}}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["serviceAccountName"] == "base-trainer"
@@ -98,7 +101,7 @@ def test_cpu_run_has_no_gpu_request_and_one_process_per_node():
     job = objects(raw)["PyTorchJob"]
     pod = worker(job)["template"]["spec"]
     assert job["spec"]["nprocPerNode"] == "1"
-    assert "limits" not in pod["containers"][0]["resources"] and "nodeSelector" not in pod
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"] and "nodeSelector" not in pod
 
 
 def test_configmap_holds_the_resolved_spec_with_every_default():
@@ -195,8 +198,11 @@ def test_dev_shm_is_memory_sized_by_the_memory_limit_and_holds_the_restart_copy(
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "200Gi"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
     assert env_of(pod)["KILN_SHM_DIR"] == "/dev/shm/kiln"  # checkpoints go to a store (s3://)
-    # no memory limit: no sizeLimit (the kubelet bounds tmpfs by the node's memory)
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod_of(BASE)["volumes"]
+    # no memory in the spec: the operator's default memory limit bounds it, never the node's whole memory
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in pod_of(BASE)["volumes"]
+    small = OperatorConfig(image="x", default_memory="2Gi", default_cpu="500m")
+    assert pod_of(BASE, small)["containers"][0]["resources"]["requests"]["cpu"] == "500m"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod_of(BASE, small)["volumes"]
 
 
 def test_no_memory_copy_when_checkpoints_stay_on_the_pods_scratch_disk():
@@ -217,3 +223,20 @@ def test_torchrun_restarts_rendezvous_on_a_fresh_store():
     # In-place restarts (elasticPolicy.maxRestarts) on torchrun's shared store re-read the dead generation's
     # gloo addresses; tests/bench/bench_faults.py measures the difference. The pod opts out.
     assert env_of(pod_of(BASE))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_trainer_pod_meets_pod_security_restricted():
+    """Non-root, no privilege escalation, no capabilities, RuntimeDefault seccomp, a read-only root, and
+    every path torch, Triton and kiln write on an emptyDir (tests/e2e runs it under `restricted` for real)."""
+    pod = pod_of(BASE)
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True}
+    writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+    assert {v["name"] for v in pod["volumes"]} >= {"tmp", "scratch", "dshm"}
+    env = env_of(pod)
+    for var in ("TMPDIR", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_DATA_CACHE"):
+        assert any(env[var] == m or env[var].startswith(m + "/") for m in writable), (var, env[var], writable)
+    output = c["command"][c["command"].index("--output") + 1]
+    assert any(output.startswith(m + "/") for m in writable)

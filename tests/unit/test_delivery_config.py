@@ -16,6 +16,8 @@ SETTINGS = {
     "KILN_TRAINER_IMAGE": ("image", "registry.example.com/kiln-trainer:9.9"),
     "KILN_HEALTH_PORT": ("health_port", 18080),
     "KILN_METRICS_PORT": ("metrics_port", 19090),
+    "KILN_DEFAULT_CPU": ("default_cpu", "8"),
+    "KILN_DEFAULT_MEMORY": ("default_memory", "64Gi"),
 }
 
 
@@ -34,3 +36,5 @@ def test_every_deployment_variable_is_an_operator_setting():
     defaults = OperatorConfig.from_env({k: v for k, v in env.items() if v})
     assert defaults.health_port == OperatorConfig().health_port == 8080
     assert defaults.metrics_port == OperatorConfig().metrics_port == 9090
+    assert (defaults.default_cpu, defaults.default_memory) == (OperatorConfig().default_cpu,
+                                                                OperatorConfig().default_memory)

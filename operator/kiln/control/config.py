@@ -21,6 +21,10 @@ class OperatorConfig:
     termination_grace_seconds: int = 120
     # Where checkpoints go when spec.checkpoint.uri is unset: a pod-local emptyDir (lost with the pod).
     scratch_dir: str = "/var/lib/kiln"
+    # Requests (and the memory limit) of a trainer pod whose spec sets no cpu/memory: never a BestEffort pod,
+    # the first to be evicted, and /dev/shm (memory-backed) is bounded by the memory limit.
+    default_cpu: str = "1"
+    default_memory: str = "4Gi"
     field_manager: str = "kiln-operator"
     health_port: int = 8080
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
@@ -34,6 +38,8 @@ class OperatorConfig:
             ("image_pull_policy", "KILN_IMAGE_PULL_POLICY", str),
             ("clean_pod_policy", "KILN_CLEAN_POD_POLICY", str),
             ("termination_grace_seconds", "KILN_TERMINATION_GRACE_SECONDS", int),
+            ("default_cpu", "KILN_DEFAULT_CPU", str),
+            ("default_memory", "KILN_DEFAULT_MEMORY", str),
             ("health_port", "KILN_HEALTH_PORT", int),
             ("metrics_port", "KILN_METRICS_PORT", int),
         ):

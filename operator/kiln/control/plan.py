@@ -44,6 +44,17 @@ SHUTDOWN_MARGIN_S = 10
 # restarted generation can read the dead one's gloo addresses (connectFullMesh refused, then a hang until
 # the store timeout; tests/distributed/test_torchrun_restart.py): a fresh store per rendezvous round.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The trainer's root filesystem is read-only (Pod Security `restricted`): everything it, torch, Triton and
+# the compile caches write goes to two emptyDirs, /tmp and the scratch dir (checkpoints when no uri is set,
+# the run folder with metrics, the downloaded data shards).
+TMP_DIR = "/tmp"
+WRITABLE_ENV = {
+    "TMPDIR": TMP_DIR,
+    "XDG_CACHE_HOME": f"{TMP_DIR}/cache",
+    "TORCHINDUCTOR_CACHE_DIR": f"{TMP_DIR}/torchinductor",
+    "TRITON_HOME": TMP_DIR,
+    "TRITON_CACHE_DIR": f"{TMP_DIR}/triton",
+}
 
 # Changing these under a running job would silently break it (the checkpoint no longer fits the model,
 # the data cursor no longer means anything): the operator refuses the change instead of applying it.
@@ -175,13 +186,16 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     replicas = observed.nodes or r.nodes
     ppn = r.processes_per_node
 
+    # Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's defaults apply, as a
+    # cpu request (no limit: no throttling) and a memory request = limit, which also bounds /dev/shm.
     limits: dict[str, str] = {}
     if r.gpus_per_node:
         limits[GPU] = str(r.gpus_per_node)
     if r.cpu:
         limits["cpu"] = r.cpu
-    if r.memory:
-        limits["memory"] = r.memory
+    memory = r.memory or config.default_memory
+    limits["memory"] = memory
+    requests = {**limits, "cpu": r.cpu or config.default_cpu}
     node_selector = dict(r.node_selector)
     if r.gpu_type:
         node_selector[GPU_PRODUCT_LABEL] = r.gpu_type
@@ -207,6 +221,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env.append(k.V1EnvVar(name="PET_SHUTDOWN_TIMEOUT",
                           value=str(max(1, config.termination_grace_seconds - SHUTDOWN_MARGIN_S))))
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
+    env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
+    env.append(k.V1EnvVar(name="KILN_DATA_CACHE", value=f"{config.scratch_dir}/data"))
     # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
     # the scratch default, which is on this pod's disk already.
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
@@ -219,19 +235,30 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         image_pull_policy=config.image_pull_policy,
         # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
         # that the training-operator sets from elasticPolicy and nprocPerNode.
-        command=["torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}"],
+        command=["torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}",
+                 "--output", f"{config.scratch_dir}/run"],
         env=env,
         ports=[k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)],
-        resources=k.V1ResourceRequirements(limits=limits or None, requests=dict(limits) or None),
+        resources=k.V1ResourceRequirements(limits=limits, requests=requests),
         volume_mounts=[
             k.V1VolumeMount(name="spec", mount_path=SPEC_MOUNT, read_only=True),
             k.V1VolumeMount(name="dshm", mount_path="/dev/shm"),  # NCCL and dataloaders need more than 64Mi
             k.V1VolumeMount(name="scratch", mount_path=config.scratch_dir),
+            k.V1VolumeMount(name="tmp", mount_path=TMP_DIR),
         ],
+        # Pod Security `restricted`: the trainer needs no privilege, no capability and no writable root.
+        security_context=k.V1SecurityContext(
+            allow_privilege_escalation=False,
+            capabilities=k.V1Capabilities(drop=["ALL"]),
+            read_only_root_filesystem=True,
+        ),
     )
     pod = k.V1PodSpec(
         containers=[container],
         service_account_name=n["trainer"],
+        # The image's USER must be numeric and non-root (kiln's trainer image runs as 10001).
+        security_context=k.V1PodSecurityContext(
+            run_as_non_root=True, seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
         node_selector=node_selector or None,
         tolerations=tolerations or None,
         # passed through as written (a core/v1 Affinity), plus keeping off nodes that failed this run twice
@@ -241,8 +268,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         volumes=[
             k.V1Volume(name="spec", config_map=k.V1ConfigMapVolumeSource(name=n["configmap"])),
             # tmpfs counts against the container's memory limit: bounded by it, never more
-            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=r.memory)),
+            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=memory)),
             k.V1Volume(name="scratch", empty_dir=k.V1EmptyDirVolumeSource()),
+            k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource()),
         ],
     )
     template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run}), spec=pod)
