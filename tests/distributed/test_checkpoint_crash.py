@@ -3,35 +3,26 @@ resume never loads an uncommitted step, every COMMIT covers complete files, and 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
-import socket
 import time
 import uuid
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import open_store
 from kiln.storage.commit import committed_steps, read_commit, steps_from_listing, verify_files
 from kiln.trainer.checkpoint import Checkpointer
+from tests.distributed.ranks import start_ranks, wait_until
 
 pytestmark = [pytest.mark.distributed]
 
 WORLD = 2
 WIDTH = 256  # 4 layers of 256x256 (+ SGD momentum): ~2 MiB of state, so each save takes a while
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -46,20 +37,18 @@ def _fill(model: nn.Module, opt, step: int) -> None:
             opt.state[p]["momentum_buffer"] = torch.full_like(p, float(step))
 
 
-def _worker(rank: int, port: int, uri: str, env: dict) -> None:
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+def _worker(rank: int, world: int, uri: str, env: dict) -> None:
+    os.environ.update(env)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=1, keep=2), default_uri="", rank=rank, world_size=WORLD)
+    ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=1, keep=2), default_uri="", rank=rank, world_size=world)
     state = ck.restore([model], [opt])  # a restarted job resumes from the newest commit
     start = state["step"] + 1 if state else 1
     for step in range(start, 100_000):  # until killed
@@ -67,38 +56,41 @@ def _worker(rank: int, port: int, uri: str, env: dict) -> None:
         ck.save(step, [model], [opt], {"step": step})
 
 
-def _wait_for_upload_in_flight(store, committed: int, timeout: float) -> None:
-    """Until the store lists files of an uncommitted step newer than `committed` (an upload under way)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen, done = steps_from_listing(store.list("step-"))
-        if any(step > committed and step not in done for step in seen):
-            return
-        time.sleep(0.005)
+def _upload_in_flight(store) -> bool:
+    """The store lists files of a step newer than every COMMIT: a save under way (or cut off)."""
+    seen, committed = steps_from_listing(store.list("step-"))
+    return any(step > max(committed, default=0) for step in seen)
 
 
-def _trial(uri: str, env: dict, rng: random.Random) -> dict:
-    """Start the job (it resumes), wait for it to commit one step more, kill -9 a random rank at a random time."""
-    store = open_store(uri, env=env)
-    ctx = multiprocessing.get_context("fork")  # the children reuse the imported torch
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, uri, env), daemon=True) for r in range(WORLD)]
+def _signal(procs, sig: int) -> None:
     for p in procs:
-        p.start()
+        os.kill(p.pid, sig)
+
+
+def _trial(uri: str, env: dict, rng: random.Random, out) -> dict:
+    """Start the job (it resumes), wait for it to commit one step more, kill -9 a random rank during an upload."""
+    store = open_store(uri, env=env)
+    before = max(committed_steps(store), default=0)
+    procs = start_ranks(_worker, WORLD, out, uri, env)
+    alive = lambda: all(p.is_alive() for p in procs)  # noqa: E731 - a worker that dies early fails the wait
     try:
-        before = max(committed_steps(store), default=0)
-        deadline = time.monotonic() + 120
-        while max(committed_steps(store), default=0) <= before:  # this run commits something first
-            assert all(p.is_alive() for p in procs), "a worker died before the first commit"
-            assert time.monotonic() < deadline, "no commit within 120s"
-            time.sleep(0.05)
+        wait_until("this run's first commit", lambda: max(committed_steps(store), default=0) > before, alive=alive)
         committed_before = max(committed_steps(store))
-        # Aim the kill at an upload: wait until a newer step has files on the store but no COMMIT yet (a fixed
-        # random delay mostly lands between uploads on an idle machine), then kill after a random moment.
-        _wait_for_upload_in_flight(store, committed_before, timeout=20)
-        time.sleep(rng.uniform(0.0, 0.02))
+        # Kill inside an upload, checked rather than hoped for: once files of an uncommitted step show, let the
+        # ranks run on a random moment (a random point of the upload), freeze them (SIGSTOP) and look again.
+        # Still uncommitted: the kill lands inside that upload. Committed meanwhile: thaw, wait for the next.
+        for _ in range(100):
+            wait_until("an upload in flight", lambda: _upload_in_flight(store), alive=alive)
+            time.sleep(rng.uniform(0.0, 0.02))
+            _signal(procs, signal.SIGSTOP)
+            if _upload_in_flight(store):
+                break
+            _signal(procs, signal.SIGCONT)
+        else:
+            raise AssertionError("100 uploads in a row committed before the ranks could be frozen")
         victim = rng.randrange(WORLD)
         os.kill(procs[victim].pid, signal.SIGKILL)
+        _signal([p for i, p in enumerate(procs) if i != victim], signal.SIGCONT)
         time.sleep(rng.uniform(0.0, 0.3))  # the survivor runs on a moment, as under torchrun's teardown
     finally:
         for p in procs:
@@ -129,31 +121,32 @@ def _check_resume(uri: str, env: dict, committed_before: int) -> bool:
     return any(s > newest for s in seen)
 
 
-def _trials(uri: str, env: dict, n: int, seed: int) -> None:
+def _trials(uri: str, env: dict, n: int, seed: int, out) -> None:
     rng = random.Random(seed)
     hit_uploads = []
-    for _ in range(n):
-        info = _trial(uri, env, rng)
+    for i in range(n):
+        info = _trial(uri, env, rng, out / f"trial-{i}")
         hit_uploads.append(_check_resume(uri, env, info["committed_before"]))
-    # saves run back to back, so kills land mid-save: at least one trial must have left a half-written step
+    # every kill struck inside an upload; unless the survivor finished that commit (it may, when the victim's
+    # part was already done), a half-written step stays behind
     assert any(hit_uploads), hit_uploads
 
 
 @pytest.mark.slow
 def test_kill9_during_upload_file(tmp_path):
-    _trials(f"file://{tmp_path}/ckpt/", {}, n=3, seed=1)
+    _trials(f"file://{tmp_path}/ckpt/", {}, n=3, seed=1, out=tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.rig
-def test_kill9_during_upload_s3(rig):
+def test_kill9_during_upload_s3(rig, tmp_path):
     env = {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}
     prefix = f"test-ckpt-crash/{uuid.uuid4().hex}/"
     uri = f"s3://{rig.s3_bucket}/{prefix}"
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env, AWS_ENDPOINT_URL=rig.s3_endpoint)
     try:
-        _trials(uri, {**env, "AWS_ENDPOINT_URL": rig.s3_endpoint}, n=2, seed=2)
+        _trials(uri, {**env, "AWS_ENDPOINT_URL": rig.s3_endpoint}, n=2, seed=2, out=tmp_path)
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -3,25 +3,16 @@ state come back, and the next training step continues exactly as the uninterrupt
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.distributed.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 
 DIM, HIDDEN, OUT, BATCH = 16, 32, 8, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -83,62 +74,47 @@ def _train_step(model, opt, step: int, layout: str, rank: int, world: int) -> fl
     return float(loss)
 
 
-def _worker(rank, world, port, root, layout, mode, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from kiln.api.spec import CheckpointSpec
-        from kiln.trainer.checkpoint import Checkpointer
+def _worker(rank, world, root, layout, mode, result_path):
+    from kiln.api.spec import CheckpointSpec
+    from kiln.trainer.checkpoint import Checkpointer
 
-        model, opt = _build(layout, rank, world)
-        ck = Checkpointer(
-            CheckpointSpec(uri=f"file://{root}", interval_steps=3), default_uri="", rank=rank, world_size=world
-        )
-        out = {}
-        if mode == "save":
-            for step in range(1, 4):
-                _train_step(model, opt, step, layout, rank, world)
-                if ck.should_save(step):
-                    ck.save(step, [model], [opt], {"step": step})
-            ck.wait()
-            out["at3"] = _snapshot(model, opt)
-            out["loss4"] = _train_step(model, opt, 4, layout, rank, world)
-            out["at4"] = _snapshot(model, opt)
-        else:
-            state = ck.restore([model], [opt])
-            out["restored_step"] = state["step"]
-            out["at3"] = _snapshot(model, opt)
-            out["loss4"] = _train_step(model, opt, 4, layout, rank, world)
-            out["at4"] = _snapshot(model, opt)
-            if rank == 0 and mode == "resume-tp-and-dp1":
-                # the same checkpoint into one plain process (dp=1), no process group involved
-                plain, popt = _build("plain", 0, 1)
-                solo = Checkpointer(CheckpointSpec(uri=f"file://{root}"), default_uri="", rank=0, world_size=1)
-                dp1 = {"restored_step": solo.restore([plain], [popt])["step"], "at3": _snapshot(plain, popt)}
-                dp1["loss4"] = _train_step(plain, popt, 4, "plain", 0, 1)
-                dp1["at4"] = _snapshot(plain, popt)
-                out["dp1"] = dp1
-                solo.close()
-        ck.close()
-        if rank == 0:
-            torch.save(out, result_path)
-    except BaseException:
-        with open(f"{result_path}.rank{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+    model, opt = _build(layout, rank, world)
+    ck = Checkpointer(
+        CheckpointSpec(uri=f"file://{root}", interval_steps=3), default_uri="", rank=rank, world_size=world
+    )
+    out = {}
+    if mode == "save":
+        for step in range(1, 4):
+            _train_step(model, opt, step, layout, rank, world)
+            if ck.should_save(step):
+                ck.save(step, [model], [opt], {"step": step})
+        ck.wait()
+        out["at3"] = _snapshot(model, opt)
+        out["loss4"] = _train_step(model, opt, 4, layout, rank, world)
+        out["at4"] = _snapshot(model, opt)
+    else:
+        state = ck.restore([model], [opt])
+        out["restored_step"] = state["step"]
+        out["at3"] = _snapshot(model, opt)
+        out["loss4"] = _train_step(model, opt, 4, layout, rank, world)
+        out["at4"] = _snapshot(model, opt)
+        if rank == 0 and mode == "resume-tp-and-dp1":
+            # the same checkpoint into one plain process (dp=1), no process group involved
+            plain, popt = _build("plain", 0, 1)
+            solo = Checkpointer(CheckpointSpec(uri=f"file://{root}"), default_uri="", rank=0, world_size=1)
+            dp1 = {"restored_step": solo.restore([plain], [popt])["step"], "at3": _snapshot(plain, popt)}
+            dp1["loss4"] = _train_step(plain, popt, 4, "plain", 0, 1)
+            dp1["at4"] = _snapshot(plain, popt)
+            out["dp1"] = dp1
+            solo.close()
+    ck.close()
+    if rank == 0:
+        torch.save(out, result_path)
 
 
 def _run(world, root, layout, mode, tmp_path) -> dict:
     path = str(tmp_path / f"{layout}-{world}-{mode}.pt")
-    # fork: the children reuse this process's imported torch (spawn would re-import it in every rank)
-    mp.start_processes(
-        _worker, args=(world, _free_port(), str(root), layout, mode, path), nprocs=world, join=True, start_method="fork"
-    )
+    run_ranks(_worker, world, tmp_path / f"ranks-{layout}-{mode}", str(root), layout, mode, path)
     return torch.load(path)
 
 

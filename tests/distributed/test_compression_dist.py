@@ -10,7 +10,7 @@ from kiln.errors import KilnError
 from kiln.trainer.compression import (PowerSGDConfig, apply_replicate, check_supported, fsdp_reduce_dtype)
 from kiln.trainer.guards import SdcCheck
 
-from tests.distributed.test_guards_dist import spawn
+from tests.distributed.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -65,7 +65,7 @@ def _all_modes(rank, world):
 
 
 def test_compressed_training_stays_within_tolerance_of_uncompressed(tmp_path):
-    res = spawn(_all_modes, 2, tmp_path)
+    res = run_ranks(_all_modes, 2, tmp_path, start="spawn")
     r = res[0]
     assert res[0] == res[1]  # every rank saw the same global losses
     for mode, base in (("bf16", "none"), ("powersgd", "none"), ("fsdp-bf16", "fsdp-none")):

@@ -2,57 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import sys
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kiln.trainer.guards import (Action, GuardConfig, SdcCheck, SilentDataCorruption, StepGuard,
                                  global_scalars)
+from tests.distributed.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, out, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-    except BaseException:  # noqa: BLE001 - reported to the parent as text
-        result = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    # Skip interpreter finalization: gloo's worker threads can still hold tensors there, and freeing them
-    # then aborts the process ("terminate called without an active exception", SIGABRT; pytorch#179291),
-    # failing a test whose result is already written. Seen once in CI on this 2-core machine.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def spawn(fn, world, tmp_path, *args) -> list[dict]:
-    mp.start_processes(_entry, args=(world, _free_port(), str(tmp_path), fn, args), nprocs=world,
-                       start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
-    return results
 
 
 def _model() -> torch.nn.Module:
@@ -93,7 +52,8 @@ def _guarded_training(rank, world, steps, inject):
 
 def test_nan_skips_everywhere_and_spike_series_requests_rollback(tmp_path):
     # rank 1 alone sees a NaN at step 6 and huge losses at 9, 11, 13; the decisions must be global.
-    res = spawn(_guarded_training, 2, tmp_path, 14, {"6": math.nan, "9": 1e4, "11": 1e4, "13": 1e4})
+    res = run_ranks(_guarded_training, 2, tmp_path, 14, {"6": math.nan, "9": 1e4, "11": 1e4, "13": 1e4},
+                    start="spawn")
     for r in res:
         by_step = {e["step"]: e for e in r["log"]}
         assert by_step[6]["action"] == "skip" and not by_step[6]["changed"]
@@ -139,7 +99,7 @@ def _sdc_replicated(rank, world, bad_rank):
 
 
 def test_sdc_in_a_ddp_replica_is_detected_named_and_stops_every_rank(tmp_path):
-    res = spawn(_sdc_replicated, 3, tmp_path, 2)
+    res = run_ranks(_sdc_replicated, 3, tmp_path, 2, start="spawn")
     for r in res:
         assert r["clean"] is None
         for step, bit in ((2, 0), (3, 30)):
@@ -177,7 +137,7 @@ def _sdc_hsdp(rank, world, bad_rank):
 def test_flipped_bit_in_an_hsdp_shard_names_its_replica_pair(tmp_path):
     # mesh [[0, 1], [2, 3]]: rank 3's shard has exactly one other copy, on rank 1; with two copies
     # there is no majority, so both holders are named and every rank stops.
-    res = spawn(_sdc_hsdp, 4, tmp_path, 3)
+    res = run_ranks(_sdc_hsdp, 4, tmp_path, 3, start="spawn")
     for r in res:
         assert r["raised"] and r["ranks"] == [1, 3]
         assert "0.weight" in r["msg"] and "[1, 3]" in r["msg"]

@@ -4,15 +4,13 @@ elastic.plan boundary step is committed."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
+from pathlib import Path
 
 import pytest
 import yaml
-import torch.multiprocessing as mp
 
-from tests.distributed.test_guards_dist import _free_port
+from tests.distributed.ranks import run_ranks
 from tests.distributed.trainer_helpers import read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -20,12 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 POISON = {2: math.nan, 7: 50.0, 8: 60.0, 9: 70.0}
 
 
-def _rank(rank, world, port, spec_path, out):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-
-    torch.set_num_threads(1)
+def _rank(rank, world, spec_path, out):
     from kiln.api.load import load_file
     from kiln.trainer.guards import GuardConfig, GuardHooks
     from kiln.trainer.loop import StepHooks, train
@@ -40,9 +33,8 @@ def _rank(rank, world, port, spec_path, out):
     hooks = StepHooks(before_update=[inject])
     guards = GuardHooks(GuardConfig(min_history=3, spike_limit=3, spike_window=5), sdc_every=3, health_every=5)
     guards.install(hooks)
-    result = train(load_file(spec_path)[0], output_dir=out, hooks=hooks)
-    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
-        json.dump({"final": result.final_step, "n": len(result.losses), "sdc": guards.sdc.metrics()}, f)
+    result = train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks)  # joins the gloo group itself
+    return {"final": result.final_step, "n": len(result.losses), "sdc": guards.sdc.metrics()}
 
 
 def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
@@ -53,7 +45,7 @@ def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
     spec.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
 
-    mp.start_processes(_rank, args=(2, _free_port(), str(spec), out), nprocs=2, start_method="spawn")
+    results = run_ranks(_rank, 2, out, str(spec), str(out), start="spawn", init=False)
     records = read_metrics(out)
     actions = [(r["step"], r["guard_action"]) for r in records]
     assert actions == [(1, "ok"), (2, "skip"), (3, "ok"), (4, "ok"), (5, "ok"), (6, "ok"), (7, "skip"),
@@ -68,7 +60,6 @@ def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
     assert math.isfinite(last["loss"])
     commits = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert commits == ["step-00000003", "step-00000005", "step-00000006", "step-00000009", "step-00000010"]
-    for rank in range(2):
-        res = json.loads((out / f"result{rank}.json").read_text())
+    for res in results:
         assert res["final"] == 10 and res["n"] == 13
         assert res["sdc"]["sdc_checks"] >= 3 and res["sdc"]["sdc_mismatches"] == 0

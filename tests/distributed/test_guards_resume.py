@@ -16,10 +16,8 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
-from torch.multiprocessing import ProcessExitedException
 
-from tests.distributed.test_guards_dist import _free_port
+from tests.distributed.ranks import run_ranks
 from tests.distributed.trainer_helpers import read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -28,12 +26,7 @@ SPIKES = {5: 50.0, 7: 60.0, 8: 70.0}  # the global loss every rank sees at these
 KILL_AT = 7  # after the step-6 commit, before the step-7 update
 
 
-def _rank(rank, world, port, spec_path, out, ckpt_uri, kill_at, legacy):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-
-    torch.set_num_threads(1)
+def _rank(rank, world, spec_path, out, ckpt_uri, kill_at, legacy):
     from kiln.api.load import load_file
     from kiln.trainer.guards import GuardConfig, GuardHooks
     from kiln.trainer.loop import StepHooks, train
@@ -59,18 +52,14 @@ def _rank(rank, world, port, spec_path, out, ckpt_uri, kill_at, legacy):
     else:
         guards.install(hooks)
     result = train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks, checkpoint_uri=ckpt_uri)
-    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
-        json.dump({"start": result.start_step, "final": result.final_step}, f)
+    return {"start": result.start_step, "final": result.final_step}
 
 
-def _run(spec, out, ckpt, *, kill_at=None, legacy=False) -> list[dict]:
-    args = (2, _free_port(), str(spec), str(out), f"file://{ckpt}", kill_at, legacy)
-    if kill_at is None:
-        mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
-    else:
-        with pytest.raises(ProcessExitedException, match="SIGKILL"):
-            mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
-    return read_metrics(out)
+def _run(spec, out, ckpt, *, kill_at=None, legacy=False) -> tuple[list[dict], list[dict]]:
+    """The run's metrics records and each rank's result ([] when every rank was killed at step kill_at)."""
+    results = run_ranks(_rank, 2, out, str(spec), str(out), f"file://{ckpt}", kill_at, legacy, start="spawn",
+                        init=False, expect_signal=None if kill_at is None else signal.SIGKILL)
+    return read_metrics(out), results
 
 
 def _actions(records):
@@ -88,17 +77,17 @@ def spec(tmp_path):
 
 
 def test_resumed_run_detects_the_spike_right_after_resume_like_the_uninterrupted_run(tmp_path, spec):
-    whole = _run(spec, tmp_path / "whole", tmp_path / "ckpt-whole")
+    whole, _ = _run(spec, tmp_path / "whole", tmp_path / "ckpt-whole")
     assert _actions(whole) == [(1, "ok"), (2, "ok"), (3, "ok"), (4, "ok"), (5, "skip"), (6, "ok"), (7, "skip"),
                                (8, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
 
-    before = _run(spec, tmp_path / "before", tmp_path / "ckpt", kill_at=KILL_AT)
+    before, _ = _run(spec, tmp_path / "before", tmp_path / "ckpt", kill_at=KILL_AT)
     assert [r["step"] for r in before] == [1, 2, 3, 4, 5, 6]
     saved = json.loads((tmp_path / "ckpt" / "step-00000006" / "trainer.json").read_text())["hooks"]["guards"]
     assert saved["counters"]["skipped_spike"] == 1 and saved["spikes"] == [5] and len(saved["history"]) == 5
 
-    after = _run(spec, tmp_path / "after", tmp_path / "ckpt")
-    assert json.loads((tmp_path / "after" / "result0.json").read_text()) == {"start": 6, "final": 10}
+    after, results = _run(spec, tmp_path / "after", tmp_path / "ckpt")
+    assert results == [{"start": 6, "final": 10}] * 2
     assert _actions(after) == _actions(whole)[6:]  # step 7 is a spike at once: no warm-up after the resume
     for got, want in zip(after, whole[6:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
@@ -116,8 +105,8 @@ def test_checkpoint_without_guard_state_still_resumes_and_the_detector_warms_up(
     trainer_state = json.loads((tmp_path / "ckpt" / "step-00000006" / "trainer.json").read_text())
     assert "guards" not in trainer_state.get("hooks", {})
 
-    after = _run(spec, tmp_path / "after", tmp_path / "ckpt")
-    assert json.loads((tmp_path / "after" / "result1.json").read_text()) == {"start": 6, "final": 10}
+    after, results = _run(spec, tmp_path / "after", tmp_path / "ckpt")
+    assert results == [{"start": 6, "final": 10}] * 2
     # A fresh detector has fewer than min_history losses at step 7 and 8: both spikes pass unnoticed.
     assert _actions(after) == [(7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
     assert _counters(after[-1]) == (0, 0, 0)
