@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
+
+# The tools tests run by name (kiln, torchrun, hadolint, check-jsonschema) are this checkout's: the ones next to
+# the Python running pytest (.venv/bin), also when pytest is started as .venv/bin/python -m pytest without
+# activating the venv, so a kiln installed elsewhere (another clone's) is never the one tested.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +33,19 @@ def rig():
         cluster.release(pid, stop_if_unused=started and os.environ.get("KILN_RIG_KEEP") != "1")
 
 
+@pytest.fixture(scope="session")
+def real_node(rig):
+    """The rig's real node (tests/rig/node.py): a kubelet with containerd that runs containers.
+
+    Started (and built, the first time) here unless it runs already; it stops with the rig.
+    Pods need `real_node.toleration` (and `real_node.node_selector` to land nowhere else),
+    images loaded with `real_node.import_image(tar)` and `imagePullPolicy: Never`.
+    """
+    from tests.rig import node
+
+    return node.up(rig)
+
+
 @pytest.fixture
 def namespace(rig, request):
     """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""
@@ -43,8 +63,14 @@ def namespace(rig, request):
         rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_node: runs containers on the rig's real node (fixture real_node)")
+
+
 def pytest_collection_modifyitems(items):
     # Every test that uses the rig is a rig test, whether or not it says so.
     for item in items:
         if "rig" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.rig)
+        if "real_node" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_node)

@@ -12,6 +12,9 @@ from kiln.errors import KilnError
 
 WAIT_SUCCEEDED, WAIT_FAILED, WAIT_TIMEOUT = 0, 1, 2
 TERMINAL = {"Succeeded", "Failed"}
+OUTPUTS = ["table", "wide", "json", "yaml"]
+PHASE_COLOUR = {"Running": "green", "Succeeded": "green", "Failed": "red", "Restarting": "yellow",
+                "Suspended": "blue", "Scaling": "cyan"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE")
     p.set_defaults(func=submit)
 
-    p = sub.add_parser("status", parents=[common], help="show runs as a table (one run: with its conditions)")
+    p = sub.add_parser("status", parents=[common], help="show runs as a table (one run: with its conditions)",
+                       description="Show runs as a table (one run: with its conditions). Without a terminal (a pipe, "
+                       "a CI log) every value is printed in full, as kubectl does.")
     p.add_argument("name", nargs="?", metavar="NAME")
     p.add_argument("-A", "--all-namespaces", action="store_true")
+    p.add_argument("-o", "--output", choices=OUTPUTS, default="table",
+                   help="table (default); wide: more columns; json, yaml: the TrainingSpec objects as data "
+                   "(one NAME: the object; else a List of them)")
     p.set_defaults(func=status)
 
     p = sub.add_parser("wait", parents=[common], help="wait for a run's phase (exit 0 reached, 1 failed, 2 timeout)",
@@ -117,15 +125,86 @@ def _age(ts: str | None) -> str:
     if not ts:
         return ""
     seconds = (datetime.now(timezone.utc) - datetime.fromisoformat(ts.replace("Z", "+00:00"))).total_seconds()
+    return _duration(seconds)
+
+
+def _duration(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{int(seconds // size)}{unit}"
     return f"{int(seconds)}s"
 
 
+def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of `kiln status` (full values, no markup) for TrainingSpec objects."""
+    header = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S",
+                                                          "MFU", "LAST CHECKPOINT", "RESTARTS", "AGE"]
+    if wide:
+        header += ["ETA", "GOODPUT", "CHECKPOINT URI", "GENERATION"]
+    rows = []
+    for item in items:
+        st, meta = item.get("status") or {}, item["metadata"]
+        ckpt = st.get("lastCheckpoint") or {}
+        row = ([meta.get("namespace", "")] if all_namespaces else []) + [
+            meta["name"], st.get("phase") or "Pending", str(st.get("nodes", "")), str(st.get("step", "")),
+            st.get("progress", ""),
+            f"{st['tokensPerSecond']:.3g}" if st.get("tokensPerSecond") is not None else "",
+            f"{st['mfu']:.1%}" if st.get("mfu") is not None else "",
+            f"step {ckpt['step']}" if ckpt else "", str(st.get("restarts", "")), _age(meta.get("creationTimestamp")),
+        ]
+        if wide:
+            observed = st.get("observedGeneration")
+            row += [_duration(st["etaSeconds"]) if st.get("etaSeconds") is not None else "",
+                    f"{st['goodput']:.1%}" if st.get("goodput") is not None else "", ckpt.get("uri", ""),
+                    f"{observed if observed is not None else '-'}/{meta.get('generation', '-')}"]
+        rows.append(row)
+    return header, rows
+
+
+def condition_table(item: dict) -> tuple[list[str], list[list[str]]]:
+    conditions = (item.get("status") or {}).get("conditions") or []
+    return ["CONDITION", "STATUS", "REASON", "MESSAGE"], [
+        [c["type"], c["status"], c.get("reason", ""), c.get("message", "")] for c in conditions]
+
+
+def plain_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest value, 3 spaces apart, nothing cut (as kubectl prints)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("   ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def as_data(items: list[dict], name: str | None) -> dict:
+    """-o json|yaml: the objects as the apiserver has them (less metadata.managedFields); one NAME: the object."""
+    objects = [{**item, "metadata": {k: v for k, v in item["metadata"].items() if k != "managedFields"}}
+               for item in items]
+    return objects[0] if name else {"apiVersion": "v1", "kind": "List", "items": objects}
+
+
+def _print_table(console, header: list[str], rows: list[list[str]], phase_column: int | None = None) -> None:
+    """Every value whole, as kubectl prints (a long line wraps in the terminal, never "llama-8…"); in a
+    terminal the phase in colour."""
+    if not console.is_terminal:  # a pipe or a CI log: plain text
+        print(plain_table(header, rows))
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col in header:
+        table.add_column(col, no_wrap=True)
+    for row in rows:
+        if phase_column is not None:
+            phase = row[phase_column]
+            row = [*row[:phase_column], f"[{PHASE_COLOUR.get(phase, 'white')}]{phase}[/]", *row[phase_column + 1:]]
+        table.add_row(*row)
+    natural = sum(max(len(r[i]) for r in [header, *rows]) + 2 for i in range(len(header)))
+    terminal = console.width
+    console.width = max(terminal, natural)  # wider than the terminal: the terminal wraps it, nothing is cut
+    console.print(table, crop=False)
+    console.width = terminal
+
+
 def status(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     kube = _kube(args)
     ns = None if args.all_namespaces else _namespace(args)
@@ -136,36 +215,25 @@ def status(args) -> int:
         items = [body]
     else:
         items = kube.trainingspecs(ns)
+    if args.output in ("json", "yaml"):
+        data = as_data(items, args.name)
+        if args.output == "json":
+            import json
+
+            print(json.dumps(data, indent=2))
+        else:
+            import yaml
+
+            print(yaml.safe_dump(data, sort_keys=False), end="")
+        return 0
     console = Console()
     if not items:
-        console.print(f"no TrainingSpecs in {'any namespace' if ns is None else 'namespace ' + ns}")
+        print(f"no TrainingSpecs in {'any namespace' if ns is None else 'namespace ' + ns}")
         return 0
-    table = Table(box=None, header_style="bold")
-    for col in (["NAMESPACE"] if ns is None else []) + ["NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S",
-                                                         "MFU", "LAST CHECKPOINT", "RESTARTS", "AGE"]:
-        table.add_column(col)
-    colour = {"Running": "green", "Succeeded": "green", "Failed": "red", "Restarting": "yellow",
-              "Suspended": "blue", "Scaling": "cyan"}
-    for item in items:
-        st, meta = item.get("status") or {}, item["metadata"]
-        phase = st.get("phase") or "Pending"
-        ckpt = st.get("lastCheckpoint") or {}
-        row = ([meta["namespace"]] if ns is None else []) + [
-            meta["name"], f"[{colour.get(phase, 'white')}]{phase}[/]", str(st.get("nodes", "")),
-            str(st.get("step", "")), st.get("progress", ""),
-            f"{st['tokensPerSecond']:.3g}" if st.get("tokensPerSecond") is not None else "",
-            f"{st['mfu']:.1%}" if st.get("mfu") is not None else "",
-            f"step {ckpt['step']}" if ckpt else "", str(st.get("restarts", "")), _age(meta.get("creationTimestamp")),
-        ]
-        table.add_row(*row)
-    console.print(table)
+    header, rows = status_table(items, all_namespaces=ns is None, wide=args.output == "wide")
+    _print_table(console, header, rows, phase_column=header.index("PHASE"))
     if args.name:
-        conds = Table(box=None, header_style="bold", title=None)
-        for col in ("CONDITION", "STATUS", "REASON", "MESSAGE"):
-            conds.add_column(col)
-        for c in (items[0].get("status") or {}).get("conditions") or []:
-            conds.add_row(c["type"], c["status"], c.get("reason", ""), c.get("message", ""))
-        console.print(conds)
+        _print_table(console, *condition_table(items[0]))
     return 0
 
 

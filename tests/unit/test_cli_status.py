@@ -1,0 +1,67 @@
+"""`kiln status` output without a cluster: the table's values are complete, the data forms are the objects.
+
+The same output through a real pipe from a real apiserver: tests/integration/test_cli_status.py."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from kiln.cli.cluster_cmds import _print_table, as_data, condition_table, plain_table, status_table
+
+LONG = "llama-8b-pretrain-with-a-very-long-experiment-name-that-goes-on-0123456789"
+
+
+def _item(name: str, namespace: str = "team-with-a-long-namespace-name", **status) -> dict:
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
+            "metadata": {"name": name, "namespace": namespace, "generation": 2,
+                         "creationTimestamp": "2026-01-01T00:00:00Z", "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"training": {"steps": 1000}}, "status": status}
+
+
+STATUS = {"phase": "Running", "nodes": 2, "step": 120, "progress": "12.0%", "tokensPerSecond": 123456.0, "mfu": 0.4123,
+          "lastCheckpoint": {"step": 100, "uri": "s3://bucket/" + "x" * 80 + "/step-00000100/"}, "restarts": 1,
+          "etaSeconds": 3700, "goodput": 0.95, "observedGeneration": 2,
+          "conditions": [{"type": "Running", "status": "True", "reason": "PodsRunning", "message": "m" * 150}]}
+
+
+def test_plain_table_keeps_every_value_whole_and_aligns_columns():
+    header, rows = status_table([_item(LONG, **STATUS), _item("short")], all_namespaces=True)
+    text = plain_table(header, rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["NAMESPACE", "NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S", "MFU", "LAST",
+                                "CHECKPOINT", "RESTARTS", "AGE"]
+    assert LONG in lines[1] and "team-with-a-long-namespace-name" in lines[1] and "…" not in text
+    assert lines[1].split()[2:10] == ["Running", "2", "120", "12.0%", "1.23e+05", "41.2%", "step", "100"]
+    assert lines[2].split()[1:3] == ["short", "Pending"]  # no status yet
+    assert lines[1].index("Running") == lines[2].index("Pending")  # columns line up past the long name
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_a_terminal_narrower_than_the_table_gets_whole_values_too():
+    out = io.StringIO()
+    header, rows = status_table([_item(LONG, **STATUS)], all_namespaces=True)
+    _print_table(Console(file=out, force_terminal=True, width=60, color_system=None), header, rows, phase_column=2)
+    text = out.getvalue()
+    assert LONG in text and "team-with-a-long-namespace-name" in text and "…" not in text
+    assert text.splitlines()[1].split()[:3] == ["team-with-a-long-namespace-name", LONG, "Running"]
+
+
+def test_wide_adds_eta_goodput_checkpoint_uri_and_generation():
+    header, rows = status_table([_item(LONG, **STATUS)], all_namespaces=False, wide=True)
+    assert header[-4:] == ["ETA", "GOODPUT", "CHECKPOINT URI", "GENERATION"]
+    assert rows[0][0] == LONG and rows[0][-4:] == ["1h", "95.0%", STATUS["lastCheckpoint"]["uri"], "2/2"]
+
+
+def test_conditions_keep_their_whole_message():
+    header, rows = condition_table(_item("r", **STATUS))
+    assert rows == [["Running", "True", "PodsRunning", "m" * 150]]
+    assert ("m" * 150) in plain_table(header, rows)
+
+
+def test_data_is_the_objects_without_managed_fields():
+    one = as_data([_item(LONG, **STATUS)], name=LONG)
+    assert one["status"] == STATUS and one["metadata"]["name"] == LONG and "managedFields" not in one["metadata"]
+    many = as_data([_item("a"), _item("b")], name=None)
+    assert many["kind"] == "List" and [i["metadata"]["name"] for i in many["items"]] == ["a", "b"]
