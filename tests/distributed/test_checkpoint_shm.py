@@ -7,20 +7,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
+from tests.distributed.ranks import run_ranks
 from tests.store_wrappers import PassThroughStore
 
 pytestmark = [pytest.mark.distributed]
@@ -57,17 +54,9 @@ class CountingStore(PassThroughStore):
         return self.inner.local_path(key)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, action: str, uri: str, shm: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", KILN_SHM_DIR=shm)
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, action: str, uri: str, shm: str, out: str) -> dict:
+    os.environ["KILN_SHM_DIR"] = shm
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     from kiln.trainer.checkpoint import Checkpointer
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -100,24 +89,11 @@ def _worker(rank: int, world: int, port: int, action: str, uri: str, shm: str, o
     ck.close()
     if rank == 0:
         torch.save(full, f"{out}/weights.pt")
-    Path(f"{out}/result-{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return result
 
 
 def _run(world: int, action: str, uri: str, shm: Path, out: Path) -> list[dict]:
-    out.mkdir(parents=True)
-    ctx = multiprocessing.get_context("fork")  # the children reuse the imported torch
-    port = _free_port()
-    args = (world, port, action, uri, str(shm), str(out))
-    procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), f"{action}: exit codes {[p.exitcode for p in procs]}"
-    return [json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
+    return run_ranks(_worker, world, out, action, uri, str(shm), str(out))
 
 
 def _weights(out: Path) -> dict:
