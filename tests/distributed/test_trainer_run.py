@@ -5,11 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.ranks import wait_for_step
 from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "quickstart.yaml"
@@ -74,10 +74,11 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.5)
+    try:
+        wait_for_step(out / "metrics.jsonl", 2, proc)  # training is under way (100000 steps: it cannot end first)
+    except BaseException:
+        proc.kill()
+        raise
     proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
