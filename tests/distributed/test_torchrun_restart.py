@@ -2,7 +2,7 @@
 each kill costs exactly one restart of the worker group, and the run finishes where an uninterrupted one
 would (the workers resume from the last commit each time).
 
-The kills strike when the run reports steps 8 and 20 of 30 (ranks 0, then 1), so both land before the end
+The kills strike when the run reports steps 8 and 20 of 40 (ranks in turn), so both land before the end
 on a machine of any pace."""
 
 from __future__ import annotations
@@ -10,19 +10,20 @@ from __future__ import annotations
 import pytest
 
 from kiln.control.plan import TORCHRUN_ENV
-from tests.bench.bench_faults import spec
 from tests.distributed.ranks import torchrun_train_with_kills
+from tests.distributed.trainer_helpers import write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS, INTERVAL, KILLS = 30, 5, [8, 20]
+STEPS, INTERVAL, KILLS = 40, 5, [8, 20]  # 20 steps after the last kill: far more than one 20 ms look
 
 
 def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path):
     log = tmp_path / "torchrun.log"
-    result = torchrun_train_with_kills(spec(tmp_path / "spec.yaml", STEPS, INTERVAL), tmp_path / "run", log=log,
-                                       kill_at_steps=KILLS, total_steps=STEPS, max_restarts=4,
-                                       torchrun_env=TORCHRUN_ENV, timeout_s=600)
+    spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": STEPS, "logEvery": 1},
+                      checkpoint={"intervalSteps": INTERVAL, "keep": 2})
+    result = torchrun_train_with_kills(spec, tmp_path / "run", log=log, kill_at_steps=KILLS, total_steps=STEPS,
+                                       max_restarts=4, torchrun_env=TORCHRUN_ENV, timeout_s=600)
     text = log.read_text(errors="replace")
     assert result["rc"] == 0, text[-3000:]  # None: a restarted generation hung (the 600 s safety net)
     kills = result["kills"]
