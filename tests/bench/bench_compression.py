@@ -11,17 +11,15 @@ network); the reference is the uncompressed fp32 all-reduce in the same run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
 from tests.bench.report import write_report
+from tests.distributed.ranks import run_ranks
 
 MODES = ("none", "bf16", "powersgd")
 
@@ -78,14 +76,8 @@ def _run_mode(rank: int, world: int, mode: str, steps: int) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def _worker(rank, world, port, out, steps):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {mode: _run_mode(rank, world, mode, steps) for mode in MODES}
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
+def _worker(rank, world, steps):
+    return {mode: _run_mode(rank, world, mode, steps) for mode in MODES}
 
 
 def main(argv=None) -> dict:
@@ -94,15 +86,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--out", default="runs/bench/compression.json")
     args = ap.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "raw.json"
-        mp.start_processes(_worker, args=(args.world, port, str(raw), args.steps), nprocs=args.world,
-                           start_method="spawn")
-        modes = json.loads(raw.read_text())
+        modes = run_ranks(_worker, args.world, Path(tmp), args.steps, start="spawn")[0]
     ref = modes["none"]
     report = {
         "benchmark": "compression", "world": args.world, "steps": args.steps,
