@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from kiln.api.rules import NAME_MESSAGE, RULES
-from kiln.api.spec import TrainingSpecSpec, TrainingSpecStatus
+from kiln.api.spec import INT32_MAX, INT64_MAX, INT64_MIN, TrainingSpecSpec, TrainingSpecStatus
 
 BEGIN, END = "<!-- BEGIN GENERATED: kiln.api.reference -->", "<!-- END GENERATED -->"
 
@@ -25,6 +25,8 @@ def _model_of(tp: Any) -> type[BaseModel] | None:
 
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
+    if origin is Annotated:
+        return _type_name(get_args(tp)[0])
     if origin is not None and str(origin).endswith("Literal"):
         return " \\| ".join(f"`{a}`" for a in get_args(tp))
     args = [a for a in get_args(tp) if a is not type(None)]
@@ -52,11 +54,21 @@ def _default(field) -> str:
     return "" if field.default in (None, "") else f"`{field.default}`"
 
 
+def _bounds(field) -> str:
+    """' ≥ 1 (int32)', ' > 0', ' ≥ 0, ≤ 1': the field's bounds, as the CRD's minimum/maximum carry them."""
+    found = {op: getattr(m, op) for m in field.metadata for op in ("ge", "gt", "le", "lt")
+             if getattr(m, op, None) is not None}
+    width = {INT32_MAX: "int32", INT64_MAX: "int64"}.get(found.get("le"))
+    parts = [f"{sign} {found[op]}" for op, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+             if op in found and not (op == "ge" and found[op] == INT64_MIN) and not (op == "le" and width)]
+    return (" " + ", ".join(parts) if parts else "") + (f" ({width})" if width else "")
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
         path = f"{prefix}.{field.alias or name}"
-        rows.append(f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | "
+        rows.append(f"| `{path}` | {_type_name(field.annotation)}{_bounds(field)} | {_default(field)} | "
                     f"{(field.description or '').replace('|', '/')} |")
         sub = _model_of(field.annotation)
         if sub is not None:

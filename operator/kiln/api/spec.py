@@ -7,7 +7,7 @@ Cross-field rules live in `kiln.api.rules` and are enforced by pydantic here and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -20,6 +20,14 @@ KIND = "TrainingSpec"
 PLURAL = "trainingspecs"
 API_VERSION = f"{GROUP}/{VERSION}"
 
+# Integers as Kubernetes stores them: replica-like counts are int32 in the objects kiln makes (PyTorchJob
+# replicas, min/maxReplicas, backoffLimit; the parallel degrees multiply them in the CEL rules), the rest
+# int64. Every integer field carries one of these as its `le`, so the CRD has the same `maximum` and the
+# apiserver refuses what `kiln validate` refuses (a test walks the CRD for an integer without one).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
 
 class ApiModel(BaseModel):
     """Base for every API object: camelCase aliases, unknown fields rejected, Python names accepted too."""
@@ -29,6 +37,7 @@ class ApiModel(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
+        allow_inf_nan=False,  # YAML has .inf and .nan, JSON (what the apiserver stores) has neither
     )
 
 
@@ -51,13 +60,13 @@ class ModelSpec(ApiModel):
         "config.json sets the dimensions (explicit fields must agree with it; seqLen is free up to "
         "max_position_embeddings, default min(2048, it)). A resumed run loads its own checkpoints, not this.",
     )
-    dim: int | None = Field(None, ge=8, description="Hidden size (model width).")
-    layers: int | None = Field(None, ge=1, description="Number of transformer blocks.")
-    heads: int | None = Field(None, ge=1, description="Attention heads.")
-    kv_heads: int | None = Field(None, ge=1, description="Key/value heads for grouped-query attention; divides heads.")
-    vocab_size: int | None = Field(None, ge=2, description="Vocabulary size (256 for the built-in byte tokenizer).")
-    seq_len: int | None = Field(None, ge=2, description="Tokens per training sequence.")
-    ffn_dim: int | None = Field(None, ge=8, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
+    dim: int | None = Field(None, ge=8, le=INT64_MAX, description="Hidden size (model width).")
+    layers: int | None = Field(None, ge=1, le=INT64_MAX, description="Number of transformer blocks.")
+    heads: int | None = Field(None, ge=1, le=INT64_MAX, description="Attention heads.")
+    kv_heads: int | None = Field(None, ge=1, le=INT64_MAX, description="Key/value heads for grouped-query attention; divides heads.")
+    vocab_size: int | None = Field(None, ge=2, le=INT64_MAX, description="Vocabulary size (256 for the built-in byte tokenizer).")
+    seq_len: int | None = Field(None, ge=2, le=INT64_MAX, description="Tokens per training sequence.")
+    ffn_dim: int | None = Field(None, ge=8, le=INT64_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
 
@@ -66,7 +75,7 @@ class DataSpec(ApiModel):
     """Where training tokens come from."""
 
     uri: str = Field(
-        "builtin:pydoc",
+        "builtin:pydoc", max_length=1024,
         description=(
             "'synthetic' (random tokens, for throughput tests), 'builtin:pydoc' (a small English corpus that ships "
             "with Python, byte-tokenized), or a folder of tokenized shards: file:///path/ or s3://bucket/prefix/."
@@ -84,12 +93,12 @@ class DataSpec(ApiModel):
 class TrainingConfig(ApiModel):
     """The optimisation: steps, batch, learning-rate schedule, precision."""
 
-    steps: int = Field(1000, ge=1, description="Optimizer steps to train for.")
-    global_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step, summed over all data-parallel ranks.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    steps: int = Field(1000, ge=1, le=INT64_MAX, description="Optimizer steps to train for.")
+    global_batch_size: int = Field(8, ge=1, le=INT64_MAX, description="Sequences per optimizer step, summed over all data-parallel ranks.")
+    micro_batch_size: int = Field(1, ge=1, le=INT64_MAX, description="Sequences per forward/backward on one rank; the rest is gradient accumulation.")
     lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr (cosine, linear, wsd).")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
+    warmup_steps: int = Field(0, ge=0, le=INT64_MAX, description="Linear warm-up steps from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Learning-rate schedule after warm-up: cosine | linear | constant | wsd (warmup-stable-decay)."
     )
@@ -99,21 +108,21 @@ class TrainingConfig(ApiModel):
     precision: Literal["bf16", "fp32"] = Field(
         "bf16", description="bf16: bf16 compute with fp32 master weights and reductions; fp32: everything in fp32."
     )
-    seed: int = Field(0, description="Seed for initialisation and data order; the same seed gives the same run.")
-    log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    seed: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="Seed for initialisation and data order; the same seed gives the same run.")
+    log_every: int = Field(1, ge=1, le=INT64_MAX, description="Log metrics every this many steps.")
 
 
 class ParallelismSpec(ApiModel):
     """How the world of processes is split: data parallel size is derived as world / (tensor x pipeline)."""
 
-    tensor: int = Field(1, ge=1, description="Tensor-parallel degree; divides processes per node and the head counts.")
-    pipeline: int = Field(1, ge=1, description="Pipeline-parallel stages; must not exceed layers.")
+    tensor: int = Field(1, ge=1, le=INT32_MAX, description="Tensor-parallel degree; divides processes per node and the head counts.")
+    pipeline: int = Field(1, ge=1, le=INT32_MAX, description="Pipeline-parallel stages; must not exceed layers.")
     pipeline_microbatches: int | None = Field(
-        None, ge=1, description="Microbatches per pipeline step (default: max(2 x pipeline, gradient accumulation))."
+        None, ge=1, le=INT32_MAX, description="Microbatches per pipeline step (default: max(2 x pipeline, gradient accumulation))."
     )
     fsdp: bool = Field(True, description="Shard parameters, gradients and optimizer state over data parallel (FSDP2).")
     replicate: int = Field(
-        1, ge=1, description="HSDP: replicate over this many groups, shard within each (usually = nodes)."
+        1, ge=1, le=INT32_MAX, description="HSDP: replicate over this many groups, shard within each (usually = nodes)."
     )
     compile: bool = Field(True, description="torch.compile each transformer block.")
     activation_checkpoint: Literal["none", "selective", "full"] = Field(
@@ -136,13 +145,13 @@ class Toleration(ApiModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to match; empty matches all effects."
     )
-    toleration_seconds: int | None = Field(None, description="For NoExecute: how long the pod stays bound after the taint.")
+    toleration_seconds: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="For NoExecute: how long the pod stays bound after the taint.")
 
 
 class ResourcesSpec(ApiModel):
     """What each node (one PyTorchJob worker pod) gets."""
 
-    nodes: int = Field(1, ge=1, description="Worker pods (one per node) to start with; the scale subresource sets it.")
+    nodes: int = Field(1, ge=1, le=INT32_MAX, description="Worker pods (one per node) to start with; the scale subresource sets it.")
     gpus_per_node: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per pod; 0 runs on CPU.")
     processes_per_node: int | None = Field(
         None, ge=1, le=256, description="Training processes per pod; defaults to gpusPerNode (1 on CPU)."
@@ -165,16 +174,16 @@ class ResourcesSpec(ApiModel):
 class PhasePlanEntry(ApiModel):
     """One phase of the elastic plan: run with `nodes` until `untilStep` (the last entry has none)."""
 
-    until_step: int | None = Field(None, ge=1, description="Last step of this phase; omit on the final phase.")
-    nodes: int = Field(..., ge=1, description="Nodes to use during this phase; within [minNodes, maxNodes].")
+    until_step: int | None = Field(None, ge=1, le=INT64_MAX, description="Last step of this phase; omit on the final phase.")
+    nodes: int = Field(..., ge=1, le=INT32_MAX, description="Nodes to use during this phase; within [minNodes, maxNodes].")
 
 
 class ElasticSpec(ApiModel):
     """Elastic scaling: the job may run with any node count in [minNodes, maxNodes]."""
 
-    min_nodes: int | None = Field(None, ge=1, description="Fewest nodes to keep training with (default: nodes).")
-    max_nodes: int | None = Field(None, ge=1, description="Most nodes to grow to (default: nodes).")
-    max_restarts: int = Field(10, ge=0, description="Restarts allowed before the run is marked Failed.")
+    min_nodes: int | None = Field(None, ge=1, le=INT32_MAX, description="Fewest nodes to keep training with (default: nodes).")
+    max_nodes: int | None = Field(None, ge=1, le=INT32_MAX, description="Most nodes to grow to (default: nodes).")
+    max_restarts: int = Field(10, ge=0, le=INT32_MAX, description="Restarts allowed before the run is marked Failed.")
     plan: list[PhasePlanEntry] = Field(
         default_factory=list, max_length=16,
         description="Optional phase plan by training step, in order: every entry but the last has untilStep.",
@@ -197,11 +206,11 @@ class CheckpointSpec(ApiModel):
         description="Name of a Secret in the run's namespace with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
         "the pods read it by reference, keys are never inline.",
     )
-    interval_steps: int | Literal["auto"] = Field(
+    interval_steps: Annotated[int, Field(le=INT64_MAX)] | Literal["auto"] = Field(
         100,
         description="Save every N steps (N >= 1), or 'auto' (Young/Daly from the measured save cost and failure rate).",
     )
-    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; the newest is never deleted.")
+    keep: int = Field(3, ge=1, le=INT64_MAX, description="Committed checkpoints to keep; the newest is never deleted.")
     async_save: bool = Field(True, description="Upload in the background; training blocks only to stage state.")
 
 
@@ -261,14 +270,14 @@ class Condition(ApiModel):
     reason: str = Field(..., max_length=1024, description="CamelCase reason for the last transition.")
     message: str = Field("", max_length=32768, description="Human-readable details.")
     last_transition_time: str = Field(..., description="When the status last changed (RFC 3339).")
-    observed_generation: int | None = Field(None, ge=0, description="The spec generation this condition is about.")
+    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX, description="The spec generation this condition is about.")
 
 
 class CheckpointRef(ApiModel):
     """The newest committed checkpoint."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-    step: int = Field(..., ge=0, description="Training step the checkpoint holds.")
+    step: int = Field(..., ge=0, le=INT64_MAX, description="Training step the checkpoint holds.")
     uri: str = Field(..., description="Folder of the checkpoint, e.g. s3://bucket/run/step-00001000/.")
     time: str | None = Field(None, description="When it was committed (RFC 3339).")
 
@@ -314,10 +323,10 @@ class TrainingSpecStatus(ApiModel):
     phase: Phase | None = Field(
         None, description="Pending | Running | Scaling | Restarting | Suspended | Succeeded | Failed."
     )
-    nodes: int | None = Field(None, ge=0, description="Worker pods currently running.")
-    step: int | None = Field(None, ge=0, description="Last completed optimizer step.")
+    nodes: int | None = Field(None, ge=0, le=INT32_MAX, description="Worker pods currently running.")
+    step: int | None = Field(None, ge=0, le=INT64_MAX, description="Last completed optimizer step.")
     progress: str | None = Field(None, description="step / training.steps as a percentage, e.g. '12.3%'.")
-    eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds to the last step at the current rate.")
+    eta_seconds: int | None = Field(None, ge=0, le=INT64_MAX, description="Estimated seconds to the last step at the current rate.")
     tokens_per_second: float | None = Field(None, ge=0, description="Training throughput, all ranks together.")
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
     last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
@@ -326,12 +335,12 @@ class TrainingSpecStatus(ApiModel):
         None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."
     )
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
-    restarts: int | None = Field(None, ge=0, description="Times the PyTorchJob entered Restarting.")
+    restarts: int | None = Field(None, ge=0, le=INT64_MAX, description="Times the PyTorchJob entered Restarting.")
     conditions: list[Condition] = Field(
         default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Running, Suspended, Succeeded, Failed."
     )
     observed_generation: int | None = Field(
-        None, ge=0, description="The metadata.generation the operator acted on last."
+        None, ge=0, le=INT64_MAX, description="The metadata.generation the operator acted on last."
     )
 
 
@@ -346,7 +355,8 @@ class ObjectMeta(ApiModel):
 class TrainingSpec(ApiModel):
     """A TrainingSpec document as written in YAML (and as stored by the apiserver)."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    # forbid: a typo of a top-level key (`sepc:`) must not silently run the default spec
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
     api_version: Literal["kiln.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["TrainingSpec"] = KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
