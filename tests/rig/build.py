@@ -35,18 +35,36 @@ def go_version() -> str:
     return subprocess.run(["go", "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def cache_key() -> str:
-    pins = {name: spec["require"] for name, spec in versions.COMPONENTS.items()}
+# Two groups of components, each in its own cache folder: the control plane (what every rig
+# test needs) and the real node (built only when a node is asked for).
+CONTROL_PLANE, NODE = "control-plane", "node"
+
+
+def group_of(name: str) -> str:
+    return NODE if name in versions.NODE_BUILD_ORDER else CONTROL_PLANE
+
+
+def group_members(group: str) -> list[str]:
+    return versions.NODE_BUILD_ORDER if group == NODE else versions.BUILD_ORDER
+
+
+def cache_key(group: str = CONTROL_PLANE) -> str:
+    pins = {name: versions.COMPONENTS[name]["require"] for name in group_members(group)}
     blob = json.dumps({"go": go_version(), "pins": pins}, sort_keys=True).encode()
-    return f"k8s-{versions.KUBERNETES}-{hashlib.sha256(blob).hexdigest()[:10]}"
+    prefix = "node-k8s" if group == NODE else "k8s"
+    return f"{prefix}-{versions.KUBERNETES}-{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
-def rig_dir() -> Path:
-    return cache_dir() / "rig" / cache_key()
+def rig_dir(group: str = CONTROL_PLANE) -> Path:
+    return cache_dir() / "rig" / cache_key(group)
 
 
-def bin_dir() -> Path:
-    return rig_dir() / "bin"
+def bin_dir(group: str = CONTROL_PLANE) -> Path:
+    return rig_dir(group) / "bin"
+
+
+def node_bin_dir() -> Path:
+    return bin_dir(NODE)
 
 
 def binary_names(name: str) -> list[str]:
@@ -55,8 +73,22 @@ def binary_names(name: str) -> list[str]:
     return [names.get(pkg, pkg.rsplit("/", 1)[-1]) for pkg in spec["packages"]]
 
 
+def _files_digest(name: str) -> str:
+    """Hash of the repository files a component builds (its own Go sources), if any."""
+    files = versions.COMPONENTS[name].get("files", {})
+    digest = hashlib.sha256()
+    for dest, src in sorted(files.items()):
+        digest.update(dest.encode() + b"\0" + (REPO / src).read_bytes() + b"\0")
+    return digest.hexdigest()[:16] if files else ""
+
+
 def is_built(name: str) -> bool:
-    return all((bin_dir() / b).is_file() for b in binary_names(name)) and (rig_dir() / "stamps" / name).is_file()
+    group = group_of(name)
+    stamp = rig_dir(group) / "stamps" / name
+    if not (all((bin_dir(group) / b).is_file() for b in binary_names(name)) and stamp.is_file()):
+        return False
+    # Components built from our own sources rebuild when those change (pins are in the key).
+    return not _files_digest(name) or json.loads(stamp.read_text()).get("files") == _files_digest(name)
 
 
 def log(msg: str) -> None:
@@ -90,26 +122,32 @@ def _staging_replaces(kube_version: str) -> list[str]:
 
 def write_wrapper(name: str) -> Path:
     spec = versions.COMPONENTS[name]
-    src = rig_dir() / "src" / name
+    src = rig_dir(group_of(name)) / "src" / name
     src.mkdir(parents=True, exist_ok=True)
     minor = go_version().removeprefix("go").split(".")[:2]
     lines = [f"module kiln.local/rig/{name}", "", f"go {'.'.join(minor)}", ""]
     lines += [f"require {mod} {ver}" for mod, ver in spec["require"].items()]
-    lines += [f"tool {pkg}" for pkg in spec["packages"]]
+    # `tool` lines for other modules' main packages; "./x" are our own, copied in below.
+    lines += [f"tool {pkg}" for pkg in spec["packages"] if not pkg.startswith(".")]
     if spec.get("staging"):
         lines += _staging_replaces(spec["require"]["k8s.io/kubernetes"])
+    for dest, repo_path in spec.get("files", {}).items():
+        (src / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / repo_path, src / dest)
     text = "\n".join(lines) + "\n"
+    tidy_key = text + _files_digest(name)  # our sources' imports change what tidy resolves
     gomod = src / "go.mod"
-    if not gomod.exists() or not (src / ".tidy").exists() or (src / ".tidy").read_text() != text:
+    if not gomod.exists() or not (src / ".tidy").exists() or (src / ".tidy").read_text() != tidy_key:
         gomod.write_text(text)
         subprocess.run(["go", "mod", "tidy"], cwd=src, check=True, env=go_env())
-        (src / ".tidy").write_text(text)
+        (src / ".tidy").write_text(tidy_key)
     return src
 
 
 def ldflags(name: str, src: Path) -> str:
-    flags = ["-s", "-w"]
-    if name == "kubernetes":
+    spec = versions.COMPONENTS[name]
+    flags = ["-s", "-w"] + [f"-X {var}={value}" for var, value in spec.get("version_vars", {}).items()]
+    if "k8s.io/kubernetes" in spec["require"]:  # kubelet too: else it reports v0.0.0-master
         v = versions.KUBERNETES
         major, minor = v.removeprefix("v").split(".")[:2]
         values = {
@@ -135,9 +173,11 @@ def ldflags(name: str, src: Path) -> str:
 
 def _go_build(name: str, src: Path) -> None:
     spec = versions.COMPONENTS[name]
-    out = bin_dir()
+    out = bin_dir(group_of(name))
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["nice", "-n", "10", "go", "build", "-v", "-trimpath", "-ldflags", ldflags(name, src)]
+    if spec.get("tags"):
+        cmd += ["-tags", ",".join(spec["tags"])]
     if len(spec["packages"]) == 1:
         cmd += ["-o", str(out / binary_names(name)[0])]
     else:
@@ -159,23 +199,52 @@ def _go_build(name: str, src: Path) -> None:
 
 
 def build(names: list[str] | None = None) -> dict[str, float]:
-    """Build what is missing; return seconds spent per component (0 for cached ones).
+    """Build what is missing (default: the control plane); return seconds spent per
+    component (0 for cached ones).
 
     A file lock makes concurrent callers (several pytest sessions) wait for one build.
     """
-    rig_dir().mkdir(parents=True, exist_ok=True)
-    with open(rig_dir() / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build(names or versions.BUILD_ORDER)
+    names = names or versions.BUILD_ORDER
+    times: dict[str, float] = {}
+    for group in dict.fromkeys(group_of(n) for n in names):
+        rig_dir(group).mkdir(parents=True, exist_ok=True)
+        with open(rig_dir(group) / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            times |= _build(group, [n for n in names if group_of(n) == group])
+    return times
 
 
-def _build(names: list[str]) -> dict[str, float]:
+def build_node() -> dict[str, float]:
+    """Everything the real node needs: its Debian packages and its Go components."""
+    install_host_packages()
+    return build(versions.NODE_BUILD_ORDER)
+
+
+def install_host_packages() -> None:
+    """Install the node's Debian packages (runc, iptables, ...) that are missing, with apt."""
+    missing = sorted({pkg for exe, pkg in versions.NODE_HOST_PACKAGES.items() if shutil.which(exe) is None})
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        raise RuntimeError(f"the real node needs the Debian packages {missing}; install them (no apt-get here)")
+    log(f"installing Debian packages {', '.join(missing)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    # A fresh machine may have no package lists yet: update once and try again.
+    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, check=True, capture_output=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"apt-get install {' '.join(missing)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
+def _build(group: str, names: list[str]) -> dict[str, float]:
     todo = [n for n in names if not is_built(n)]
     times: dict[str, float] = {n: 0.0 for n in names if n not in todo}
     if not todo:
-        log(f"all {len(names)} components cached in {rig_dir()}")
+        log(f"all {len(names)} components cached in {rig_dir(group)}")
         return times
-    log(f"building {', '.join(todo)} into {rig_dir()} (cached: {', '.join(times) or 'none'})")
+    log(f"building {', '.join(todo)} into {rig_dir(group)} (cached: {', '.join(times) or 'none'})")
     total = time.monotonic()
     # Resolving modules is network-bound: prepare every wrapper while the first builds compile.
     srcs: dict[str, Path] = {}
@@ -201,12 +270,15 @@ def _build(names: list[str]) -> dict[str, float]:
         start = time.monotonic()
         _go_build(n, srcs[n])
         times[n] = time.monotonic() - start
-        stamps = rig_dir() / "stamps"
+        stamps = rig_dir(group) / "stamps"
         stamps.mkdir(parents=True, exist_ok=True)
-        (stamps / n).write_text(json.dumps({"seconds": round(times[n], 1), "require": versions.COMPONENTS[n]["require"]}))
+        stamp = {"seconds": round(times[n], 1), "require": versions.COMPONENTS[n]["require"]}
+        if _files_digest(n):
+            stamp["files"] = _files_digest(n)
+        (stamps / n).write_text(json.dumps(stamp))
         log(f"{n}: done in {times[n]:.0f}s")
     log(f"built {len(todo)} components in {time.monotonic() - total:.0f}s")
-    record = rig_dir() / "build-times.json"
+    record = rig_dir(group) / "build-times.json"
     record.write_text(json.dumps({"total_seconds": round(time.monotonic() - total, 1), "components": times}, indent=2))
     return times
 
@@ -222,3 +294,4 @@ def module_dir(module: str, version: str) -> Path:
 
 def clean() -> None:
     shutil.rmtree(rig_dir(), ignore_errors=True)
+    shutil.rmtree(rig_dir(NODE), ignore_errors=True)

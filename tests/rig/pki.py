@@ -40,14 +40,18 @@ def make_cert(
     directory: Path, name: str, ca: str, subject: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = (),
     client: bool = False,
 ) -> None:
-    """A leaf certificate `name.crt`/`name.key` signed by `ca.crt`; subject like `/CN=x/O=y`."""
+    """A leaf certificate `name.crt`/`name.key` signed by `ca.crt`; subject like `/CN=x/O=y`.
+
+    An existing one is kept unless its subject alternative names differ from those asked for
+    (the rig's addresses changed): then it is made again.
+    """
     key, crt = directory / f"{name}.key", directory / f"{name}.crt"
-    if crt.exists() and key.exists():
+    sans = [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
+    if crt.exists() and key.exists() and _sans(crt) == {s.replace("IP:", "IP Address:") for s in sans}:
         return
     _key(key)
     csr = directory / f"{name}.csr"
     _openssl("req", "-new", "-key", str(key), "-out", str(csr), "-subj", subject)
-    sans = [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
     ext = ["basicConstraints=critical,CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment"]
     ext.append("extendedKeyUsage=" + ("clientAuth" if client else "serverAuth,clientAuth"))
     if sans:
@@ -62,6 +66,14 @@ def make_cert(
     finally:
         Path(f.name).unlink()
         csr.unlink()
+
+
+def _sans(crt: Path) -> set[str]:
+    out = subprocess.run(
+        ["openssl", "x509", "-in", str(crt), "-noout", "-ext", "subjectAltName"], capture_output=True, text=True,
+    ).stdout
+    lines = out.splitlines()[1:]  # after the "X509v3 Subject Alternative Name:" header
+    return {part.strip() for line in lines for part in line.split(",") if part.strip()}
 
 
 def make_service_account_keys(directory: Path) -> None:
