@@ -11,35 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import tempfile
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
+
 from tests.bench.report import write_report
+from tests.distributed.ranks import complete_lines, start_ranks, wait_until
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, uri: str, env: dict, width: int, progress: str) -> None:
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, uri: str, env: dict, width: int, progress: str) -> None:
+    os.environ.update(env)
     import logging
 
     import torch
-    import torch.distributed as dist
     from kiln.api.spec import CheckpointSpec
     from kiln.trainer.checkpoint import Checkpointer
     from torch import nn
@@ -47,15 +39,13 @@ def _worker(rank: int, port: int, uri: str, env: dict, width: int, progress: str
     from torch.distributed.fsdp import fully_shard
 
     logging.basicConfig(filename=f"{progress}.log", level=logging.INFO, force=True)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=5, keep=2), default_uri="", rank=rank, world_size=WORLD)
+    ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=5, keep=2), default_uri="", rank=rank, world_size=world)
     t0 = time.monotonic()
     state = ck.restore([model], [opt])
     restore_s = time.monotonic() - t0
@@ -72,16 +62,22 @@ def _worker(rank: int, port: int, uri: str, env: dict, width: int, progress: str
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(ln) for ln in complete_lines(path) if ln.strip()]
+
+
+def _memory_copies(shm: str) -> list[int | None]:
+    """The step each rank's copy in host memory holds (KILN_SHM_DIR/<run>/rank-<r>/SHM.json)."""
+    steps = []
+    for path in sorted(Path(shm).glob("*/rank-*/SHM.json")):
+        try:
+            steps.append(json.loads(path.read_text())["step"])
+        except (OSError, ValueError, KeyError):
+            steps.append(None)  # being written
+    return steps
 
 
 def _start(uri: str, env: dict, width: int, progress: Path) -> list:
-    ctx = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, uri, env, width, str(progress)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    return procs
+    return start_ranks(_worker, WORLD, progress.parent, uri, env, width, str(progress))
 
 
 def _kill(procs) -> None:
@@ -91,16 +87,9 @@ def _kill(procs) -> None:
         p.join()
 
 
-def _wait(cond, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
 def _trial(uri: str, env: dict, width: int, work: Path, name: str) -> dict:
-    """Run until a commit newer than any before it exists, kill -9, restart; kill → first step completed."""
+    """Run until a commit newer than any before it is in place (with its memory copies) and trained past,
+    kill -9, restart; kill → first step completed."""
     from kiln.storage import open_store
     from kiln.storage.commit import committed_steps
 
@@ -108,16 +97,27 @@ def _trial(uri: str, env: dict, width: int, work: Path, name: str) -> dict:
     before = max(committed_steps(store), default=0)
     first = work / f"{name}-a.jsonl"
     procs = _start(uri, env, width, first)
+    shm = env.get("KILN_SHM_DIR")
+
+    def ready() -> int:
+        """The newest commit, once the job trains on past it (as a crash mid-run finds it) and, restoring from
+        memory, every rank's copy holds it (it is written after the COMMIT)."""
+        newest = max(committed_steps(store), default=0)
+        if newest <= before or (shm and _memory_copies(shm) != [newest] * WORLD):
+            return 0
+        return newest if any(ln["step"] > newest for ln in _lines(first)) else 0
+
     try:
-        _wait(lambda: max(committed_steps(store), default=0) > before, "a first commit")
-        time.sleep(0.2)
+        wait_until("a commit, its memory copies and a step after it", ready,
+                   alive=lambda: all(p.is_alive() for p in procs))
     finally:
         t_kill = time.time()
         _kill(procs)
     second = work / f"{name}-b.jsonl"
     procs = _start(uri, env, width, second)
     try:
-        _wait(lambda: len(_lines(second)) >= 1, "the first step after the restart")
+        wait_until("the first step after the restart", lambda: len(_lines(second)) >= 1,
+                   alive=lambda: all(p.is_alive() for p in procs))
     finally:
         _kill(procs)
     line = _lines(second)[0]
