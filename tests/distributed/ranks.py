@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kiln.control.plan import TORCHRUN_ENV
 
-POLL_S = 0.02  # how often a watcher looks; short next to one training step, so no reported step is missed
+POLL_S = 0.02  # how often a watcher looks: a kill comes within a step or so of the step it is due at
 SAFETY_TIMEOUT_S = 600  # a hung run fails after this long; nothing waits for it to pass
 
 
@@ -76,13 +76,13 @@ def _rank_entry(rank: int, world: int, port: int, out: str, init: bool, fn: Call
     try:
         if init:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        result = fn(rank, world, *args)
+        text = json.dumps(fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent as text
-        result = {"error": traceback.format_exc()}
+        text = json.dumps({"error": traceback.format_exc()})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    Path(out, f"result-{rank}.json").write_text(json.dumps(result))
+    Path(out, f"result-{rank}.json").write_text(text)
     # Skip interpreter finalization: gloo's worker threads can still hold tensors there, and freeing them then
     # aborts the process ("terminate called without an active exception", SIGABRT; pytorch#179291), failing
     # a test whose result is already written.
@@ -122,14 +122,15 @@ def run_ranks(fn: Callable, world: int, out: Path, *args, start: str = "fork", i
         path = out / f"result-{r}.json"
         return json.loads(path.read_text()) if procs[r].exitcode is not None and path.exists() else None
 
-    def failed() -> str | None:
+    def failed() -> str | None:  # every failed rank's error: the first to fail may only see its peer go
+        errors = []
         for r, p in enumerate(procs):
             res = result(r)
             if isinstance(res, dict) and "error" in res:
-                return f"rank {r}:\n{res['error']}"
-            if p.exitcode not in (None, 0) and expect_signal is None:
-                return f"rank {r} exited with {p.exitcode}"
-        return None
+                errors.append(f"rank {r}:\n{res['error']}")
+            elif p.exitcode not in (None, 0) and expect_signal is None:
+                errors.append(f"rank {r} exited with {p.exitcode}")
+        return "\n".join(errors) or None
 
     try:
         wait_until(f"{world} ranks of {getattr(fn, '__name__', fn)}",
