@@ -79,15 +79,16 @@ def _trial(uri: str, env: dict, rng: random.Random, out) -> dict:
         # Kill inside an upload, checked rather than hoped for: once files of an uncommitted step show, let the
         # ranks run on a random moment (a random point of the upload), freeze them (SIGSTOP) and look again.
         # Still uncommitted: the kill lands inside that upload. Committed meanwhile: thaw, wait for the next.
-        for _ in range(100):
+        def frozen_in_upload() -> bool:
             wait_until("an upload in flight", lambda: _upload_in_flight(store), alive=alive)
             time.sleep(rng.uniform(0.0, 0.02))
             _signal(procs, signal.SIGSTOP)
             if _upload_in_flight(store):
-                break
+                return True
             _signal(procs, signal.SIGCONT)
-        else:
-            raise AssertionError("100 uploads in a row committed before the ranks could be frozen")
+            return False
+
+        wait_until("the ranks frozen inside an upload", frozen_in_upload, alive=alive)
         victim = rng.randrange(WORLD)
         os.kill(procs[victim].pid, signal.SIGKILL)
         _signal([p for i, p in enumerate(procs) if i != victim], signal.SIGCONT)
