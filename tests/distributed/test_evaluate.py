@@ -16,6 +16,7 @@ from kiln.cli.main import main
 from kiln.trainer.data import VALIDATION_FRACTION, pydoc_bytes
 from kiln.trainer.evaluate import evaluate
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.distributed.trainer_helpers import (
     MICRO_MODEL,
     env,
@@ -37,7 +38,7 @@ def test_eval_of_a_two_rank_run_matches_its_val_loss_and_beats_the_untrained_mod
     # 2 ranks with FSDP save sharded weights; kiln eval reads them into one process (DCP reshards).
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 8, "lr": 3e-3, "warmupSteps": 2}, nproc=2)
     out = tmp_path / "out"
-    run = kiln("run", str(spec), "--output", str(out), timeout=240)
+    run = kiln("run", str(spec), "--output", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     logged = read_metrics(out)[-1]
     assert logged["step"] == 8 and logged["world_size"] == 2
@@ -97,7 +98,7 @@ def test_eval_of_a_pipeline_parallel_checkpoint_in_the_s3_store(rig, tmp_path, m
     out = tmp_path / "out"
     try:
         run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
-                             env=env(**keys), capture_output=True, text=True, timeout=240, check=False)
+                             env=env(**keys), capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False)
         assert run.returncode == 0, run.stderr[-3000:]
         for name, value in keys.items():
             monkeypatch.setenv(name, value)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ranks import wait_for_step
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
 from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "quickstart.yaml"
@@ -80,7 +80,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
         proc.kill()
         raise
     proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=SAFETY_TIMEOUT_S)  # the ranks agree on a step, save it and exit
     assert proc.returncode == 130, stderr[-3000:]
     assert "interrupted; rerun the same command to resume" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
+
 # A model smaller than the `tiny` preset, so a 4-rank gloo run of a few steps takes seconds on two cores.
 MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
 
@@ -39,7 +41,7 @@ def env(**extra: str) -> dict:
     return e
 
 
-def torchrun_train(spec: Path, out: Path, nproc: int, timeout: int = 240) -> list[dict]:
+def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S) -> list[dict]:
     """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kiln.cli.main", "train", "--config", str(spec), "--output", str(out)]
@@ -53,6 +55,6 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def kiln(*args: str, timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def kiln(*args: str, timeout: float = SAFETY_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], env=env(), capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, check=False)
