@@ -57,7 +57,7 @@ from kiln.storage.commit import (
     write_commit,
     young_daly_interval,
 )
-from kiln.trainer.dcp_store import StoreFS, StoreReader, StoreWriter
+from kiln.trainer.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, StoreWriter, UnsafeCheckpoint
 from kiln.trainer.shm_copy import SHM_MANIFEST, read_shm_copy, shm_dir
 
 log = logging.getLogger("kiln.checkpoint")
@@ -124,6 +124,17 @@ def memory_available() -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def _unsafe(err: BaseException) -> UnsafeCheckpoint | None:
+    """The UnsafeCheckpoint behind a load failure: DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(err, UnsafeCheckpoint):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, UnsafeCheckpoint):
+            return inner
+    return None
 
 
 def _first_line(err: BaseException) -> str:
@@ -443,6 +454,7 @@ class Checkpointer:
             try:
                 self._load(step, model_parts, optimizers, StoreFS(self.store, fetched=fetched))
             except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
+                self._refuse_if_unsafe(step, err)
                 raise KilnError(
                     f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
                     f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
@@ -452,9 +464,14 @@ class Checkpointer:
 
     def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
         state, keys = collect_state(model_parts, optimizers)
-        dcp.load(
-            state, storage_reader=StoreReader(fs, step_dir(step)), process_group=self._pg, no_dist=not self._distributed
-        )
+        reader = StoreReader(fs, step_dir(step))  # and its planner: nothing in the files runs as code
+        try:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except (Exception, CheckpointException):
+            if reader.refused is not None:  # what this rank refused, in its own words (DCP may fold it into text)
+                raise reader.refused from None
+            raise
         for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
             set_state_dict(
                 model,
@@ -517,10 +534,18 @@ class Checkpointer:
             check_remote("trainer.json")
             trainer_state = read_trainer_state(self.store, step)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP fails on every rank alike
+            self._refuse_if_unsafe(step, err)
             if self.rank == 0:
                 log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
             return None
         return self._restored(step, trainer_state, "memory", t0)
+
+    def _refuse_if_unsafe(self, step: int, err: BaseException) -> None:
+        """A file that would run code stops the restore, on every rank: no fallback to an older commit, which
+        the same writer may have prepared too."""
+        unsafe = _unsafe(err)
+        if unsafe is not None:
+            raise KilnError(f"checkpoint step {step} at {self.store.url(step_dir(step))}: {unsafe}") from None
 
     def _fetch_verified(self, step: int) -> tuple[list[str], dict[str, list[bytes]]]:
         """Every rank checks its share of the files (size + sha256) against COMMIT, reading each once and, from

@@ -5,6 +5,12 @@ A shard is hashed (sha256, for the COMMIT) while DCP writes it, and streamed int
 on S3 full parts upload in the background while DCP serialises the rest (kiln.storage.s3.MultipartWriter), on
 file:// the shard is written in place. Reads come from the bytes the restore already downloaded and checked
 (`fetched`), a verified host-memory copy, or block-aligned ranged GETs with parallel read-ahead (`RangedReader`).
+
+Loading runs no code from the checkpoint: its bytes come from a bucket that others may be able to write (the
+COMMIT's sha256 proves integrity, not origin). DCP reads `.metadata` with pickle.load and non-tensor items with
+torch.load(weights_only=False); `StoreReader` reads the metadata with an unpickler that admits only DCP's
+metadata classes, and `SafeLoadPlanner` loads the items with weights_only=True (tensors already are). A file
+that would run code is refused with `UnsafeCheckpoint`, naming it.
 """
 
 from __future__ import annotations
@@ -13,18 +19,23 @@ import contextlib
 import hashlib
 import io
 import os
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     _FileSystemWriter,
 )
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from kiln.errors import KilnError
 from kiln.storage import ObjectStore
 from kiln.storage.commit import HASH_CHUNK, FileEntry
 
@@ -287,10 +298,123 @@ class StoreWriter(_FileSystemWriter):
         return result
 
 
+class UnsafeCheckpoint(KilnError):
+    """A checkpoint file that would run code if it were loaded (or is not what DCP writes); never loaded."""
+
+
+# Everything DCP's .metadata pickle refers to (torch.distributed.checkpoint.metadata and filesystem, plus
+# torch.Size, dtypes and layouts); any other global (os.system, builtins.eval, ...) is refused.
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # looks a torch.layout up by its name
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle's documented way to restrict globals ("Restricting Globals"): only METADATA_GLOBALS and torch
+    dtypes resolve. Exact names only: a dotted name cannot walk from an allowed class to anything else."""
+
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        if name in METADATA_GLOBALS.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(
+            f"{self.source} refers to {module}.{name}, which DCP checkpoint metadata never holds: refused without "
+            f"loading it (unpickling it would run code). Was the checkpoint written by someone else?"
+        )
+
+
+def load_metadata(file, source: str) -> Metadata:
+    """DCP's Metadata from a .metadata stream, running nothing from it; UnsafeCheckpoint naming `source`."""
+    try:
+        metadata = MetadataUnpickler(file, source).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as err:  # noqa: BLE001 - a truncated or garbled pickle: say so, naming the file
+        raise UnsafeCheckpoint(f"{source} is not DCP checkpoint metadata ({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"{source} is not DCP checkpoint metadata (it holds a {type(metadata).__name__})")
+    return metadata
+
+
 class StoreReader(FileSystemReader):
-    """DCP's FileSystemReader with its file system swapped for StoreFS."""
+    """DCP's FileSystemReader with its file system swapped for StoreFS, reading without running code."""
 
     def __init__(self, fs: StoreFS, step_prefix: str):
         super().__init__(step_prefix)
         self.fs = fs
         self.path = step_prefix
+        # what this rank refused: DCP folds a failed metadata read into an AssertionError's text
+        self.refused: UnsafeCheckpoint | None = None
+
+    def refuse(self, err: UnsafeCheckpoint) -> UnsafeCheckpoint:
+        self.refused = self.refused or err
+        return err
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        # FileSystemReader.read_metadata, with the restricted unpickler in place of pickle.load
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = load_metadata(f, self.fs.store.url(str(path)))
+            except UnsafeCheckpoint as err:
+                raise self.refuse(err) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except pickle.UnpicklingError as err:  # a tensor item (torch.load weights_only=True) that would run code
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            raise self.refuse(UnsafeCheckpoint(
+                f"{', '.join(self.fs.store.url(self.fs.concat_path(self.path, f)) for f in files)}: a tensor would "
+                f"run code when loaded ({_unsafe_global(err)}): refused"
+            )) from None
+
+    def source_of(self, read_item) -> str:
+        """The URL of the file that holds a read item."""
+        return self.fs.store.url(self.fs.concat_path(self.path, self.storage_data[read_item.storage_index].relative_path))
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items (the optimizer's param_groups: floats, bools,
+    tuples) are unpickled with weights_only=True: DCP's own load_bytes uses weights_only=False."""
+
+    def __init__(self, reader: StoreReader, **kwargs):
+        super().__init__(**kwargs)
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise self.reader.refuse(UnsafeCheckpoint(
+                f"{self.reader.source_of(read_item)}: item {read_item.dest_index.fqn} would run code when loaded "
+                f"({_unsafe_global(err)}): refused"
+            )) from None
+        # hand DCP's placement logic (flattened keys → nested state) bytes pickled here from plain data
+        plain = io.BytesIO()
+        torch.save(obj, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+def _unsafe_global(err: BaseException) -> str:
+    """The line of torch's weights_only error that names the refused global, else its first line."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "global" in ln.lower()]
+    return (named or lines or [type(err).__name__])[0][:300]
