@@ -1,6 +1,7 @@
 """The container images: Dockerfiles pass hadolint, and what each image runs exists in the package.
 
-No Docker engine here, so the images are not built; these tests check what a build would rely on.
+These are the cheap checks of what a build relies on; tests/integration/test_images.py builds both
+images from these Dockerfiles (tests/rig/images.py) and runs them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kiln.cli.main import build_parser
+from tests.rig.images import arg_default
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
@@ -28,12 +30,6 @@ def instruction(dockerfile: Path, name: str) -> list[str]:
     lines = [l for l in dockerfile.read_text().splitlines() if l.startswith(name + " ")]
     assert lines, f"{dockerfile} has no {name}"
     return json.loads(lines[-1][len(name) + 1:])
-
-
-def arg_default(dockerfile: Path, name: str) -> str:
-    match = re.search(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), re.M)
-    assert match, f"{dockerfile} has no ARG {name}=..."
-    return match.group(1)
 
 
 def subcommands() -> set[str]:
@@ -95,14 +91,17 @@ def test_trainer_entrypoint_is_torchrun_running_kiln_train():
     assert program[0] in PYPROJECT["project"]["scripts"]
     args = build_parser().parse_args(program[1:])
     assert args.command == "train" and args.config == "/etc/kiln/spec.yaml"
-    extras = re.search(r'"kiln\[([a-z,]+)\]==', dockerfile.read_text()).group(1).split(",")
+    extras = re.search(r'"/wheels/kiln-\$\{KILN_VERSION\}-py3-none-any.whl\[([a-z,]+)\]"',
+                       dockerfile.read_text()).group(1).split(",")
     assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"]), extras
 
 
 def test_operator_image_runs_without_torch():
     # The operator image installs kiln's base dependencies only; its code must not need torch.
     dockerfile = (IMAGES / "operator" / "Dockerfile").read_text()
-    assert re.search(r'"kiln==\$\{KILN_VERSION\}"', dockerfile), "the operator image must install kiln without extras"
+    # kiln's own wheel, by path (PyPI has an unrelated "kiln 0.1"), without extras
+    assert re.search(r'pip install "/wheels/kiln-\$\{KILN_VERSION\}-py3-none-any.whl"', dockerfile), \
+        "the operator image must install kiln's wheel without extras"
     base = [r for r in importlib.metadata.requires("kiln") or [] if "extra ==" not in r]
     assert base and not any(re.match(r"(torch|triton)\b", r) for r in base), base
     code = (
@@ -114,3 +113,65 @@ def test_operator_image_runs_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "--health-port" in proc.stdout
+
+
+def external_bases(dockerfile: Path) -> list[str]:
+    """The FROM images that are not earlier stages of the same Dockerfile."""
+    stages, bases = set(), []
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("FROM "):
+            words = line.split()
+            if words[1] not in stages:
+                bases.append(words[1])
+            if len(words) == 4 and words[2].upper() == "AS":
+                stages.add(words[3])
+    return bases
+
+
+@pytest.mark.parametrize("image", ["operator", "trainer"])
+def test_images_build_from_the_base_the_rig_can_make(image):
+    # No registry is reachable in tests and CI: tests/rig/images.py makes this one base from Debian's packages.
+    from tests.rig.images import BASE_NAME
+
+    assert set(external_bases(IMAGES / image / "Dockerfile")) == {BASE_NAME.removeprefix("docker.io/library/")}
+
+
+def test_trainer_torch_pin_satisfies_kiln():
+    from packaging.requirements import Requirement
+
+    torch = arg_default(IMAGES / "trainer" / "Dockerfile", "TORCH_VERSION")
+    reqs = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["train"]]
+    spec = next(r.specifier for r in reqs if r.name == "torch")
+    assert spec.contains(torch), f"TORCH_VERSION={torch} does not satisfy kiln's torch{spec}"
+
+
+def dockerfile_env(dockerfile: Path) -> dict[str, str]:
+    """Every ENV key=value of a Dockerfile (continuation lines joined)."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env |= dict(word.split("=", 1) for word in line.split()[1:])
+    return env
+
+
+def test_trainer_image_writes_only_where_kiln_pods_mount_emptydirs():
+    # Under Pod Security `restricted` the root filesystem is read-only: the image's defaults for every
+    # cache and temp folder are the ones kiln's pod spec sets, under its writable /tmp emptyDir.
+    from kiln.control.plan import TMP_DIR, WRITABLE_ENV
+
+    env = dockerfile_env(IMAGES / "trainer" / "Dockerfile")
+    assert {k: env.get(k) for k in WRITABLE_ENV} == WRITABLE_ENV
+    assert all(v == TMP_DIR or v.startswith(TMP_DIR + "/") for v in WRITABLE_ENV.values())
+
+
+@pytest.mark.parametrize("image", ["operator", "trainer"])
+def test_build_context_is_what_the_ignore_file_allows(image):
+    # The image's cache key hashes exactly the files its build can COPY: sources yes, bytecode and
+    # egg-info (left by an editable install) no.
+    from tests.rig.images import context_files
+
+    files = {str(f) for f in context_files(image)}
+    assert {"pyproject.toml", "README.md", "operator/kiln/__init__.py", "operator/kiln/cli/main.py"} <= files
+    assert not [f for f in files if "__pycache__" in f or ".egg-info" in f or f.endswith(".pyc")]
+    assert not [f for f in files if not f.startswith("operator/") and f not in ("pyproject.toml", "README.md")]
