@@ -240,3 +240,13 @@ def test_trainer_pod_meets_pod_security_restricted():
         assert any(env[var] == m or env[var].startswith(m + "/") for m in writable), (var, env[var], writable)
     output = c["command"][c["command"].index("--output") + 1]
     assert any(output.startswith(m + "/") for m in writable)
+
+
+def test_trainer_pods_serve_metrics_on_the_operators_port():
+    pod = pod_of(BASE)
+    (c,) = pod["containers"]
+    assert env_of(pod)["KILN_METRICS_PORT"] == "9400"
+    assert {"name": "metrics", "containerPort": 9400} in c["ports"]
+    off = pod_of(BASE, OperatorConfig(image="x", trainer_metrics_port=0))
+    assert "KILN_METRICS_PORT" not in env_of(off)
+    assert [p["name"] for p in off["containers"][0]["ports"]] == ["c10d"]

@@ -18,6 +18,7 @@ SETTINGS = {
     "KILN_METRICS_PORT": ("metrics_port", 19090),
     "KILN_DEFAULT_CPU": ("default_cpu", "8"),
     "KILN_DEFAULT_MEMORY": ("default_memory", "64Gi"),
+    "KILN_TRAINER_METRICS_PORT": ("trainer_metrics_port", 19400),
 }
 
 

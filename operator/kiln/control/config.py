@@ -28,6 +28,8 @@ class OperatorConfig:
     field_manager: str = "kiln-operator"
     health_port: int = 8080
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
+    # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.exporter); 0: no trainer metrics.
+    trainer_metrics_port: int = 9400
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorConfig":
@@ -42,6 +44,7 @@ class OperatorConfig:
             ("default_memory", "KILN_DEFAULT_MEMORY", str),
             ("health_port", "KILN_HEALTH_PORT", int),
             ("metrics_port", "KILN_METRICS_PORT", int),
+            ("trainer_metrics_port", "KILN_TRAINER_METRICS_PORT", int),
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])

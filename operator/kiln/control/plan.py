@@ -223,6 +223,10 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name="KILN_DATA_CACHE", value=f"{config.scratch_dir}/data"))
+    ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]
+    if config.trainer_metrics_port:  # rank 0's Prometheus /metrics, on a named port for a PodMonitor
+        env.append(k.V1EnvVar(name="KILN_METRICS_PORT", value=str(config.trainer_metrics_port)))
+        ports.append(k.V1ContainerPort(name="metrics", container_port=config.trainer_metrics_port))
     # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
     # the scratch default, which is on this pod's disk already.
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
@@ -238,7 +242,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         command=["torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}",
                  "--output", f"{config.scratch_dir}/run"],
         env=env,
-        ports=[k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)],
+        ports=ports,
         resources=k.V1ResourceRequirements(limits=limits, requests=requests),
         volume_mounts=[
             k.V1VolumeMount(name="spec", mount_path=SPEC_MOUNT, read_only=True),
