@@ -81,13 +81,22 @@ class Kube:
 
     # ---- writes ----
 
+    @staticmethod
+    def _run_of(obj: dict) -> tuple[str, str]:
+        meta = obj["metadata"]
+        return meta["namespace"], (meta.get("labels") or {}).get(RUN_LABEL) or meta["name"]
+
+    def applied_before(self, obj: dict) -> bool:
+        """Whether this client applied this object since the run was last forgotten (so it is the run's own:
+        sync checks an object's owner before its first apply)."""
+        return object_path(obj) in self._applied.get(self._run_of(obj), {})
+
     def apply(self, obj: dict) -> dict | None:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets): one
         PATCH, no read before it (the apiserver creates or merges). Returns the object as stored, or None
         without a request when this client applied the very same body less than resync_seconds ago (see
         forget_applied)."""
-        path, meta = object_path(obj), obj["metadata"]
-        run = (meta["namespace"], (meta.get("labels") or {}).get(RUN_LABEL) or meta["name"])
+        path, run = object_path(obj), self._run_of(obj)
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
         digest_then, applied_at = self._applied.get(run, {}).get(path, ("", 0.0))
         if digest_then == digest and time.monotonic() - applied_at < self.resync_seconds:
@@ -120,6 +129,18 @@ class Kube:
             if err.status == 404:
                 return None
             raise
+
+    def read(self, obj: dict) -> dict | None:
+        """The object stored at `obj`'s name and kind (None: there is none)."""
+        try:
+            response = self.api.call_api(
+                object_path(obj), "GET", header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
 
     def trainingspec(self, namespace: str, name: str) -> dict | None:
         body = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)

@@ -6,12 +6,14 @@ because pod, job and spec events for one run can arrive at once on different wor
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kiln.api.load import format_validation_error
@@ -44,10 +46,11 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     """Make the cluster match one TrainingSpec; returns a one-line summary for the log.
 
     API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
-    what may change); the credentials Secret when the spec names one; then one server-side apply per object
-    this operator has not applied with the same content before, and at most one status patch. A new run
-    costs 1 read + 5 applies + 1 status patch; suspending a running one, 2 reads (job, ConfigMap) + 2
-    applies (ConfigMap, job) + 1 status patch.
+    what may change); the credentials Secret when the spec names one; each other object once before this
+    operator first applies it (someone else's is never taken over: see `foreign`); then one server-side
+    apply per object this operator has not applied with the same content before, and at most one status
+    patch. A new run costs 5 reads + 5 applies + 1 status patch; suspending a running one, 2 reads (job,
+    ConfigMap) + 2 applies (ConfigMap, job) + 1 status patch.
     pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -79,17 +82,60 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
             else:
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
+                accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
-                    applied = kube.apply(obj)
+                    if not kube.applied_before(obj):  # force-apply would adopt someone else's object
+                        other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj),
+                                        body["metadata"].get("uid"))
+                        if other:
+                            accepted = ("False", "NotOwner", other)
+                            break
+                    try:
+                        applied = kube.apply(obj)
+                    except ApiException as err:  # refused as invalid, or the apiserver failed: say which
+                        accepted = ("False", "ApplyRefused" if err.status in (400, 422) else "ApplyFailed",
+                                    apply_failure(obj, err))
+                        break
                     if obj["kind"] == "PyTorchJob" and applied is not None:
                         if job is None:
                             pods = []  # created just now: the training-operator has made no pod yet
                         job = applied
-                accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
         _write_status(kube, body, post, accepted, job, pods)
-        if accepted[0] == "False" and accepted[1] == "SecretMissing":
-            raise Wait(accepted[2])  # retry: the Secret may be created any moment
+        if accepted[0] == "False" and accepted[1] in RETRIED:
+            raise Wait(accepted[2])  # retried with a delay: the cause may go away without a spec change
         return f"{namespace}/{name}: {accepted[1]}"
+
+
+# SpecAccepted reasons whose cause may pass without a spec change (a Secret created, a foreign object
+# removed, the apiserver back): the reconcile is retried. An apply the apiserver refuses as invalid
+# (ApplyRefused) is not, nor is an invalid spec: only a new spec can help, and it brings a new reconcile.
+RETRIED = ("SecretMissing", "NotOwner", "ApplyFailed")
+
+
+def foreign(existing: dict | None, owner_uid: str | None) -> str | None:
+    """Why the operator must not apply over `existing` (None: there is no such object, or it belongs to the
+    run with this uid). Server-side apply with force would take it over, and the garbage collector would
+    delete it with the run; a ServiceAccount of someone else's may carry stronger RoleBindings."""
+    if existing is None:
+        return None
+    meta = existing.get("metadata") or {}
+    owners = meta.get("ownerReferences") or []
+    if owner_uid and any(o.get("uid") == owner_uid for o in owners):
+        return None
+    held = ", ".join(f"{o.get('kind')} {o.get('name')}" for o in owners) or "no owner"
+    return (f"{existing.get('kind')} {meta.get('namespace')}/{meta.get('name')} exists and is not this run's "
+            f"({held}); kiln does not take over objects it did not create: delete or rename that object, or "
+            f"rename this TrainingSpec")
+
+
+def apply_failure(obj: dict, err: ApiException) -> str:
+    """The apiserver's reason for refusing an apply, naming the object, in one bounded line."""
+    try:
+        message = json.loads(err.body or "{}").get("message") or err.reason
+    except (ValueError, AttributeError):
+        message = err.reason
+    meta = obj["metadata"]
+    return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {message}"[:2000]
 
 
 def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ) -> None:
