@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from kiln.api import TrainingSpec, resolve_model
+from kiln.api import TrainingSpec
 from kiln.api.load import load_file, parse
 from kiln.errors import KilnError
 
@@ -64,6 +64,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--max-loss", type=float, default=None, metavar="X",
                     help="a gate for CI: exit 1 (after printing and writing --json) when the loss is above X")
     ev.set_defaults(func=cmd_eval)
+
+    ex = subparsers.add_parser(
+        "export", help="write a run's newest committed checkpoint as a Hugging Face model folder",
+        description="Load the newest committed checkpoint of SPEC's run (saved by any number of processes) into "
+        "this one process and write it to OUTPUT as a Hugging Face folder: sharded safetensors with their index, "
+        "config.json, generation_config.json and the tokenizer files, which transformers loads as a "
+        "LlamaForCausalLM.",
+    )
+    ex.add_argument("spec", help="TrainingSpec YAML file")
+    ex.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face folder)")
+    ex.add_argument("--output", required=True, help="folder to write: file:///path/ or s3://bucket/prefix/")
+    where = ex.add_mutually_exclusive_group()
+    where.add_argument("--run-output", default=None, help="the `kiln run` folder whose checkpoints/ to read "
+                       "(default: runs/<metadata.name>; used only when the spec has no checkpoint.uri)")
+    where.add_argument("--checkpoint", default=None, help="checkpoint URI (default: the spec's checkpoint.uri)")
+    ex.add_argument("--endpoint", default=None, help="S3 endpoint URL for the checkpoint, model folder and output "
+                    "(default: the spec's checkpoint.endpoint); keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the written weights (default: model.from's, else float32)")
+    ex.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
+    ex.set_defaults(func=cmd_export)
 
 
 def load_one(path: str) -> TrainingSpec:
@@ -117,13 +138,13 @@ def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path
 
 
 def check_layout(doc: TrainingSpec, world: int) -> None:
-    """Fail before starting any process when the layout cannot work for `world` processes."""
+    """Fail before starting any process when the model (a model folder's config.json against the spec's
+    fields), the tokenizer or the layout cannot work for `world` processes."""
+    from kiln.trainer import hf
     from kiln.trainer.parallel import plan_layout
 
-    try:
-        dims = resolve_model(doc.spec.model)
-    except ValueError as err:
-        raise KilnError(f"spec.{err}") from None
+    dims = hf.resolve_dims(doc.spec)
+    hf.training_tokenizer(doc.spec, dims)
     plan_layout(doc.spec, dims, world)
 
 
@@ -252,4 +273,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KilnError(f"--json {path}: cannot write ({err.strerror})") from None
     if args.max_loss is not None and not result.loss <= args.max_loss:
         raise KilnError(f"held-out loss {result.loss:.4f} of step {result.step} is above --max-loss {args.max_loss}")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    """'500MB', '2GB', '1048576' -> bytes (decimal units, as transformers' max_shard_size)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * factor)
+    if t.isdigit():
+        return int(t)
+    raise KilnError(f"--max-shard-size {text!r}: use a size like 500MB or 2GB")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from kiln.trainer.hf import export_hf
+
+    doc = load_one(args.spec)
+    max_bytes = parse_size(args.max_shard_size)
+    if max_bytes < 1:
+        raise KilnError(f"--max-shard-size must be positive, not {args.max_shard_size}")
+    if not args.output.startswith(("file://", "s3://")):
+        raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
+    uri = eval_checkpoint_uri(doc, output=args.run_output, checkpoint=args.checkpoint)
+    result = export_hf(doc, checkpoint_uri=uri, output_uri=args.output, endpoint=args.endpoint, dtype=args.dtype,
+                       max_shard_bytes=max_bytes)
+    print(f"kiln: exported step {result.step} of {uri} to {result.output}: {len(result.files)} files, "
+          f"{result.bytes / 1e6:,.1f} MB", flush=True)
     return 0

@@ -8,7 +8,8 @@ global batch. Each rank takes its contiguous slice of every global batch.
 
 Sources:
 - `builtin:pydoc`: the English help text that ships with CPython (`pydoc_data.topics`, ~465 KB),
-  byte-tokenized (vocab 256); the last 10 % is the validation split. No download.
+  byte-tokenized (vocab 256), or tokenized with data.tokenizer when it names one; the last 10 % is the
+  validation split. No download.
 - `synthetic`: uniformly random tokens, for throughput measurements.
 - `file:///dir/` (or a plain path): tokenized shards `*.npy` (1-D integer arrays) or `*.bin` (raw
   little-endian uint16, nanoGPT style), read through memory maps in file-name order.
@@ -101,14 +102,19 @@ def fetch_shards(uri: str, *, endpoint: str | None = None, cache_root: str | Non
 
 
 def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train",
-                endpoint: str | None = None):
-    """The samples behind a data.uri; KilnError names the uri and what is accepted."""
+                endpoint: str | None = None, tokenizer=None):
+    """The samples behind a data.uri; KilnError names the uri and what is accepted. `tokenizer` (a
+    `tokenizers.Tokenizer`, None for bytes) tokenizes the built-in corpus; token shards are already tokenized."""
     if uri == "synthetic":
         return SyntheticSamples(seq_len, vocab_size, seed + (0 if split == "train" else 1))
     if uri == "builtin:pydoc":
-        if vocab_size < 256:
+        if tokenizer is not None:
+            ids = tokenizer.encode(pydoc_bytes().decode("utf-8"), add_special_tokens=False).ids
+            tokens = np.asarray(ids, dtype=np.int64)
+        elif vocab_size < 256:
             raise KilnError(f"data.uri builtin:pydoc is byte-tokenized and needs model.vocabSize >= 256, not {vocab_size}")
-        tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
+        else:
+            tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
         cut = int(len(tokens) * (1 - VALIDATION_FRACTION))
         return TokenSamples([tokens[:cut] if split == "train" else tokens[cut:]], seq_len, vocab_size)
     if uri.startswith("s3://"):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.api import ModelDims, TrainingSpec, resolve_model
+from kiln.api import ModelDims, TrainingSpec
 from kiln.errors import KilnError
-from kiln.trainer import kernels
+from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_source
 from kiln.trainer.loop import EVAL_BATCHES
 from kiln.trainer.model import build_model
@@ -44,11 +44,8 @@ class EvalResult:
                 "checkpoint": self.checkpoint}
 
 
-def model_dims(doc: TrainingSpec) -> ModelDims:
-    try:
-        return resolve_model(doc.spec.model)
-    except ValueError as err:
-        raise KilnError(f"spec.{err}") from None
+def model_dims(doc: TrainingSpec, endpoint: str | None = None) -> ModelDims:
+    return hf.resolve_dims(doc.spec, endpoint=endpoint)
 
 
 def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None = None,
@@ -62,21 +59,30 @@ def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None =
     if data_uri is None and uri not in HELD_OUT:
         raise KilnError(f"data.uri {uri} has no held-out split (only {' and '.join(HELD_OUT)} do); pass the "
                         f"held-out token shards with --data file:///path/ or s3://bucket/prefix/")
+    tokenizer = hf.training_tokenizer(doc.spec, dims)
     try:
         source = open_source(uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
                              split="validation",
-                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or endpoint or doc.spec.checkpoint.endpoint)
+                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or endpoint or doc.spec.checkpoint.endpoint,
+                             tokenizer=tokenizer)
     except KilnError as err:
         raise KilnError(f"--data: {err}" if data_uri else str(err)) from None
     return GlobalBatchLoader(source, seed=tr.seed)
 
 
-def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device) -> nn.Module:
-    """The plain model with the weights training starts from (seeded by parameter name), in eval mode."""
+def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device, endpoint: str | None = None,
+                  load_from: bool = True) -> nn.Module:
+    """The plain model with the weights training starts from (model.from's, else seeded by parameter name), in
+    eval mode. load_from=False skips reading model.from (a checkpoint replaces the weights anyway)."""
     kernels.set_mode(doc.spec.parallelism.kernels)
     model = build_model(dims)
     model.to_empty(device=device)
-    model.init_weights(doc.spec.training.seed)
+    if doc.spec.model.from_:
+        model.init_buffers()
+        if load_from:
+            hf.load_weights(model, doc.spec.model.from_, dims, endpoint=endpoint or hf.storage_endpoint(doc.spec))
+    else:
+        model.init_weights(doc.spec.training.seed)
     return model.eval()
 
 
@@ -137,9 +143,9 @@ def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int | No
         raise KilnError(f"--device {device}: this machine has {torch.cuda.device_count()} usable CUDA GPU(s); "
                         f"use --device cpu" + (" or cuda:0" if torch.cuda.device_count() else ""))
     tr = doc.spec.training
-    dims = model_dims(doc)
+    dims = model_dims(doc, endpoint)
     loader = validation_loader(doc, dims, data_uri, endpoint)  # first: a bad data URI fails before any loading
-    model = initial_model(doc, dims, device)
+    model = initial_model(doc, dims, device, endpoint, load_from=not checkpoint_uri)
     step = load_checkpoint(model, doc, checkpoint_uri, endpoint) if checkpoint_uri else 0
     # bf16 on a GPU, as training computes; fp32 on CPU (where bf16 matmuls are slow and the run is small).
     autocast = torch.bfloat16 if tr.precision == "bf16" and device.type == "cuda" else None

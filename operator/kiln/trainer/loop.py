@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kiln.api import TrainingSpec, resolve_model
-from kiln.errors import KilnError
-from kiln.trainer import kernels
+from kiln.api import TrainingSpec
+from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_source
 from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, peak_flops, peak_memory_gib
 from kiln.trainer.model import build_model, cross_entropy
@@ -124,10 +123,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         GuardHooks().install(hooks)
     rank, world, device = _init_distributed()
     try:
-        try:
-            dims = resolve_model(spec.model)
-        except ValueError as err:
-            raise KilnError(f"spec.{err}") from None
+        dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
+        tokenizer = hf.training_tokenizer(spec, dims)
         layout = plan_layout(spec, dims, world)
         kernels.set_mode(par.kernels)
         torch.manual_seed(tr.seed)
@@ -136,7 +133,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         mesh = build_mesh(layout, device.type)
         model = parallelize(build_model(dims), mesh, layout, spec)
         model.to_empty(device=device)
-        model.init_weights(tr.seed)
+        if spec.model.from_:
+            model.init_buffers()  # the weights come from model.from, or from this run's commit (below)
+        else:
+            model.init_weights(tr.seed)
         model.train()
         model_parts = [model]
         optimizer = build_optimizer(model_parts, tr, device)
@@ -151,12 +151,13 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
 
         dp_rank, dp_size = dp_coordinates(mesh)
         source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
-                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint)
+                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint,
+                             tokenizer=tokenizer)
         loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
         # Held-out loss at the end of the run, for the corpus that has a validation split.
         val_loader = GlobalBatchLoader(
             open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
-                        split="validation"), seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size,
+                        split="validation", tokenizer=tokenizer), seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size,
         ) if spec.data.uri == "builtin:pydoc" else None
 
         from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
@@ -168,6 +169,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             if checkpointing else _NoCheckpoints()
         start_step, tokens_seen = 0, 0
         state = checkpointer.restore(model_parts, optimizers)
+        if state is None and spec.model.from_:  # a new run starts from the model folder; a resumed one from its commit
+            hf.load_weights(model, spec.model.from_, dims, endpoint=hf.storage_endpoint(spec))
         if state is not None:
             start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
             loader.load_state_dict(state["data"])

@@ -1,0 +1,451 @@
+"""Hugging Face model folders in and out: `model.from`, `data.tokenizer` and `kiln export --format hf`.
+
+In: the folder's config.json gives the dimensions (kiln.api.hf); the weights are read **streamed and sharded**:
+every rank reads, for each parameter it holds (its FSDP/TP shard of the blocks of its pipeline stage), only the
+byte range of that slice from the safetensors file, through the object store (file:// or s3://, ranged reads).
+No rank ever holds a tensor it does not own, let alone the whole model. The safetensors format is an 8-byte
+length, a JSON header and raw little-endian data; `safetensors.safe_open` needs a local file, so the header is
+parsed here and the data read by range (tests check it against safetensors itself).
+
+Names: kiln's parameters map one to one onto transformers' Llama names (`NAME_MAP`). Both use the rotate-half
+RoPE convention (transformers' conversion script permutes Meta's interleaved q/k rows once, into the layout
+kiln uses too), so q/k weights are copied as they are; a test checks logits against transformers itself.
+Tied embeddings are untied: the output layer starts as a copy of the embedding and trains on its own; an
+export writes both, with tie_word_embeddings false.
+
+Out: one process loads the newest commit (any world size; DCP reshards) and writes sharded safetensors, the
+index, config.json, generation_config.json and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.api import ModelDims, resolve_model
+from kiln.api.hf import config_for, dims_from_config
+from kiln.api.spec import TrainingSpecSpec
+from kiln.errors import KilnError
+from kiln.storage import ObjectStore, open_store
+from kiln.storage.store import ObjectNotFound
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt (the format's own limit)
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # a buffer old conversions saved
+
+# kiln parameter name -> transformers LlamaForCausalLM name ({i}: the block index, the same on both sides)
+NAME_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_name(kiln_name: str) -> str:
+    m = _LAYER.match(kiln_name)
+    if m:
+        return NAME_MAP["layers.{i}." + m.group(2)].format(i=m.group(1))
+    return NAME_MAP[kiln_name]
+
+
+def hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the transformers Llama with these dims, by its name, with its shape."""
+    d, hd, f, v = dims.dim, dims.head_dim, dims.ffn_dim, dims.vocab_size
+    per_layer = {"attention.wq.weight": (dims.heads * hd, d), "attention.wk.weight": (dims.kv_heads * hd, d),
+                 "attention.wv.weight": (dims.kv_heads * hd, d), "attention.wo.weight": (d, dims.heads * hd),
+                 "feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d), "feed_forward.w2.weight": (d, f),
+                 "attention_norm.weight": (d,), "ffn_norm.weight": (d,)}
+    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
+    for i in range(dims.layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in per_layer.items()})
+    return {hf_name(k): s for k, s in shapes.items()}
+
+
+# -- where: the store of model.from -------------------------------------------------------------------------------
+
+
+def storage_endpoint(spec: TrainingSpecSpec) -> str | None:
+    """The S3 endpoint for model.from and the tokenizer: the one data and checkpoints use."""
+    return os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint
+
+
+def _open(uri: str, endpoint: str | None, what: str) -> ObjectStore:
+    try:
+        return open_store(uri, endpoint=endpoint)
+    except KilnError as err:
+        raise KilnError(f"{what} {uri}: {err}") from None
+
+
+def _json(store: ObjectStore, key: str, what: str) -> dict:
+    try:
+        raw = store.get_bytes(key)
+    except ObjectNotFound:
+        raise KilnError(f"{what}: no {key} in {store.uri}") from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise KilnError(f"{what}: {store.url(key)} is not valid JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise KilnError(f"{what}: {store.url(key)} is not a JSON object")
+    return doc
+
+
+def read_config(uri: str, endpoint: str | None = None) -> dict:
+    return _json(_open(uri, endpoint, "model.from"), CONFIG, f"model.from {uri}")
+
+
+def resolve_dims(spec: TrainingSpecSpec, *, endpoint: str | None = None, config: dict | None = None) -> ModelDims:
+    """The model's dimensions: from the preset and explicit fields, or from model.from's config.json (read
+    here unless given). KilnError naming the field or the config key."""
+    try:
+        if spec.model.from_ is None:
+            return resolve_model(spec.model)
+        if config is None:
+            config = read_config(spec.model.from_, endpoint or storage_endpoint(spec))
+        return dims_from_config(config, spec.model, spec.model.from_)
+    except ValueError as err:
+        raise KilnError(f"spec.{err}") from None
+
+
+# -- safetensors headers and slices -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: str  # key in the store
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+
+
+def read_header(store: ObjectStore, key: str) -> dict[str, TensorEntry]:
+    """The tensors one safetensors file holds; KilnError naming the file (and tensor) when it is truncated or
+    its header is not what the format says."""
+    where = store.url(key)
+    try:
+        size = store.size(key)
+    except ObjectNotFound:
+        raise KilnError(f"model.from: {where} is missing (named by {INDEX})") from None
+    if size < 8:
+        raise KilnError(f"model.from: {where} is truncated ({size} bytes; a safetensors file starts with an "
+                        f"8-byte header length)")
+    (n,) = struct.unpack("<Q", store.get_bytes(key, 0, 8))
+    if n > min(MAX_HEADER, size - 8):
+        raise KilnError(f"model.from: {where} has a corrupt or truncated safetensors header (length {n}, file "
+                        f"{size} bytes)")
+    try:
+        header = json.loads(store.get_bytes(key, 8, n))
+        assert isinstance(header, dict)
+    except (UnicodeDecodeError, json.JSONDecodeError, AssertionError):
+        raise KilnError(f"model.from: {where} has a corrupt safetensors header (not a JSON object)") from None
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(x) for x in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise KilnError(f"model.from: {where}: tensor {name}: dtype {info.get('dtype') if isinstance(info, dict) else info!r} "
+                            f"is not supported or its header entry is malformed (kiln reads F32, F16, BF16, F64)") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise KilnError(f"model.from: {where}: tensor {name}: data_offsets {begin}..{end} do not hold "
+                            f"{list(shape)} {info['dtype']} ({nbytes} bytes); the file is corrupt")
+        if base + end > size:
+            raise KilnError(f"model.from: {where} is truncated: tensor {name} ends at byte {base + end}, the file "
+                            f"has {size}")
+        out[name] = TensorEntry(key, dtype, shape, base + begin)
+    return out
+
+
+def read_slice(store: ObjectStore, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """entry[offsets : offsets + sizes] (1-D or 2-D), reading only the rows it spans."""
+    item = entry.dtype.itemsize
+    row = math.prod(entry.shape[1:]) * item  # bytes per index of dim 0
+    raw = store.get_bytes(entry.file, entry.start + offsets[0] * row, sizes[0] * row) if sizes[0] else b""
+    t = torch.frombuffer(bytearray(raw), dtype=entry.dtype) if raw else torch.empty(0, dtype=entry.dtype)
+    t = t.view(sizes[0], *entry.shape[1:])
+    if len(sizes) == 2:
+        t = t[:, offsets[1]:offsets[1] + sizes[1]]
+    return t
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face model folder (one file or sharded with an index), headers read."""
+
+    def __init__(self, uri: str, endpoint: str | None = None):
+        self.uri = uri
+        self.store = _open(uri, endpoint, "model.from")
+        if self.store.exists(INDEX):
+            index = _json(self.store, INDEX, f"model.from {uri}")
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise KilnError(f"model.from {uri}: {INDEX} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        elif self.store.exists(SINGLE):
+            weight_map, files = None, [SINGLE]
+        else:
+            raise KilnError(f"model.from {uri}: neither {SINGLE} nor {INDEX} in the folder (kiln reads safetensors "
+                            f"only; convert *.bin / *.pth with transformers' save_pretrained)")
+        self.tensors: dict[str, TensorEntry] = {}
+        for key in files:
+            for name, entry in read_header(self.store, key).items():
+                if weight_map is not None and weight_map.get(name) != key:
+                    continue  # the index decides which file holds a tensor
+                self.tensors[name] = entry
+        if weight_map is not None:
+            lost = sorted(n for n in weight_map if n not in self.tensors)
+            if lost:
+                raise KilnError(f"model.from {uri}: tensor {lost[0]} is listed in {INDEX} under "
+                                f"{weight_map[lost[0]]} but that file does not hold it")
+
+    def check(self, dims: ModelDims, tied: bool) -> None:
+        """Every tensor the model needs is there with its shape, and nothing else is."""
+        expected = hf_shapes(dims)
+        present = {n for n in self.tensors if not IGNORED.match(n)}
+        optional = {"lm_head.weight"} if tied else set()
+        missing = sorted(set(expected) - present - optional)
+        if missing:
+            raise KilnError(f"model.from {self.uri}: tensor {missing[0]} is missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                            + ("" if tied or missing[0] != "lm_head.weight" else
+                               "; a model with tied embeddings says tie_word_embeddings: true in config.json"))
+        extra = sorted(present - set(expected))
+        if extra:
+            raise KilnError(f"model.from {self.uri}: tensor {extra[0]} is not part of a Llama model with this "
+                            f"config.json" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        for name, shape in expected.items():
+            entry = self.tensors.get(name)
+            if entry is not None and entry.shape != shape:
+                raise KilnError(f"model.from {self.uri}: tensor {name} has shape {list(entry.shape)}, config.json "
+                                f"needs {list(shape)}")
+
+    def source_of(self, kiln_name: str, tied: bool) -> TensorEntry:
+        name = hf_name(kiln_name)
+        if name == "lm_head.weight" and tied and name not in self.tensors:
+            name = "model.embed_tokens.weight"  # untied on import: the output layer starts as the embedding
+        return self.tensors[name]
+
+
+def _local_chunk(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global offsets, sizes) of the part of `param` this rank holds (all of a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        # The chunk DCP itself saves for this rank: right for FSDP2, TP and both together (strided shards).
+        chunks = param.__create_chunk_list__()
+        local = param.to_local()
+        if not chunks:
+            return local, (0,) * param.dim(), (0,) * param.dim()
+        (chunk,) = chunks
+        return local, tuple(chunk.offsets), tuple(chunk.sizes)
+    return param, (0,) * param.dim(), tuple(param.shape)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str | None = None,
+                 config: dict | None = None, threads: int = 8) -> int:
+    """Copy the model folder's weights into `model` (plain, or split/sharded by kiln.trainer.parallel): each
+    rank reads only its own slices. Returns the bytes this rank read."""
+    config = config if config is not None else read_config(uri, endpoint)
+    tied = bool(config.get("tie_word_embeddings", False))
+    ckpt = Checkpoint(uri, endpoint)
+    ckpt.check(dims, tied)
+    jobs = []
+    for name, param in model.named_parameters():
+        local, offsets, sizes = _local_chunk(param)
+        jobs.append((local, ckpt.source_of(name, tied), offsets, sizes))
+    with ThreadPoolExecutor(threads, thread_name_prefix="kiln-hf-load") as pool:
+        slices = pool.map(lambda j: read_slice(ckpt.store, j[1], j[2], j[3]), jobs)
+        read = 0
+        for (local, entry, _, sizes), data in zip(jobs, slices):
+            if math.prod(sizes):
+                local.copy_(data.reshape(local.shape))
+            read += data.numel() * entry.dtype.itemsize
+    return read
+
+
+# -- tokenizers -----------------------------------------------------------------------------------------------------
+
+
+def tokenizer_uri(spec: TrainingSpecSpec) -> str:
+    """data.tokenizer, else model.from's tokenizer, else the byte tokenizer."""
+    return spec.data.tokenizer or spec.model.from_ or "byte"
+
+
+def load_tokenizer(uri: str, endpoint: str | None = None):
+    """A `tokenizers.Tokenizer` from a tokenizer.json or a folder holding one; None for 'byte'."""
+    if uri == "byte":
+        return None
+    from tokenizers import Tokenizer
+
+    if uri.rstrip("/").endswith(".json"):
+        folder, key = uri.rstrip("/").rsplit("/", 1)
+    else:
+        folder, key = uri, "tokenizer.json"
+    store = _open(folder + "/", endpoint, "data.tokenizer")
+    try:
+        raw = store.get_bytes(key)
+    except ObjectNotFound:
+        raise KilnError(f"data.tokenizer {uri}: no {key} in {store.uri} (kiln reads tokenizer.json, the "
+                        f"`tokenizers` library's format; set data.tokenizer to 'byte' or to one)") from None
+    try:
+        return Tokenizer.from_str(raw.decode())
+    except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions for a bad file
+        raise KilnError(f"data.tokenizer {uri}: {key} is not a tokenizer the `tokenizers` library reads ({err})") from None
+
+
+def vocab_size(tokenizer) -> int:
+    return 256 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def check_tokenizer(tokenizer, uri: str, dims: ModelDims) -> None:
+    n = vocab_size(tokenizer)
+    if n > dims.vocab_size:
+        raise KilnError(f"data.tokenizer {uri}: its vocabulary has {n} tokens, more than the model's vocabSize "
+                        f"{dims.vocab_size}; token ids past {dims.vocab_size - 1} would have no embedding")
+
+
+def training_tokenizer(spec: TrainingSpecSpec, dims: ModelDims):
+    """The run's tokenizer (None: bytes), checked against the model's vocabulary."""
+    uri = tokenizer_uri(spec)
+    tokenizer = load_tokenizer(uri, storage_endpoint(spec))
+    check_tokenizer(tokenizer, uri, dims)
+    return tokenizer
+
+
+# -- export -----------------------------------------------------------------------------------------------------------
+
+
+def hf_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The transformers Llama state dict of a plain (single-process) kiln model."""
+    return {hf_name(n): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
+
+
+def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names in order, cut into consecutive groups of at most max_bytes (a larger tensor gets a group alone)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if groups[-1] and used + size > max_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
+
+
+def write_folder(state: dict[str, torch.Tensor], store: ObjectStore, *, config: dict, generation: dict,
+                 tokenizer_files: dict[str, bytes], max_shard_bytes: int) -> list[str]:
+    """A Hugging Face model folder in `store`: safetensors shards (+ index when more than one), the tokenizer
+    files, generation_config.json, then config.json last (a folder without it is not a model: an interrupted
+    export is never mistaken for a finished one). Returns the keys written."""
+    from safetensors.torch import save
+
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    groups = shard_plan(sizes, max_shard_bytes)
+    names = [SINGLE] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    written = []
+    for key, group in zip(names, groups):
+        store.put_bytes(key, save({n: state[n] for n in group}, metadata={"format": "pt"}))
+        written.append(key)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {n: key for key, group in zip(names, groups) for n in group}}
+        store.put_bytes(INDEX, json.dumps(index, indent=2).encode())
+        written.append(INDEX)
+    for key, data in tokenizer_files.items():
+        store.put_bytes(key, data)
+        written.append(key)
+    store.put_bytes(GENERATION_CONFIG, json.dumps(generation, indent=2).encode())
+    store.put_bytes(CONFIG, json.dumps(config, indent=2).encode())
+    return written + [GENERATION_CONFIG, CONFIG]
+
+
+def tokenizer_files(uri: str, endpoint: str | None) -> dict[str, bytes]:
+    """The tokenizer files to ship with an export: those of a model folder, or one tokenizer.json."""
+    if uri == "byte":
+        return {}
+    if uri.rstrip("/").endswith(".json"):
+        folder, key = uri.rstrip("/").rsplit("/", 1)
+        return {"tokenizer.json": _open(folder + "/", endpoint, "data.tokenizer").get_bytes(key)}
+    store = _open(uri, endpoint, "data.tokenizer")
+    return {name: store.get_bytes(name) for name in TOKENIZER_FILES if store.exists(name)}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    step: int
+    files: list[str]
+    bytes: int
+    output: str
+
+
+def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None = None,
+              dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> ExportResult:
+    """Load the newest commit under checkpoint_uri (saved at any world size) into this process and write it
+    as a Hugging Face folder at output_uri. dtype defaults to model.from's (its config's torch_dtype/dtype),
+    else float32 (kiln's master weights)."""
+    from kiln.trainer.evaluate import load_checkpoint
+    from kiln.trainer.model import build_model
+
+    spec = doc.spec
+    ep = endpoint or storage_endpoint(spec)
+    base = read_config(spec.model.from_, ep) if spec.model.from_ else {}
+    dtype = dtype or base.get("torch_dtype") or base.get("dtype") or "float32"
+    if dtype not in EXPORT_DTYPES:
+        raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    dims = resolve_dims(spec, config=base or None)
+    model = build_model(dims)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    step = load_checkpoint(model, doc, checkpoint_uri, endpoint)
+    state = hf_state(model, EXPORT_DTYPES[dtype])
+    del model
+    tok_uri = tokenizer_uri(spec)
+    tok_files = tokenizer_files(tok_uri, ep) if tok_uri != "byte" else {}
+    generation = _generation_config(spec, ep, base)
+    config = config_for(dims, dtype=dtype, base=base)
+    store = _open(output_uri, ep, "--output")
+    files = write_folder(state, store, config=config, generation=generation, tokenizer_files=tok_files,
+                         max_shard_bytes=max_shard_bytes)
+    total = sum(store.size(k) for k in files)
+    return ExportResult(step, files, total, output_uri)
+
+
+def _generation_config(spec: TrainingSpecSpec, endpoint: str | None, base: dict) -> dict[str, Any]:
+    """model.from's generation_config.json when it has one, else the token ids of its config."""
+    if spec.model.from_:
+        store = _open(spec.model.from_, endpoint, "model.from")
+        if store.exists(GENERATION_CONFIG):
+            return _json(store, GENERATION_CONFIG, f"model.from {spec.model.from_}")
+    return {k: base.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if base.get(k) is not None}

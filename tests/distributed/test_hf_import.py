@@ -1,0 +1,135 @@
+"""Hugging Face models in and out, checked against transformers itself (tests/hf_models.py makes the models).
+
+- kiln imports small random Llamas (GQA, tied embeddings, llama3 rope scaling; one sharded with an index) under
+  FSDP2 (dp2), tensor parallel (tp2) and pipeline parallel (pp2) on 2 real gloo ranks under torchrun: its logits
+  equal transformers' within fp32 tolerance, and each rank reads only its share of the weights;
+- a short 2-rank fine-tune from a model folder, exported with `kiln export`, loads in transformers (model and
+  tokenizer), generates, and gives kiln's own logits of that checkpoint; the run resumes from its own commit
+  without the folder's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.trainer_helpers import env, kiln, torchrun_train, write_spec
+from tests.hf_models import VARIANTS, VOCAB, save_model
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+LAYOUTS = {"dp2": {"tensor": 1, "pipeline": 1}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
+
+
+def _folder_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(st.get_tensor(k).nbytes for k in st.keys())
+    return total
+
+
+def test_logits_match_transformers_under_dp2_tp2_pp2(tmp_path):
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    refs, sizes, cases = {}, {}, []
+    folders = {v: v for v in VARIANTS} | {"sharded": "gqa"}
+    for name, variant in folders.items():
+        folder = tmp_path / name
+        # "sharded": the same weights cut into several files with model.safetensors.index.json
+        model = save_model(folder, variant, tokenizer=False, **({"max_shard_size": "20KB"} if name == "sharded" else {}))
+        with torch.no_grad():
+            refs[name] = model(tokens).logits
+        sizes[name] = _folder_bytes(folder)
+        for layout, par in LAYOUTS.items():
+            cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par,
+                          "tokens": str(tmp_path / "tokens.pt")})
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "tests.distributed.hf_worker", str(tmp_path / "cases.json"), str(out)],
+                          env=env(), capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for case in cases:
+        name, layout = case["name"].rsplit("-", 1)
+        results = [torch.load(out / f"{case['name']}-rank{r}.pt") for r in range(2)]
+        holders = [r for r in results if r["logits"] is not None]
+        assert len(holders) == (1 if layout == "pp2" else 2), case["name"]
+        for r in holders:
+            torch.testing.assert_close(r["logits"], refs[name], rtol=1e-5, atol=1e-5, msg=case["name"])
+        read = [r["read_bytes"] for r in results]
+        # kiln holds the output layer on its own: a tied model's embedding is read a second time for it
+        model_bytes = sizes[name] + (VOCAB * 32 * 4 if name == "tied" else 0)
+        assert max(read) < 0.75 * model_bytes, (case["name"], read, model_bytes)  # each rank: its share only
+        if layout != "tp2":  # FSDP and PP split every tensor or block once; TP replicates the norms
+            assert sum(read) == model_bytes, (case["name"], read, model_bytes)
+    # the llama3 scaling is not a no-op at these positions: without it the logits would differ
+    assert not torch.allclose(refs["llama3"], refs["gqa"])
+
+
+def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from kiln.api.load import load_file
+    from kiln.trainer.evaluate import initial_model, load_checkpoint
+    from kiln.trainer.data import GlobalBatchLoader, open_source
+    from kiln.trainer.hf import load_tokenizer, resolve_dims
+
+    folder = tmp_path / "base"
+    base = save_model(folder, "tied")
+    ckpt = tmp_path / "ckpt"
+    spec = write_spec(tmp_path / "spec.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
+                      training={"steps": 3, "lr": 3e-3, "globalBatchSize": 4},
+                      checkpoint={"uri": f"file://{ckpt}"})
+    records = torchrun_train(spec, tmp_path / "run", 2)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # step 1 trained the imported model: its loss is transformers' loss of the folder's model on that batch
+    # (builtin:pydoc tokenized with the folder's tokenizer.json, the loader's first global batch)
+    tok = load_tokenizer(f"file://{folder}")
+    loader = GlobalBatchLoader(open_source("builtin:pydoc", seq_len=32, vocab_size=VOCAB, seed=3, tokenizer=tok),
+                               seed=3)
+    inputs, targets = loader.next_batch(4)
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(base(inputs).logits.flatten(0, 1), targets.flatten())
+    assert records[0]["loss"] == pytest.approx(float(first), rel=1e-5)
+
+    export = tmp_path / "export"
+    proc = kiln("export", str(spec), "--checkpoint", f"file://{ckpt}", "--output", f"file://{export}",
+                "--max-shard-size", "30KB")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "exported step 3" in proc.stdout
+    assert (export / "model.safetensors.index.json").exists() and len(list(export.glob("*.safetensors"))) > 1
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in export.iterdir()}
+
+    hf_model = LlamaForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = tokenizer("The try statement", return_tensors="pt").input_ids
+    generated = hf_model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert generated.shape[1] == ids.shape[1] + 6
+
+    doc = load_file(spec)[0]
+    dims = resolve_dims(doc.spec)
+    kiln_model = initial_model(doc, dims, torch.device("cpu"), load_from=False)
+    assert load_checkpoint(kiln_model, doc, f"file://{ckpt}") == 3
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, kiln_model(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(base(tokens).logits, kiln_model(tokens), atol=1e-3)  # it did fine-tune
+
+    # a resumed run loads its own commit: the folder's weights are not read again (they are gone now)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    longer = write_spec(tmp_path / "longer.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
+                        training={"steps": 4, "lr": 3e-3, "globalBatchSize": 4}, checkpoint={"uri": f"file://{ckpt}"})
+    records = torchrun_train(longer, tmp_path / "run", 2)
+    assert records[-1]["step"] == 4
