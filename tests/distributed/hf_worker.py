@@ -52,7 +52,8 @@ def main(cases_path: str, out_dir: str) -> None:
                     dist.send(model(tokens).contiguous(), dst=peer)
                     logits = None
                 else:
-                    hidden = torch.empty(*tokens.shape, dims.dim)
+                    # under TP the hidden states between blocks are sharded on the sequence (kiln.trainer.parallel)
+                    hidden = torch.empty(tokens.shape[0], tokens.shape[1] // layout.tp, dims.dim)
                     dist.recv(hidden, src=peer)
                     logits = model(hidden)
         torch.save({"logits": logits, "read_bytes": read}, Path(out_dir) / f"{case['name']}-rank{rank}.pt")

@@ -1,8 +1,8 @@
 """Hugging Face models in and out, checked against transformers itself (tests/hf_models.py makes the models).
 
 - kiln imports small random Llamas (GQA, tied embeddings, llama3 rope scaling; one sharded with an index) under
-  FSDP2 (dp2), tensor parallel (tp2) and pipeline parallel (pp2) on 2 real gloo ranks under torchrun: its logits
-  equal transformers' within fp32 tolerance, and each rank reads only its share of the weights;
+  FSDP2 (dp2), tensor parallel (tp2) and pipeline parallel (pp2) on 2 real gloo ranks under torchrun, and their
+  mixes on 4: its logits equal transformers' within fp32 tolerance, and each rank reads only its share;
 - a short 2-rank fine-tune from a model folder, exported with `kiln export`, loads in transformers (model and
   tokenizer), generates, and gives kiln's own logits of that checkpoint; the run resumes from its own commit
   without the folder's weights.
@@ -23,8 +23,6 @@ from tests.hf_models import VARIANTS, VOCAB, save_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-LAYOUTS = {"dp2": {"tensor": 1, "pipeline": 1}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
-
 
 def _folder_bytes(folder: Path) -> int:
     from safetensors import safe_open
@@ -36,45 +34,57 @@ def _folder_bytes(folder: Path) -> int:
     return total
 
 
-def test_logits_match_transformers_under_dp2_tp2_pp2(tmp_path):
+# (ranks, layouts, model folders): every variant on 2 ranks; the mixes (FSDP2 x TP, PP x TP, PP x FSDP2) on 4
+CASES = {
+    "2-ranks": (2, {"dp2": {"tensor": 1, "pipeline": 1}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}},
+                [*VARIANTS, "sharded"]),
+    "4-ranks-mixed": (4, {"fsdp2xtp2": {"tensor": 2}, "pp2xtp2": {"tensor": 2, "pipeline": 2},
+                          "pp2xfsdp2": {"pipeline": 2}}, ["tied"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, case):
+    nproc, layouts, names = CASES[case]
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
     torch.save(tokens, tmp_path / "tokens.pt")
     refs, sizes, cases = {}, {}, []
-    folders = {v: v for v in VARIANTS} | {"sharded": "gqa"}
-    for name, variant in folders.items():
+    for name in names:
         folder = tmp_path / name
-        # "sharded": the same weights cut into several files with model.safetensors.index.json
-        model = save_model(folder, variant, tokenizer=False, **({"max_shard_size": "20KB"} if name == "sharded" else {}))
+        # "sharded": GQA weights cut into several files with model.safetensors.index.json
+        model = save_model(folder, "gqa" if name == "sharded" else name, tokenizer=False,
+                           **({"max_shard_size": "20KB"} if name == "sharded" else {}))
         with torch.no_grad():
             refs[name] = model(tokens).logits
         sizes[name] = _folder_bytes(folder)
-        for layout, par in LAYOUTS.items():
+        for layout, par in layouts.items():
             cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par,
                           "tokens": str(tmp_path / "tokens.pt")})
-    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
-    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    if "sharded" in names:
+        assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+        assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            "-m", "tests.distributed.hf_worker", str(tmp_path / "cases.json"), str(out)],
                           env=env(), capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for case in cases:
         name, layout = case["name"].rsplit("-", 1)
-        results = [torch.load(out / f"{case['name']}-rank{r}.pt") for r in range(2)]
+        results = [torch.load(out / f"{case['name']}-rank{r}.pt") for r in range(nproc)]
         holders = [r for r in results if r["logits"] is not None]
-        assert len(holders) == (1 if layout == "pp2" else 2), case["name"]
+        assert len(holders) == (nproc // 2 if layout.startswith("pp2") else nproc), case["name"]
         for r in holders:
             torch.testing.assert_close(r["logits"], refs[name], rtol=1e-5, atol=1e-5, msg=case["name"])
         read = [r["read_bytes"] for r in results]
         # kiln holds the output layer on its own: a tied model's embedding is read a second time for it
         model_bytes = sizes[name] + (VOCAB * 32 * 4 if name == "tied" else 0)
-        assert max(read) < 0.75 * model_bytes, (case["name"], read, model_bytes)  # each rank: its share only
-        if layout != "tp2":  # FSDP and PP split every tensor or block once; TP replicates the norms
+        assert max(read) < 0.75 * model_bytes * 2 / nproc, (case["name"], read, model_bytes)  # its share only
+        if "tp2" not in layout:  # FSDP and PP split every tensor or block once; TP replicates the norms
             assert sum(read) == model_bytes, (case["name"], read, model_bytes)
-    # the llama3 scaling is not a no-op at these positions: without it the logits would differ
-    assert not torch.allclose(refs["llama3"], refs["gqa"])
+    if "llama3" in names:  # the llama3 scaling is not a no-op at these positions
+        assert not torch.allclose(refs["llama3"], refs["gqa"])
 
 
 def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path):
