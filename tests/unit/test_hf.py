@@ -224,6 +224,11 @@ def test_missing_files_are_named(tmp_path, folder):
         {"weight_map": {"model.norm.weight": "model.safetensors", "model.embed_tokens.weight": "other.safetensors"}}))
     with pytest.raises(KilnError, match=r"other.safetensors is missing \(named by model.safetensors.index.json\)"):
         imported(f"file://{indexed}")
+    (indexed / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model.safetensors", "model.extra.weight": "model.safetensors"}}))
+    with pytest.raises(KilnError, match=r"tensor model.extra.weight is listed in model.safetensors.index.json "
+                                        r"under model.safetensors but that file does not hold it"):
+        imported(f"file://{indexed}")
 
 
 def test_tokenizer_must_fit_the_model_and_be_readable(tmp_path, folder):
