@@ -78,7 +78,8 @@ class DataSpec(ApiModel):
         "builtin:pydoc", max_length=1024,
         description=(
             "'synthetic' (random tokens, for throughput tests), 'builtin:pydoc' (a small English corpus that ships "
-            "with Python, byte-tokenized), or a folder of tokenized shards: file:///path/ or s3://bucket/prefix/."
+            "with Python, tokenized with data.tokenizer: bytes by default), or a folder of tokenized shards: "
+            "file:///path/ or s3://bucket/prefix/."
         ),
     )
     tokenizer: str | None = Field(

@@ -1,5 +1,6 @@
-"""`kiln train` (one rank, under torchrun), `kiln run` (the local launcher: torchrun on this machine) and
-`kiln eval` (the held-out loss of a run's newest committed checkpoint, in this process)."""
+"""`kiln train` (one rank, under torchrun), `kiln run` (the local launcher: torchrun on this machine),
+`kiln eval` (the held-out loss of a run's newest committed checkpoint, in this process) and `kiln export`
+(that checkpoint as a Hugging Face model folder, docs/models.md)."""
 
 from __future__ import annotations
 

@@ -191,7 +191,9 @@ def read_slice(store: ObjectStore, entry: TensorEntry, offsets: tuple[int, ...],
     item = entry.dtype.itemsize
     row = math.prod(entry.shape[1:]) * item  # bytes per index of dim 0
     raw = store.get_bytes(entry.file, entry.start + offsets[0] * row, sizes[0] * row) if sizes[0] else b""
-    t = torch.frombuffer(bytearray(raw), dtype=entry.dtype) if raw else torch.empty(0, dtype=entry.dtype)
+    if not raw:
+        return torch.empty(sizes, dtype=entry.dtype)
+    t = torch.frombuffer(bytearray(raw), dtype=entry.dtype)  # a writable copy: torch warns on read-only bytes
     t = t.view(sizes[0], *entry.shape[1:])
     if len(sizes) == 2:
         t = t[:, offsets[1]:offsets[1] + sizes[1]]
