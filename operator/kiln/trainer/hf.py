@@ -24,6 +24,7 @@ import math
 import os
 import re
 import struct
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -365,20 +366,42 @@ def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return groups
 
 
+def put_safetensors(store: ObjectStore, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file at `key`, serialised by the `safetensors` library straight to a file (never a copy
+    of the shard in memory): in place under a temporary name on file:// (fsync'd, then renamed, like every
+    FileStore write), else to a local temporary file that the store uploads (multipart on S3)."""
+    from safetensors.torch import save_file
+
+    local = store.local_path(key)
+    if local is None:
+        with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
+            path = os.path.join(tmp, "shard.safetensors")
+            save_file(tensors, path, metadata={"format": "pt"})
+            store.put_file(key, path)
+        return
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, local)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_folder(state: dict[str, torch.Tensor], store: ObjectStore, *, config: dict, generation: dict,
                  tokenizer_files: dict[str, bytes], max_shard_bytes: int) -> list[str]:
     """A Hugging Face model folder in `store`: safetensors shards (+ index when more than one), the tokenizer
     files, generation_config.json, then config.json last (a folder without it is not a model: an interrupted
     export is never mistaken for a finished one). Returns the keys written."""
-    from safetensors.torch import save
-
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     groups = shard_plan(sizes, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else \
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     written = []
     for key, group in zip(names, groups):
-        store.put_bytes(key, save({n: state[n] for n in group}, metadata={"format": "pt"}))
+        put_safetensors(store, key, {n: state[n] for n in group})
         written.append(key)
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
