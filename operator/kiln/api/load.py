@@ -134,7 +134,7 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[mi
     def construct_yaml_int(self, node):
         if len(node.value) > MAX_INT_DIGITS:
             raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(node.value)} characters is "
-                                                    "far beyond what Kubernetes stores (int64)", node.start_mark)
+                                                    "far beyond what Kubernetes stores", node.start_mark)
         return super().construct_yaml_int(node)
 
 

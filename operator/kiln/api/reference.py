@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from kiln.api.rules import NAME_MESSAGE, RULES
-from kiln.api.spec import INT32_MAX, INT64_MAX, INT64_MIN, TrainingSpecSpec, TrainingSpecStatus
+from kiln.api.spec import INT32_MAX, JSON_INT_MAX, JSON_INT_MIN, TrainingSpecSpec, TrainingSpecStatus
 
 BEGIN, END = "<!-- BEGIN GENERATED: kiln.api.reference -->", "<!-- END GENERATED -->"
 
@@ -58,9 +58,9 @@ def _bounds(field) -> str:
     """' ≥ 1 (int32)', ' > 0', ' ≥ 0, ≤ 1': the field's bounds, as the CRD's minimum/maximum carry them."""
     found = {op: getattr(m, op) for m in field.metadata for op in ("ge", "gt", "le", "lt")
              if getattr(m, op, None) is not None}
-    width = {INT32_MAX: "int32", INT64_MAX: "int64"}.get(found.get("le"))
+    width = {INT32_MAX: "int32", JSON_INT_MAX: "±2⁵³−1"}.get(found.get("le"))
     parts = [f"{sign} {found[op]}" for op, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
-             if op in found and not (op == "ge" and found[op] == INT64_MIN) and not (op == "le" and width)]
+             if op in found and not (op == "ge" and found[op] == JSON_INT_MIN) and not (op == "le" and width)]
     return (" " + ", ".join(parts) if parts else "") + (f" ({width})" if width else "")
 
 

@@ -20,13 +20,15 @@ KIND = "TrainingSpec"
 PLURAL = "trainingspecs"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# Integers as Kubernetes stores them: replica-like counts are int32 in the objects kiln makes (PyTorchJob
-# replicas, min/maxReplicas, backoffLimit; the parallel degrees multiply them in the CEL rules), the rest
-# int64. Every integer field carries one of these as its `le`, so the CRD has the same `maximum` and the
-# apiserver refuses what `kiln validate` refuses (a test walks the CRD for an integer without one).
+# Integers as Kubernetes can hold them: replica-like counts are int32 in the objects kiln makes (PyTorchJob
+# replicas, min/maxReplicas, backoffLimit; the parallel degrees multiply them in the CEL rules); the rest are
+# bounded by ±(2^53 - 1), the largest integers a JSON number carries exactly: the apiserver refuses a CRD
+# whose bound lies beyond (it validates bounds as JSON integers), so int64's own limits cannot be written.
+# Every integer field carries one of these as its `le`, so the CRD has the same `maximum` and the apiserver
+# refuses what `kiln validate` refuses (a test walks the CRD for an integer without one).
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-INT64_MIN = -(2**63)
+JSON_INT_MAX = 2**53 - 1
+JSON_INT_MIN = -JSON_INT_MAX
 
 
 class ApiModel(BaseModel):
@@ -60,13 +62,13 @@ class ModelSpec(ApiModel):
         "config.json sets the dimensions (explicit fields must agree with it; seqLen is free up to "
         "max_position_embeddings, default min(2048, it)). A resumed run loads its own checkpoints, not this.",
     )
-    dim: int | None = Field(None, ge=8, le=INT64_MAX, description="Hidden size (model width).")
-    layers: int | None = Field(None, ge=1, le=INT64_MAX, description="Number of transformer blocks.")
-    heads: int | None = Field(None, ge=1, le=INT64_MAX, description="Attention heads.")
-    kv_heads: int | None = Field(None, ge=1, le=INT64_MAX, description="Key/value heads for grouped-query attention; divides heads.")
-    vocab_size: int | None = Field(None, ge=2, le=INT64_MAX, description="Vocabulary size (256 for the built-in byte tokenizer).")
-    seq_len: int | None = Field(None, ge=2, le=INT64_MAX, description="Tokens per training sequence.")
-    ffn_dim: int | None = Field(None, ge=8, le=INT64_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
+    dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size (model width).")
+    layers: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Number of transformer blocks.")
+    heads: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Attention heads.")
+    kv_heads: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Key/value heads for grouped-query attention; divides heads.")
+    vocab_size: int | None = Field(None, ge=2, le=JSON_INT_MAX, description="Vocabulary size (256 for the built-in byte tokenizer).")
+    seq_len: int | None = Field(None, ge=2, le=JSON_INT_MAX, description="Tokens per training sequence.")
+    ffn_dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
 
@@ -94,12 +96,12 @@ class DataSpec(ApiModel):
 class TrainingConfig(ApiModel):
     """The optimisation: steps, batch, learning-rate schedule, precision."""
 
-    steps: int = Field(1000, ge=1, le=INT64_MAX, description="Optimizer steps to train for.")
-    global_batch_size: int = Field(8, ge=1, le=INT64_MAX, description="Sequences per optimizer step, summed over all data-parallel ranks.")
-    micro_batch_size: int = Field(1, ge=1, le=INT64_MAX, description="Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    steps: int = Field(1000, ge=1, le=JSON_INT_MAX, description="Optimizer steps to train for.")
+    global_batch_size: int = Field(8, ge=1, le=JSON_INT_MAX, description="Sequences per optimizer step, summed over all data-parallel ranks.")
+    micro_batch_size: int = Field(1, ge=1, le=JSON_INT_MAX, description="Sequences per forward/backward on one rank; the rest is gradient accumulation.")
     lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr (cosine, linear, wsd).")
-    warmup_steps: int = Field(0, ge=0, le=INT64_MAX, description="Linear warm-up steps from 0 to lr.")
+    warmup_steps: int = Field(0, ge=0, le=JSON_INT_MAX, description="Linear warm-up steps from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="Learning-rate schedule after warm-up: cosine | linear | constant | wsd (warmup-stable-decay)."
     )
@@ -109,8 +111,8 @@ class TrainingConfig(ApiModel):
     precision: Literal["bf16", "fp32"] = Field(
         "bf16", description="bf16: bf16 compute with fp32 master weights and reductions; fp32: everything in fp32."
     )
-    seed: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="Seed for initialisation and data order; the same seed gives the same run.")
-    log_every: int = Field(1, ge=1, le=INT64_MAX, description="Log metrics every this many steps.")
+    seed: int = Field(0, ge=JSON_INT_MIN, le=JSON_INT_MAX, description="Seed for initialisation and data order; the same seed gives the same run.")
+    log_every: int = Field(1, ge=1, le=JSON_INT_MAX, description="Log metrics every this many steps.")
 
 
 class ParallelismSpec(ApiModel):
@@ -146,7 +148,7 @@ class Toleration(ApiModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect to match; empty matches all effects."
     )
-    toleration_seconds: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="For NoExecute: how long the pod stays bound after the taint.")
+    toleration_seconds: int | None = Field(None, ge=JSON_INT_MIN, le=JSON_INT_MAX, description="For NoExecute: how long the pod stays bound after the taint.")
 
 
 class ResourcesSpec(ApiModel):
@@ -175,7 +177,7 @@ class ResourcesSpec(ApiModel):
 class PhasePlanEntry(ApiModel):
     """One phase of the elastic plan: run with `nodes` until `untilStep` (the last entry has none)."""
 
-    until_step: int | None = Field(None, ge=1, le=INT64_MAX, description="Last step of this phase; omit on the final phase.")
+    until_step: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Last step of this phase; omit on the final phase.")
     nodes: int = Field(..., ge=1, le=INT32_MAX, description="Nodes to use during this phase; within [minNodes, maxNodes].")
 
 
@@ -207,11 +209,11 @@ class CheckpointSpec(ApiModel):
         description="Name of a Secret in the run's namespace with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
         "the pods read it by reference, keys are never inline.",
     )
-    interval_steps: Annotated[int, Field(le=INT64_MAX)] | Literal["auto"] = Field(
+    interval_steps: Annotated[int, Field(le=JSON_INT_MAX)] | Literal["auto"] = Field(
         100,
         description="Save every N steps (N >= 1), or 'auto' (Young/Daly from the measured save cost and failure rate).",
     )
-    keep: int = Field(3, ge=1, le=INT64_MAX, description="Committed checkpoints to keep; the newest is never deleted.")
+    keep: int = Field(3, ge=1, le=JSON_INT_MAX, description="Committed checkpoints to keep; the newest is never deleted.")
     async_save: bool = Field(True, description="Upload in the background; training blocks only to stage state.")
 
 
@@ -271,14 +273,14 @@ class Condition(ApiModel):
     reason: str = Field(..., max_length=1024, description="CamelCase reason for the last transition.")
     message: str = Field("", max_length=32768, description="Human-readable details.")
     last_transition_time: str = Field(..., description="When the status last changed (RFC 3339).")
-    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX, description="The spec generation this condition is about.")
+    observed_generation: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="The spec generation this condition is about.")
 
 
 class CheckpointRef(ApiModel):
     """The newest committed checkpoint."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-    step: int = Field(..., ge=0, le=INT64_MAX, description="Training step the checkpoint holds.")
+    step: int = Field(..., ge=0, le=JSON_INT_MAX, description="Training step the checkpoint holds.")
     uri: str = Field(..., description="Folder of the checkpoint, e.g. s3://bucket/run/step-00001000/.")
     time: str | None = Field(None, description="When it was committed (RFC 3339).")
 
@@ -325,9 +327,9 @@ class TrainingSpecStatus(ApiModel):
         None, description="Pending | Running | Scaling | Restarting | Suspended | Succeeded | Failed."
     )
     nodes: int | None = Field(None, ge=0, le=INT32_MAX, description="Worker pods currently running.")
-    step: int | None = Field(None, ge=0, le=INT64_MAX, description="Last completed optimizer step.")
+    step: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Last completed optimizer step.")
     progress: str | None = Field(None, description="step / training.steps as a percentage, e.g. '12.3%'.")
-    eta_seconds: int | None = Field(None, ge=0, le=INT64_MAX, description="Estimated seconds to the last step at the current rate.")
+    eta_seconds: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Estimated seconds to the last step at the current rate.")
     tokens_per_second: float | None = Field(None, ge=0, description="Training throughput, all ranks together.")
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
     last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
@@ -336,12 +338,12 @@ class TrainingSpecStatus(ApiModel):
         None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."
     )
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
-    restarts: int | None = Field(None, ge=0, le=INT64_MAX, description="Times the PyTorchJob entered Restarting.")
+    restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     conditions: list[Condition] = Field(
         default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Running, Suspended, Succeeded, Failed."
     )
     observed_generation: int | None = Field(
-        None, ge=0, le=INT64_MAX, description="The metadata.generation the operator acted on last."
+        None, ge=0, le=JSON_INT_MAX, description="The metadata.generation the operator acted on last."
     )
 
 
