@@ -7,7 +7,7 @@ import json
 
 from kubernetes.client.exceptions import ApiException
 
-from kiln.control.sync import apply_failure, foreign
+from kiln.control.sync import apply_failure, foreign, refused
 
 RUN_UID = "2b1c-run"
 
@@ -43,3 +43,21 @@ def test_a_refused_apply_is_reported_with_the_apiservers_message():
                                        '"llama" is invalid: spec.x: Invalid value')
     err.body = "x" * 10_000  # not JSON, and long: the reason, in a bounded line
     assert apply_failure(obj, err) == "applying PyTorchJob team-a/llama failed (422): Unprocessable Entity"
+
+
+def test_only_an_invalid_apply_counts_as_refused():
+    def error(status, message):
+        err = ApiException(status=status, reason="x")
+        err.body = json.dumps({"message": message})
+        return err
+
+    assert refused(error(422, "is invalid")) and refused(error(400, "bad request"))
+    # what the apiserver answers when a body does not fit the object's schema (seen on the rig, v1.36)
+    assert refused(error(500, "failed to create typed patch object (ns/x; kubeflow.org/v1, Kind=PyTorchJob): "
+                              ".spec...nodeSelectorTerms: expected list, got &{any}"))
+    assert not refused(error(500, "etcdserver: request timed out")) and not refused(error(503, "unavailable"))
+    assert not refused(error(409, "the object has been modified"))
+    raw = error(500, "failed to create typed patch object (...)")
+    raw.body = raw.body.encode()  # as Kube.apply gets it (no preloaded content)
+    assert refused(raw) and "failed (500): failed to create typed patch object" in apply_failure(
+        {"kind": "PyTorchJob", "metadata": {"name": "x", "namespace": "y"}}, raw)

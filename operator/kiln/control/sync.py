@@ -46,11 +46,11 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     """Make the cluster match one TrainingSpec; returns a one-line summary for the log.
 
     API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
-    what may change); the credentials Secret when the spec names one; each other object once before this
-    operator first applies it (someone else's is never taken over: see `foreign`); then one server-side
-    apply per object this operator has not applied with the same content before, and at most one status
-    patch. A new run costs 5 reads + 5 applies + 1 status patch; suspending a running one, 2 reads (job,
-    ConfigMap) + 2 applies (ConfigMap, job) + 1 status patch.
+    what may change); the credentials Secret when the spec names one; while the run has no PyTorchJob of its
+    own, each other object once before this operator first applies it (someone else's is never taken over:
+    see `foreign`); then one server-side apply per object this operator has not applied with the same
+    content before, and at most one status patch. A new run costs 5 reads + 5 applies + 1 status patch;
+    suspending a running one, 2 reads (job, ConfigMap) + 2 applies (ConfigMap, job) + 1 status patch.
     pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -83,18 +83,19 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
                 accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
+                uid = body["metadata"].get("uid")
+                # The job is applied last, each object before it checked: a job of this run's vouches for them.
+                checked = job is not None and foreign(job, uid) is None
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
-                    if not kube.applied_before(obj):  # force-apply would adopt someone else's object
-                        other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj),
-                                        body["metadata"].get("uid"))
+                    if not checked and not kube.applied_before(obj):  # force would adopt someone else's
+                        other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj), uid)
                         if other:
                             accepted = ("False", "NotOwner", other)
                             break
                     try:
                         applied = kube.apply(obj)
                     except ApiException as err:  # refused as invalid, or the apiserver failed: say which
-                        accepted = ("False", "ApplyRefused" if err.status in (400, 422) else "ApplyFailed",
-                                    apply_failure(obj, err))
+                        accepted = ("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err))
                         break
                     if obj["kind"] == "PyTorchJob" and applied is not None:
                         if job is None:
@@ -128,10 +129,23 @@ def foreign(existing: dict | None, owner_uid: str | None) -> str | None:
             f"rename this TrainingSpec")
 
 
+def refused(err: ApiException) -> bool:
+    """Whether the apiserver refused an apply as invalid (trying again cannot help). A body that does not fit
+    the object's schema (a malformed affinity) fails server-side apply's typed conversion, which the
+    apiserver answers with 500 and this message rather than 422."""
+    typed_patch = err.status == 500 and "failed to create typed patch object" in _body(err)
+    return err.status in (400, 422) or typed_patch
+
+
+def _body(err: ApiException) -> str:
+    body = err.body or ""  # bytes when the request did not preload its content (Kube.apply)
+    return body.decode(errors="replace") if isinstance(body, bytes) else str(body)
+
+
 def apply_failure(obj: dict, err: ApiException) -> str:
     """The apiserver's reason for refusing an apply, naming the object, in one bounded line."""
     try:
-        message = json.loads(err.body or "{}").get("message") or err.reason
+        message = json.loads(_body(err) or "{}").get("message") or err.reason
     except (ValueError, AttributeError):
         message = err.reason
     meta = obj["metadata"]
