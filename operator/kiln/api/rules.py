@@ -239,11 +239,14 @@ def _check_plan_nodes(s):
     return None
 
 
-def _check_ckpt_uri(s):
-    uri = s.checkpoint.uri
+def _check_store_uri(uri: str | None) -> str | None:
     if uri is not None and not uri.startswith(("s3://", "file://")):
         return f"got {shown(uri)}"
     return None
+
+
+def _check_ckpt_uri(s):
+    return _check_store_uri(s.checkpoint.uri)
 
 
 def _check_interval(s):
@@ -260,17 +263,11 @@ def _check_from_preset(s):
 
 
 def _check_from_uri(s):
-    uri = s.model.from_
-    if uri is not None and not uri.startswith(("s3://", "file://")):
-        return f"got {shown(uri)}"
-    return None
+    return _check_store_uri(s.model.from_)
 
 
 def _check_tokenizer(s):
-    tok = s.data.tokenizer
-    if tok is not None and not (tok == "byte" or tok.startswith(("s3://", "file://"))):
-        return f"got {tok!r}"
-    return None
+    return None if s.data.tokenizer == "byte" else _check_store_uri(s.data.tokenizer)
 
 
 def _check_data_uri(s):
