@@ -4,24 +4,20 @@ previous commit."""
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing
 import os
-import socket
 import threading
 import uuid
 from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
+from tests.distributed.ranks import run_ranks
 from tests.store_wrappers import PassThroughStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rig]
@@ -48,17 +44,9 @@ class ReadCountingStore(PassThroughStore):
         raise AssertionError("restore reads through get_bytes")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, action: str, uri: str, env: dict, out: str) -> None:
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, action: str, uri: str, env: dict, out: str) -> dict:
+    os.environ.update(env)
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -67,13 +55,13 @@ def _worker(rank: int, port: int, action: str, uri: str, env: dict, out: str) ->
 
     torch.manual_seed(7 if action == "save" else 99)  # a restore starts from other weights
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     store = ReadCountingStore(open_store(uri))
-    ck = Checkpointer(CheckpointSpec(uri=uri, keep=3), default_uri="", rank=rank, world_size=WORLD, store=store)
+    ck = Checkpointer(CheckpointSpec(uri=uri, keep=3), default_uri="", rank=rank, world_size=world, store=store)
     result: dict = {}
     weights = {}
     if action == "save":
@@ -91,23 +79,11 @@ def _worker(rank: int, port: int, action: str, uri: str, env: dict, out: str) ->
     ck.close()
     if rank == 0:
         torch.save(weights, f"{out}/weights.pt")
-    Path(f"{out}/result-{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return result
 
 
 def _run(action: str, uri: str, env: dict, out: Path) -> list[dict]:
-    out.mkdir(parents=True)
-    ctx = multiprocessing.get_context("fork")
-    args = (_free_port(), action, uri, env, str(out))
-    procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), f"{action}: exit codes {[p.exitcode for p in procs]}"
-    return [json.loads((out / f"result-{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, out, action, uri, env, str(out))
 
 
 def _same(a: dict, b: dict) -> bool:
