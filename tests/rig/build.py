@@ -235,7 +235,8 @@ def install_host_packages() -> None:
         subprocess.run(["apt-get", "update"], env=env, check=True, capture_output=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"apt-get install {' '.join(missing)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            output = proc.stdout[-2000:] + proc.stderr[-2000:]
+            raise RuntimeError(f"apt-get install {' '.join(missing)} failed:\n{output}")
 
 
 def _build(group: str, names: list[str]) -> dict[str, float]:

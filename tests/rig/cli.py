@@ -1,4 +1,4 @@
-"""`python -m tests.rig build|up|down|status|env`."""
+"""`python -m tests.rig build|up|down|status|env [--node]`."""
 
 from __future__ import annotations
 
@@ -10,17 +10,25 @@ from tests.rig import build
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.rig", description=__doc__)
     parser.add_argument("command", choices=["build", "up", "down", "status", "env"])
+    parser.add_argument("--node", action="store_true",
+                        help="build: the real node's components; up: also start the real node; "
+                             "down: stop only the real node")
     args = parser.parse_args(argv)
     if args.command == "build":
-        build.build()
+        build.build_node() if args.node else build.build()
         return 0
     from tests.rig import cluster
 
     if args.command == "up":
-        rig, _ = cluster.up()
+        rig = cluster.up_node()[0] if args.node else cluster.up()[0]
         print(rig.exports())
     elif args.command == "down":
-        cluster.down()
+        if args.node:
+            from tests.rig import node
+
+            node.down(cluster.running())
+        else:
+            cluster.down()
     elif args.command == "status":
         return cluster.print_status()
     elif args.command == "env":

@@ -1,4 +1,4 @@
-"""Start, reuse, inspect and stop the rig on 127.0.0.1.
+"""Start, reuse, inspect and stop the rig on 127.0.0.1 and the rig's bridge.
 
 All state lives in one run directory (`$KILN_CACHE_DIR/rig-run`): certificates,
 etcd and S3 data, logs, kubeconfigs and `state.json` (pids and environment).
@@ -46,6 +46,16 @@ PORTS = {
     "operator-webhook": 19443,
 }
 PORTS = {name: port + _PORT_OFFSET for name, port in PORTS.items()}
+
+# The rig's network, for the real node (tests/rig/node.py; docs/rig.md "The real node"): a
+# bridge on this machine whose address is the node's IP and where the apiserver and S3 listen
+# for pods (a pod's 127.0.0.1 is its own). Made by `up` when it runs as root; without it the
+# rig runs on 127.0.0.1 alone and has no real node. One bridge and /24 per port offset.
+BRIDGE = f"kiln{_PORT_OFFSET}"
+BRIDGE_IP = f"10.88.{_PORT_OFFSET % 256}.1"
+POD_SUBNET = f"10.88.{_PORT_OFFSET % 256}.0/24"
+SERVICE_CIDR = "10.0.0.0/24"
+KUBERNETES_SERVICE_IP = "10.0.0.1"  # the `kubernetes` Service: the first address of SERVICE_CIDR
 S3_ACCESS_KEY = "kiln-rig"
 S3_SECRET_KEY = "kiln-rig-secret-key"
 S3_BUCKET = "kiln"
@@ -86,6 +96,8 @@ class Rig:
     kubeconfig: Path
     bin: Path
     s3_endpoint: str
+    api_server: str = f"https://{HOST}:{PORTS['apiserver']}"
+    bridge_ip: str | None = None  # the rig's bridge address, where pods reach the apiserver and S3
     s3_access_key: str = S3_ACCESS_KEY
     s3_secret_key: str = S3_SECRET_KEY
     s3_bucket: str = S3_BUCKET
@@ -135,7 +147,7 @@ class Rig:
         token = self.kubectl("create", "token", name, "-n", namespace, f"--duration={duration}").stdout.strip()
         path = run_dir() / "sa-kubeconfigs" / f"{namespace}.{name}.kubeconfig"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_kubeconfig(path, user=f"{namespace}:{name}", credentials={"token": token})
+        write_kubeconfig(path, user=f"{namespace}:{name}", credentials={"token": token}, server=self.api_server)
         return path
 
     def minio_client(self, access_key: str | None = None, secret_key: str | None = None):
@@ -201,7 +213,7 @@ class Rig:
     # --- health -------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        return _https_ok(f"https://{HOST}:{PORTS['apiserver']}/readyz") and _s3_up(self.s3_endpoint)
+        return _https_ok(f"{self.api_server}/readyz") and _s3_up(self.s3_endpoint)
 
 
 def _ssl_context() -> ssl.SSLContext:
@@ -239,13 +251,13 @@ def _s3_up(endpoint: str) -> bool:
         return False
 
 
-def write_kubeconfig(path: Path, user: str, credentials: dict) -> None:
+def write_kubeconfig(path: Path, user: str, credentials: dict, server: str) -> None:
     ca = (run_dir() / "pki" / "ca.crt").read_bytes()
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "kiln-rig", "cluster": {
-            "server": f"https://{HOST}:{PORTS['apiserver']}",
+            "server": server,
             "certificate-authority-data": base64.b64encode(ca).decode(),
         }}],
         "users": [{"name": user, "user": credentials}],
@@ -258,17 +270,18 @@ def write_kubeconfig(path: Path, user: str, credentials: dict) -> None:
     tmp.replace(path)
 
 
-def _cert_kubeconfig(name: str) -> Path:
+def cert_kubeconfig(name: str, server: str) -> Path:
+    """A kubeconfig for the client certificate `pki/<name>.crt` (made by `pki.make_cert`)."""
     pkd = run_dir() / "pki"
     path = run_dir() / f"{name}.kubeconfig"
     write_kubeconfig(path, user=name, credentials={
         "client-certificate-data": base64.b64encode((pkd / f"{name}.crt").read_bytes()).decode(),
         "client-key-data": base64.b64encode((pkd / f"{name}.key").read_bytes()).decode(),
-    })
+    }, server=server)
     return path
 
 
-def _make_pki() -> None:
+def _make_pki(api_host: str) -> None:
     pkd = run_dir() / "pki"
     pkd.mkdir(parents=True, exist_ok=True)
     pki.make_ca(pkd, "ca", "kiln-rig-ca")
@@ -276,9 +289,12 @@ def _make_pki() -> None:
         pkd, "apiserver", "ca", "/CN=kube-apiserver",
         dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
              "kubernetes.default.svc.cluster.local"),
-        ips=(HOST, "10.0.0.1"),
+        ips=tuple(dict.fromkeys((HOST, api_host, KUBERNETES_SERVICE_IP))),
     )
     pki.make_cert(pkd, "admin", "ca", "/CN=kiln-admin/O=system:masters", client=True)
+    # The apiserver's identity towards kubelets (logs, exec, port-forward).
+    pki.make_cert(pkd, "apiserver-kubelet-client", "ca", "/CN=kube-apiserver-kubelet-client/O=system:masters",
+                  client=True)
     pki.make_cert(pkd, "scheduler", "ca", "/CN=system:kube-scheduler", client=True)
     pki.make_cert(pkd, "controller-manager", "ca", "/CN=system:kube-controller-manager", client=True)
     pki.make_service_account_keys(pkd)
@@ -321,9 +337,10 @@ def _alive(pid: int, exe: str) -> bool:
 
 
 def _start(name: str, args: list[str], procs: dict, env: dict | None = None) -> None:
+    """Start `args` (a binary in the rig's bin folder, or an absolute path) in its own session."""
     logs = run_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    exe = str(build.bin_dir() / args[0])
+    exe = str(build.bin_dir() / args[0])  # an absolute args[0] stays as it is
     with open(logs / f"{name}.log", "ab") as out:
         proc = subprocess.Popen(
             [exe, *args[1:]], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -333,10 +350,10 @@ def _start(name: str, args: list[str], procs: dict, env: dict | None = None) -> 
     procs[name] = {"pid": proc.pid, "exe": exe}
 
 
-def _port_busy(port: int) -> bool:
+def _port_busy(port: int, host: str = HOST) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def _wait(what: str, check, timeout: float, procs: dict, name: str) -> None:
@@ -434,9 +451,10 @@ def _webhook_objects() -> list[dict]:
 
 # --- the command line of each component ----------------------------------------------------
 
-def _versitygw_cmd(rd: Path) -> list[str]:
-    return ["versitygw", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
-            "--port", f"{HOST}:{PORTS['s3']}", "posix", str(rd / "s3-data")]
+def _versitygw_cmd(rd: Path, bridge_ip: str | None) -> list[str]:
+    # Host clients use 127.0.0.1; pods on the real node use the bridge address.
+    listen = [arg for ip in (HOST, bridge_ip) if ip for arg in ("--port", f"{ip}:{PORTS['s3']}")]
+    return ["versitygw", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, *listen, "posix", str(rd / "s3-data")]
 
 
 def _etcd_cmd(rd: Path) -> list[str]:
@@ -450,24 +468,32 @@ def _etcd_cmd(rd: Path) -> list[str]:
     ]
 
 
-def _apiserver_cmd(pkd: Path) -> list[str]:
-    return [
+def _apiserver_cmd(pkd: Path, api_host: str) -> list[str]:
+    cmd = [
         "kube-apiserver",
         f"--etcd-servers=http://{HOST}:{PORTS['etcd']}",
-        f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={PORTS['apiserver']}",
+        # The bridge address when there is one: an apiserver listens on one address, and pods
+        # reach it there (through the `kubernetes` Service, whose endpoint this address is).
+        f"--bind-address={api_host}", f"--advertise-address={api_host}", f"--secure-port={PORTS['apiserver']}",
         f"--tls-cert-file={pkd / 'apiserver.crt'}", f"--tls-private-key-file={pkd / 'apiserver.key'}",
         f"--client-ca-file={pkd / 'ca.crt'}",
         "--authorization-mode=Node,RBAC",
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-account-key-file={pkd / 'sa.pub'}",
         f"--service-account-signing-key-file={pkd / 'sa.key'}",
-        "--service-cluster-ip-range=10.0.0.0/24",
-        # 127.0.0.1 may not be published as the `kubernetes` Service endpoint.
-        "--endpoint-reconciler-type=none",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        # Reach kubelets (logs, exec) at their node IP, verifying their rig-signed certificates.
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-client-certificate={pkd / 'apiserver-kubelet-client.crt'}",
+        f"--kubelet-client-key={pkd / 'apiserver-kubelet-client.key'}",
+        f"--kubelet-certificate-authority={pkd / 'ca.crt'}",
         "--allow-privileged=true",
         "--profiling=false",
         "--shutdown-delay-duration=0s",
     ]
+    if api_host == HOST:
+        cmd.append("--endpoint-reconciler-type=none")  # 127.0.0.1 may not be a Service endpoint
+    return cmd
 
 
 def _controller_manager_cmd(pkd: Path, kubeconfig: Path) -> list[str]:
@@ -522,6 +548,30 @@ def _https_health(port: str) -> Callable[[], bool]:
     return lambda: _https_ok(f"https://{HOST}:{PORTS[port]}/healthz", verify=False)
 
 
+def _make_bridge() -> str | None:
+    """The rig's bridge with its address (made or reused); None where this process may not
+    make one (not root): the rig then runs without a real node."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        log("not root (or no `ip`): no bridge, so the rig runs on 127.0.0.1 only and has no real node")
+        return None
+    if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode != 0:
+        _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "replace", f"{BRIDGE_IP}/24", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    return BRIDGE_IP
+
+
+def _remove_bridge() -> None:
+    if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0:
+        _ip("link", "del", BRIDGE)
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
+
+
 def _start_all() -> Rig:
     rd, pkd = run_dir(), run_dir() / "pki"
     busy = {name: port for name, port in PORTS.items() if _port_busy(port)}
@@ -533,18 +583,25 @@ def _start_all() -> Rig:
         )
     for stale in ("etcd-data", "s3-data", "logs", "sa-kubeconfigs"):
         shutil.rmtree(rd / stale, ignore_errors=True)
-    _make_pki()
-    admin_kc = _cert_kubeconfig("admin")
-    rig = Rig(kubeconfig=admin_kc, bin=build.bin_dir(), s3_endpoint=f"http://{HOST}:{PORTS['s3']}")
+    bridge_ip = _make_bridge()
+    api_host = bridge_ip or HOST
+    if bridge_ip and _port_busy(PORTS["apiserver"], bridge_ip):
+        raise RuntimeError(f"port {PORTS['apiserver']} on {bridge_ip} is in use (a stale rig?)")
+    _make_pki(api_host)
+    api_server = f"https://{api_host}:{PORTS['apiserver']}"
+    admin_kc = cert_kubeconfig("admin", api_server)
+    rig = Rig(kubeconfig=admin_kc, bin=build.bin_dir(), s3_endpoint=f"http://{HOST}:{PORTS['s3']}",
+              api_server=api_server, bridge_ip=bridge_ip)
     procs: dict = {}
-    state = {"procs": procs, "env": rig.env, "started": time.time()}
+    state = {"procs": procs, "env": rig.env, "started": time.time(), "api_server": api_server,
+             "bridge": {"name": BRIDGE, "ip": bridge_ip} if bridge_ip else None}
 
     def save() -> None:
         _state_path().write_text(json.dumps(state, indent=2))
 
     try:
         (rd / "s3-data").mkdir(parents=True)
-        _start("versitygw", _versitygw_cmd(rd), procs)
+        _start("versitygw", _versitygw_cmd(rd, bridge_ip), procs)
         _start("etcd", _etcd_cmd(rd), procs)
         save()
         _wait("S3 server", lambda: _s3_up(rig.s3_endpoint), 30, procs, "versitygw")
@@ -553,13 +610,13 @@ def _start_all() -> Rig:
             client.make_bucket(S3_BUCKET)
         _wait("etcd", lambda: _http_ok(f"http://{HOST}:{PORTS['etcd']}/health"), 30, procs, "etcd")
 
-        _start("kube-apiserver", _apiserver_cmd(pkd), procs)
+        _start("kube-apiserver", _apiserver_cmd(pkd, api_host), procs)
         save()
-        _wait("kube-apiserver", lambda: _https_ok(f"https://{HOST}:{PORTS['apiserver']}/readyz"), 120, procs,
-              "kube-apiserver")
+        _wait("kube-apiserver", lambda: _https_ok(f"{api_server}/readyz"), 120, procs, "kube-apiserver")
 
-        _start("kube-controller-manager", _controller_manager_cmd(pkd, _cert_kubeconfig("controller-manager")), procs)
-        _start("kube-scheduler", _scheduler_cmd(_cert_kubeconfig("scheduler")), procs)
+        _start("kube-controller-manager",
+               _controller_manager_cmd(pkd, cert_kubeconfig("controller-manager", api_server)), procs)
+        _start("kube-scheduler", _scheduler_cmd(cert_kubeconfig("scheduler", api_server)), procs)
         stages = rd / "kwok-stages.yaml"
         stages.write_text("\n---\n".join(p.read_text() for p in kwok_stage_files()))
         _start("kwok", _kwok_cmd(admin_kc, stages), procs)
@@ -591,8 +648,17 @@ def _start_all() -> Rig:
 
 
 def _stop(state: dict) -> None:
+    from tests.rig import node
+
+    node.stop()  # the real node, if one runs, before the apiserver it reports to
+    _stop_procs(state.get("procs", {}))
+    if state.get("bridge"):
+        _remove_bridge()
+
+
+def _stop_procs(procs: dict) -> None:
     # One at a time, dependents first: the apiserver shuts down quickly while etcd still answers.
-    for name, info in reversed(list(state.get("procs", {}).items())):
+    for name, info in reversed(list(procs.items())):
         if not _alive(info["pid"], info["exe"]):
             continue
         os.killpg(info["pid"], signal.SIGTERM)
@@ -618,7 +684,9 @@ def _flock(name: str) -> Iterator[None]:
 
 def _rig_from_state(state: dict) -> Rig:
     env = state["env"]
-    return Rig(kubeconfig=Path(env["KUBECONFIG"]), bin=Path(env["KILN_RIG_BIN"]), s3_endpoint=env["KILN_S3_ENDPOINT"])
+    return Rig(kubeconfig=Path(env["KUBECONFIG"]), bin=Path(env["KILN_RIG_BIN"]), s3_endpoint=env["KILN_S3_ENDPOINT"],
+               api_server=state.get("api_server", f"https://{HOST}:{PORTS['apiserver']}"),
+               bridge_ip=(state.get("bridge") or {}).get("ip"))
 
 
 def running() -> Rig | None:
@@ -685,6 +753,15 @@ def up(lease_pid: int | None = None) -> tuple[Rig, bool]:
         return rig, True
 
 
+def up_node(lease_pid: int | None = None):
+    """The rig (reused or started, as `up`) with its real node (reused or started); returns
+    (rig, node.Node). The node is built and started only here: see tests/rig/node.py."""
+    from tests.rig import node
+
+    rig, _ = up(lease_pid)
+    return rig, node.up(rig)
+
+
 def release(lease_pid: int, stop_if_unused: bool) -> None:
     """Drop a user's lease; stop the rig if asked and no other live process still uses it."""
     with _flock("lock"):
@@ -724,4 +801,11 @@ def print_status() -> int:
         print(f"{name:26} pid {info['pid']:>7}  {'running' if _alive(info['pid'], info['exe']) else 'stopped'}")
     rig = running()
     print(f"rig: {'healthy' if rig else 'not healthy'} (run dir {run_dir()})")
+    from tests.rig import node
+
+    node_state = node._read_state()
+    for name, info in (node_state or {}).get("procs", {}).items():
+        print(f"{name:26} pid {info['pid']:>7}  {'running' if _alive(info['pid'], info['exe']) else 'stopped'}")
+    if node_state:
+        print(f"real node {node.NAME}: {'Ready' if rig and node.running(rig) else 'not Ready'}")
     return 0 if rig else 1
