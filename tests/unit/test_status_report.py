@@ -3,15 +3,19 @@ counters the operator's goodput is made of, failures."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
-import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
 from kiln.api.spec import TrainingSpecStatus
+from kiln.trainer import status_report
 from kiln.trainer.status_report import StatusReporter, StatusSender, status_patch
+
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
 
 STATUS_FIELDS = {f.alias for f in TrainingSpecStatus.model_fields.values()}
 OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration", "goodput", "goodputDetail"}
@@ -127,27 +131,85 @@ def test_without_the_pod_environment_nothing_is_sent(monkeypatch):
     assert StatusReporter.from_env(10, rank=1)._sender is None  # only rank 0 reports
 
 
-def test_an_unreachable_apiserver_is_one_warning_and_never_blocks(tmp_path, monkeypatch, caplog):
+def write_kubeconfig(path, server: str) -> str:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    return str(path)
+
+
+class HeldApiserver(ThreadingHTTPServer):
+    """A real HTTP server on loopback that answers status patches, holding the first one until the test
+    releases it (an apiserver that is slow to answer)."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.first_arrived, self.release = threading.Event(), threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PATCH(self):  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.bodies.append({"path": self.path, "body": body})
+                if len(server.bodies) == 1:
+                    server.first_arrived.set()
+                    server.release.wait(SAFETY_TIMEOUT_S)
+                reply = json.dumps({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_submit_returns_while_the_apiserver_holds_the_request(tmp_path, monkeypatch, caplog):
+    """The training thread only hands a body over: submit returns while the sender's patch is still held by
+    the apiserver (no clock: the server answers only after the test has got past the submits)."""
+    server = HeldApiserver()
+    monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{server.server_port}"))
+    # the client's own timeout would turn a submit that waits for the answer into a warning, not a hang;
+    # made long so that a loaded machine holding the request for a while is no failure either
+    monkeypatch.setattr(status_report, "REQUEST_TIMEOUT_S", SAFETY_TIMEOUT_S)
+    caplog.set_level(logging.WARNING, logger="kiln.status")
+    sender = StatusSender("run", "ml")
+    try:
+        sender.submit({"status": {"step": 1}})
+        wait_until("the first patch at the apiserver", server.first_arrived.is_set)
+        sender.submit({"status": {"step": 2}})  # the sender is inside its HTTP call: these only queue
+        sender.submit({"status": {"step": 3}})
+        assert not server.release.is_set() and len(server.bodies) == 1
+    finally:
+        server.release.set()
+    wait_until("the newest body at the apiserver", lambda: len(server.bodies) == 2)
+    sender.close(timeout=SAFETY_TIMEOUT_S)
+    server.shutdown()
+    assert not sender._thread.is_alive()
+    path = "/apis/kiln.dev/v1alpha1/namespaces/ml/trainingspecs/run/status"
+    # step 2 was replaced by step 3 before the sender was free: only the newest body goes out
+    assert server.bodies == [{"path": path, "body": {"status": {"step": 1}}},
+                             {"path": path, "body": {"status": {"step": 3}}}]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no timeout, no failure
+
+
+def test_an_unreachable_apiserver_is_one_warning(tmp_path, monkeypatch, caplog):
     with socket.socket() as s:  # a port nobody listens on: connection refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}", "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path / "kubeconfig", f"https://127.0.0.1:{port}"))
     caplog.set_level(logging.WARNING, logger="kiln.status")
     sender = StatusSender("run", "ml")
-    t0 = time.monotonic()
     sender.submit({"status": {"step": 1}})
-    assert time.monotonic() - t0 < 0.1  # the training thread only hands the body over
-    deadline = time.monotonic() + 10
-    while not caplog.records and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until("the sender's warning", lambda: caplog.records)
     sender.submit({"status": {"step": 2}})
-    sender.close()
+    sender.close(timeout=SAFETY_TIMEOUT_S)
     assert not sender._thread.is_alive()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
