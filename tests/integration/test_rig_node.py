@@ -155,3 +155,19 @@ def test_a_pod_reaches_the_rigs_s3(rig, real_node, namespace):
     finally:
         rig.minio_client().remove_object(rig.s3_bucket, key)
     assert logs.strip() == f"200 {body.decode()}"
+
+
+def test_a_pod_security_restricted_pod_runs(rig, real_node, namespace):
+    # What kiln's trainer pods need: admitted under `restricted`, run by runc with the runtime's
+    # default seccomp profile, as non-root, read-only root, no capabilities, a sized /dev/shm.
+    rig.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    manifest = probe_pod(real_node, namespace, "restricted", ["echo", "restricted"])
+    manifest["spec"]["securityContext"] = {"runAsNonRoot": True, "runAsUser": 65534,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}
+    manifest["spec"]["containers"][0] |= {
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    manifest["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}]
+    assert run_to_completion(rig, namespace, manifest).strip() == "restricted"
