@@ -29,14 +29,10 @@ from kiln.storage.commit import committed_steps
 from kiln.storage.retry import RetryPolicy
 from kiln.trainer.checkpoint import Checkpointer
 
+from tests.distributed.ranks import free_port
+
 MiB = 1 << 20
 ACCESS, SECRET = "kiln-ckpt-test", "kiln-ckpt-test-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivateS3:
@@ -49,7 +45,7 @@ class PrivateS3:
             build.build(["versitygw"])
         self.exe = str(build.bin_dir() / "versitygw")
         self.data_dir = data_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.log = data_dir.parent / "versitygw.log"

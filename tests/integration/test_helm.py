@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.distributed.ranks import free_port
 from tests.rig import versions
 
 pytestmark = pytest.mark.rig
@@ -60,12 +60,6 @@ def ident(obj: dict) -> tuple[str, str, str]:
 
 def by_ident(objs: list[dict]) -> dict[tuple, dict]:
     return {ident(o): o for o in objs}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def entrypoint() -> list[str]:

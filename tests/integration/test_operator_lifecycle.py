@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import yaml
 
 from kiln.cli.main import main
 
+from tests.distributed.ranks import free_port
 from tests.integration.test_operator_api import install_crd
 
 pytestmark = pytest.mark.rig
@@ -30,12 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "manifests" / "rbac"
 SAMPLES = ROOT / "manifests" / "samples"
 IMAGE = "kiln-trainer:rig"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Operator:

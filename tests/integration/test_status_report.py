@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -16,15 +15,11 @@ import yaml
 from kiln.api.spec import GROUP, PLURAL
 from kiln.control.plan import names, trainer_identity
 
+from tests.distributed.ranks import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"
 MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec_doc(name: str, namespace: str, checkpoint: dict, steps: int) -> dict:
