@@ -36,7 +36,9 @@ from kubernetes import client, config as kconfig, watch
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import plan
+from kiln.control.status import job_condition
 from tests.bench.report import write_report
+from tests.distributed.ranks import wait_until
 
 
 def spec(name: str) -> dict:
@@ -84,13 +86,9 @@ class JobWatcher:
                 if self._stop.is_set():
                     break
 
-    def wait(self, names: list[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(n in self.seen for n in names):
-            time.sleep(0.05)
-        missing = [n for n in names if n not in self.seen]
-        if missing:
-            raise TimeoutError(f"{len(missing)} PyTorchJobs never appeared, e.g. {missing[:3]}")
+    def wait(self, names: list[str], alive=None) -> None:
+        wait_until(f"{len(names)} PyTorchJobs", lambda: all(n in self.seen for n in names), alive=alive,
+                   context=lambda: f"missing, e.g. {[n for n in names if n not in self.seen][:3]}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -113,11 +111,10 @@ class CountingProxy:
         self.ssl = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
         self.ssl.load_cert_chain(cfg.cert_file, cfg.key_file)
         self.calls: list[tuple[float, str, str]] = []  # (monotonic time, method, path), watches excluded
-        self.watches = 0
+        self.watches: list[str] = []  # the paths of the watch requests
         self._ready = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
-        if not self._ready.wait(30):
-            raise TimeoutError("the counting proxy did not start")
+        wait_until("the counting proxy", self._ready.is_set)
 
     def _serve(self) -> None:
         loop = asyncio.new_event_loop()
@@ -138,7 +135,7 @@ class CountingProxy:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("watch") in ("true", "1"):
-            self.watches += 1
+            self.watches.append(request.path)
         else:
             self.calls.append((time.monotonic(), request.method, request.path))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -209,35 +206,71 @@ def create_specs(kube: Kube, namespace: str, bodies: list[dict]) -> dict[str, fl
         "kiln.dev", "v1alpha1", namespace, "trainingspecs", b))
 
 
+def unsettled(kube: Kube, namespace: str, names: list[str]) -> list[str]:
+    """The runs whose status does not show their PyTorchJob's final state yet: a suspended run is settled once
+    the training-operator has marked its job Suspended and the operator has derived the run's status from that
+    (the run's Suspended condition carries the job's message; kiln.control.status.derive)."""
+    jobs = {j["metadata"]["name"]: j for j in kube.custom.list_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs")["items"]}
+    runs = {r["metadata"]["name"]: r for r in kube.custom.list_namespaced_custom_object(
+        "kiln.dev", "v1alpha1", namespace, "trainingspecs")["items"]}
+
+    def condition(obj: dict | None, ctype: str) -> dict:
+        return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
+
+    def settled(name: str) -> bool:
+        job, run = jobs.get(name), runs.get(name)
+        if job_condition(job) != "Suspended":
+            return False
+        shown = condition(run, "Suspended")
+        return shown.get("status") == "True" and shown.get("message") == (condition(job, "Suspended").get("message")
+                                                                          or "phase Suspended")
+    return [n for n in names if not settled(n)]
+
+
 def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
     """Every request an operator makes for `count` new TrainingSpecs, until the runs settle.
 
-    The window opens when the specs are created and closes after 3 s without a request (or at 12 s,
-    before the first elastic timer tick at 15 s), so it holds each run's reconcile and the status
-    refreshes its PyTorchJob's first events trigger — what a burst costs per run.
+    The window opens when the specs are created (the operator's watches being open) and closes when every
+    run's status shows its PyTorchJob's final state (`unsettled`): it holds each run's reconcile and the status
+    refreshes its PyTorchJob's events trigger — what a burst costs per run. Not a fixed time, which a slow
+    machine overruns (cutting the count short) and a fast one pads. A window longer than the runs' periodic
+    tick (kiln.control.handlers.TICK_S after a run is first seen) also holds their first ticks:
+    `window_s` says how long it was.
     """
+    from kiln.control.handlers import TICK_S
     from tests.integration.test_operator_lifecycle import Operator
 
     proxy = CountingProxy(rig.kubeconfig)
     op = Operator(proxy.kubeconfig(log.with_suffix(".kubeconfig")), namespace, log)
-    op.start()
+    op.start()  # returns once /healthz answers
+    alive = lambda: op.proc.poll() is None  # noqa: E731
     try:
-        time.sleep(2)
+        # ready = watching both kinds: a spec created before its watch opens reaches the operator by a list
+        wait_until("the operator's watches on trainingspecs and pytorchjobs", alive=alive, cond=lambda: all(
+            any(p.endswith("/" + kind) for p in proxy.watches) for kind in ("trainingspecs", "pytorchjobs")))
         watcher = JobWatcher(kube, namespace)
         t0 = time.monotonic()
         created = create_specs(kube, namespace, specs(namespace, count))
-        watcher.wait(list(created), timeout=120)
+        watcher.wait(list(created), alive=alive)
         jobs_at = max(watcher.seen.values())
         watcher.stop()
-        while time.monotonic() < t0 + 12 and time.monotonic() - max(t for t, *_ in proxy.calls) < 3:
-            time.sleep(0.2)
-        window = [c for c in proxy.calls if t0 <= c[0] <= t0 + 12]
+        left = list(created)
+
+        def all_settled() -> bool:
+            left[:] = unsettled(kube, namespace, left)
+            return not left
+        wait_until("every run's status showing its job Suspended", all_settled, alive=alive,
+                   context=lambda: f"unsettled, e.g. {left[:3]}")
+        t1 = time.monotonic()
+        window = [c for c in proxy.calls if t0 <= c[0] <= t1]
     finally:
         op.stop()
     until_jobs = [c for c in window if c[0] <= jobs_at]
     kinds = Counter(call_kind(m, path) for _, m, path in window)
     return {"specs": count, "per_spec": len(window) / count, "per_spec_until_all_jobs_exist": len(until_jobs) / count,
-            "by_kind_per_spec": {k: round(v / count, 2) for k, v in kinds.most_common()}}
+            "by_kind_per_spec": {k: round(v / count, 2) for k, v in kinds.most_common()},
+            "window_s": t1 - t0, "window_past_first_tick": t1 - t0 > TICK_S}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         created = create_all(jobs, lambda b: kube.custom.create_namespaced_custom_object(
             "kubeflow.org", "v1", ns_ref, "pytorchjobs", b))
-        watcher.wait(list(created), timeout=300)
+        watcher.wait(list(created))
         ref_total = max(watcher.seen.values()) - t0
         ref = latencies(created, watcher.seen, {n: n for n in created})
         watcher.stop()
@@ -281,15 +314,20 @@ def main(argv: list[str] | None = None) -> int:
         log = Path(args.out).with_suffix(".operator.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         op = Operator(rig.kubeconfig, ns_kiln, log)
-        op.start()
-        time.sleep(2)
-        idle_rss = rss_kib(op.proc.pid, "VmRSS")
+        op.start()  # returns once /healthz answers
+        alive = lambda: op.proc.poll() is None  # noqa: E731
         watcher = JobWatcher(kube, ns_kiln)
+        # ready = its first reconcile done (watches open, handlers imported): one run's PyTorchJob exists
+        warm = specs(ns_kiln, 1)[0]
+        warm["metadata"]["name"] = "warm-up"
+        create_specs(kube, ns_kiln, [warm])
+        watcher.wait(["warm-up"], alive=alive)
+        idle_rss = rss_kib(op.proc.pid, "VmRSS")
         cpu0 = cpu_s(op.proc.pid)
         bodies = specs(ns_kiln, args.count)
         t0 = time.monotonic()
         created = create_specs(kube, ns_kiln, bodies)
-        watcher.wait(list(created), timeout=600)
+        watcher.wait(list(created), alive=alive)
         kiln_total = max(watcher.seen.values()) - t0
         lat = latencies(created, watcher.seen, {n: n for n in created})
         peak_rss = rss_kib(op.proc.pid, "VmHWM")
