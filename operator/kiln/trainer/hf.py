@@ -25,6 +25,7 @@ import os
 import re
 import struct
 import tempfile
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -286,13 +287,24 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
     for name, param in model.named_parameters():
         local, offsets, sizes = _local_chunk(param)
         jobs.append((local, ckpt.source_of(name, tied), offsets, sizes))
+    read = 0
+    window: deque = deque()  # reads in flight: at most 2 x threads slices are held in memory at once
+
+    def finish() -> None:
+        nonlocal read
+        (local, entry, _, sizes), future = window.popleft()
+        data = future.result()
+        if math.prod(sizes):
+            local.copy_(data.reshape(local.shape))
+        read += data.numel() * entry.dtype.itemsize
+
     with ThreadPoolExecutor(threads, thread_name_prefix="kiln-hf-load") as pool:
-        slices = pool.map(lambda j: read_slice(ckpt.store, j[1], j[2], j[3]), jobs)
-        read = 0
-        for (local, entry, _, sizes), data in zip(jobs, slices):
-            if math.prod(sizes):
-                local.copy_(data.reshape(local.shape))
-            read += data.numel() * entry.dtype.itemsize
+        for job in jobs:
+            window.append((job, pool.submit(read_slice, ckpt.store, job[1], job[2], job[3])))
+            if len(window) >= 2 * threads:
+                finish()
+        while window:
+            finish()
     return read
 
 
@@ -446,7 +458,8 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     spec = doc.spec
     ep = endpoint or storage_endpoint(spec)
     base = read_config(spec.model.from_, ep) if spec.model.from_ else {}
-    dtype = dtype or base.get("torch_dtype") or base.get("dtype") or "float32"
+    if dtype is None:  # the source folder's, when it names one kiln writes
+        dtype = next((d for d in (base.get("torch_dtype"), base.get("dtype")) if d in EXPORT_DTYPES), "float32")
     if dtype not in EXPORT_DTYPES:
         raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     dims = resolve_dims(spec, config=base or None)
