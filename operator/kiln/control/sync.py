@@ -87,12 +87,12 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 # The job is applied last, each object before it checked: a job of this run's vouches for them.
                 checked = job is not None and foreign(job, uid) is None
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
-                    if not checked and not kube.applied_before(obj):  # force would adopt someone else's
-                        other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj), uid)
-                        if other:
-                            accepted = ("False", "NotOwner", other)
-                            break
                     try:
+                        if not checked and not kube.applied_before(obj):  # force would adopt someone else's
+                            other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj), uid)
+                            if other:
+                                accepted = ("False", "NotOwner", other)
+                                break
                         applied = kube.apply(obj)
                     except ApiException as err:  # refused as invalid, or the apiserver failed: say which
                         accepted = ("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err))
