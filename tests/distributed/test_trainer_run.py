@@ -52,7 +52,7 @@ def test_quickstart_writes_metrics_and_rerun_resumes_the_same_curve(tmp_path):
     ids=["missing-file", "bad-value", "unknown-field", "unknown-preset", "batch-vs-world"],
 )
 def test_bad_input_is_a_clear_error(tmp_path, make_spec, expected):
-    proc = kiln("run", str(make_spec(tmp_path)), "--nproc", "3", "--output", str(tmp_path / "out"), timeout=120)
+    proc = kiln("run", str(make_spec(tmp_path)), "--nproc", "3", "--output", str(tmp_path / "out"))
     assert proc.returncode == 1
     assert proc.stderr.startswith("kiln: error:"), proc.stderr
     for text in expected:

@@ -12,7 +12,7 @@ from kiln.cli.train_cmds import eval_checkpoint_uri, local_spec
 from kiln.errors import KilnError
 from kiln.trainer.optim import lr_at
 
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
 from tests.distributed.trainer_helpers import env, read_metrics, write_spec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
@@ -53,7 +53,8 @@ def test_steps_below_warmup_trains_to_the_peak_lr_and_says_so_once(tmp_path, com
     else:  # one rank without torchrun, as a pod's torchrun would start it
         args = ["train", "--config", str(spec)]
     proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args, "--steps", "2", "--output", str(out)],
-                          env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=120, check=False)
+                          env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("kiln: note: --steps 2 is shorter than training.warmupSteps 10") == 1, proc.stdout
     records = read_metrics(out)
