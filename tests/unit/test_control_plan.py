@@ -250,3 +250,16 @@ def test_trainer_pods_serve_metrics_on_the_operators_port():
     off = pod_of(BASE, OperatorConfig(image="x", trainer_metrics_port=0))
     assert "KILN_METRICS_PORT" not in env_of(off)
     assert [p["name"] for p in off["containers"][0]["ports"]] == ["c10d"]
+
+
+def test_a_model_from_a_folder_renders_with_the_dimensions_left_to_the_trainer(tmp_path):
+    """model.from: the dimensions live in the folder's config.json, which only the pods read; the plan
+    neither guesses them nor fails (kiln render printed a traceback here)."""
+    raw = with_({"model": {"from": "s3://models/llama-3.2-1b/", "seqLen": 256}, "parallelism.tensor": 1})
+    cm = objects(raw)["ConfigMap"]
+    model = yaml.safe_load(cm["data"]["spec.yaml"])["spec"]["model"]
+    assert model["from"] == "s3://models/llama-3.2-1b/" and model["seqLen"] == 256
+    assert "dim" not in model and "layers" not in model
+    sample = tmp_path / "s.yaml"
+    sample.write_text(yaml.safe_dump(raw))
+    assert main(["render", str(sample)]) == 0

@@ -87,13 +87,14 @@ def names(run: str) -> dict[str, str]:
 def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
     """The spec with every default made explicit: what the pods run with (and what `kiln render` shows)."""
     s = doc.spec
-    dims = resolve_model(s.model)
+    # model.from: the dimensions are in the folder's config.json, which the trainer reads (kiln.trainer.hf)
+    model = s.model if s.model.from_ else s.model.model_copy(update=resolve_model(s.model).model_dump())
     lo = s.elastic.min_nodes if s.elastic.min_nodes is not None else s.resources.nodes
     hi = s.elastic.max_nodes if s.elastic.max_nodes is not None else s.resources.nodes
     uri = s.checkpoint.uri or f"file://{config.scratch_dir}/checkpoints/"
     spec = s.model_copy(update={
         "image": s.image or config.image,
-        "model": s.model.model_copy(update=dims.model_dump()),
+        "model": model,
         "resources": s.resources.model_copy(update={"processes_per_node": processes_per_node(s)}),
         "elastic": s.elastic.model_copy(update={"min_nodes": lo, "max_nodes": hi}),
         "checkpoint": s.checkpoint.model_copy(update={"uri": uri}),
