@@ -141,7 +141,8 @@ def rewrite_config(folder: Path, **changes) -> None:
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      r"rope scaling of type 'yarn' is not supported"),
     ({"head_dim": 16}, r"head_dim 16 x num_attention_heads 4 != hidden_size 32"),
-    ({"num_hidden_layers": None}, r"missing or not an integer: num_hidden_layers"),
+    ({"num_hidden_layers": None}, r"missing or not a positive integer: num_hidden_layers"),
+    ({"num_attention_heads": 0}, r"missing or not a positive integer: num_attention_heads"),
 ])
 def test_unsupported_config_is_refused_by_key(tmp_path, folder, changes, message):
     bad = copy_folder(folder, tmp_path / "bad")
@@ -224,6 +225,10 @@ def test_missing_files_are_named(tmp_path, folder):
         {"weight_map": {"model.norm.weight": "model.safetensors", "model.embed_tokens.weight": "other.safetensors"}}))
     with pytest.raises(KilnError, match=r"other.safetensors is missing \(named by model.safetensors.index.json\)"):
         imported(f"file://{indexed}")
+    for bad in ({"weight_map": {"model.norm.weight": ["x"]}}, {"weight_map": {}}, ["not", "an", "object"]):
+        (indexed / "model.safetensors.index.json").write_text(json.dumps(bad))
+        with pytest.raises(KilnError, match=r"model.safetensors.index.json (has no weight_map|is not a JSON object)"):
+            imported(f"file://{indexed}")
     (indexed / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "model.safetensors", "model.extra.weight": "model.safetensors"}}))
     with pytest.raises(KilnError, match=r"tensor model.extra.weight is listed in model.safetensors.index.json "

@@ -63,9 +63,9 @@ def dims_from_config(config: dict[str, Any], model: "ModelSpec", source: str) ->
         if config.get(key, expected) != expected:
             raise ValueError(f"{where}: {key} = {config[key]!r} is not supported (kiln's Llama has {expected!r})")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                           "intermediate_size") if not isinstance(config.get(k), int)]
+                           "intermediate_size") if not isinstance(config.get(k), int) or config[k] < 1]
     if missing:
-        raise ValueError(f"{where}: missing or not an integer: {', '.join(missing)}")
+        raise ValueError(f"{where}: missing or not a positive integer: {', '.join(missing)}")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim * heads != config["hidden_size"]:

@@ -163,9 +163,10 @@ def read_header(store: ObjectStore, key: str) -> dict[str, TensorEntry]:
                         f"{size} bytes)")
     try:
         header = json.loads(store.get_bytes(key, 8, n))
-        assert isinstance(header, dict)
-    except (UnicodeDecodeError, json.JSONDecodeError, AssertionError):
-        raise KilnError(f"model.from: {where} has a corrupt safetensors header (not a JSON object)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise KilnError(f"model.from: {where} has a corrupt safetensors header (not a JSON object)")
     base, out = 8 + n, {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -211,8 +212,9 @@ class Checkpoint:
         if self.store.exists(INDEX):
             index = _json(self.store, INDEX, f"model.from {uri}")
             weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise KilnError(f"model.from {uri}: {INDEX} has no weight_map")
+            if not isinstance(weight_map, dict) or not weight_map or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise KilnError(f"model.from {uri}: {INDEX} has no weight_map of tensor names to file names")
             files = sorted(set(weight_map.values()))
         elif self.store.exists(SINGLE):
             weight_map, files = None, [SINGLE]
