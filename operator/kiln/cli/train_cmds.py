@@ -87,6 +87,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
     ex.set_defaults(func=cmd_export)
 
+    data = subparsers.add_parser("data", help="prepare training data (kiln data prepare)")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    pr = data_sub.add_parser(
+        "prepare", help="tokenize .txt/.jsonl files into token shards that data.uri reads",
+        description="Read .txt (one document per file) and .jsonl (one per line) files from files, folders, "
+        "file:// or s3:// prefixes; normalise, filter, deduplicate exactly and tokenize them into "
+        "tokens-NNNNN.npy shards and a manifest.json at OUTPUT (docs/models.md).",
+    )
+    pr.add_argument("--input", nargs="+", required=True, help="files, folders, file:// or s3:// prefixes")
+    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json or a model folder holding one")
+    pr.add_argument("--output", required=True, help="folder for the shards: file:///path/ or s3://bucket/prefix/")
+    pr.add_argument("--text-field", default="text", help="the field of a .jsonl line holding the text (default text)")
+    pr.add_argument("--min-chars", type=int, default=1, help="drop documents shorter than this after normalising")
+    pr.add_argument("--dedup", choices=["exact", "none"], default="exact", help="drop repeated documents (default exact)")
+    pr.add_argument("--eos", default=None, help="a token appended to every document, e.g. '<|end_of_text|>'")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    pr.add_argument("--endpoint", default=None, help="S3 endpoint URL; keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    pr.set_defaults(func=cmd_data_prepare)
+
 
 def load_one(path: str) -> TrainingSpec:
     docs = load_file(path)
@@ -303,4 +322,21 @@ def cmd_export(args: argparse.Namespace) -> int:
                        max_shard_bytes=max_bytes)
     print(f"kiln: exported step {result.step} of {uri} to {result.output}: {len(result.files)} files, "
           f"{result.bytes / 1e6:,.1f} MB", flush=True)
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from kiln.trainer.prepare import prepare
+
+    if args.shard_tokens < 1 or args.min_chars < 0:
+        raise KilnError("--shard-tokens must be at least 1 and --min-chars at least 0")
+    if not args.output.startswith(("file://", "s3://")):
+        raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
+    result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
+                     min_chars=args.min_chars, dedup=args.dedup, eos=args.eos, shard_tokens=args.shard_tokens,
+                     endpoint=args.endpoint)
+    if result is not None:
+        removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"
+        print(f"kiln: {result.documents_out:,} of {result.documents_in:,} documents, {result.tokens:,} tokens in "
+              f"{len(result.shards)} shard(s) at {args.output}; removed: {removed}", flush=True)
     return 0

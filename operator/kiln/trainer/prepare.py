@@ -1,0 +1,186 @@
+"""`kiln data prepare`: text files → token shards that `data.uri` reads (a first cut; docs/models.md says what
+it does not do yet).
+
+Documents come from .txt files (one document per file) and .jsonl files (one per line, the text in
+`text_field`), in local folders, file:// or s3:// prefixes, in sorted order. Each document is decoded as UTF-8,
+normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filtered (too short, a missing field,
+an undecodable or unparsable line: counted, never a crash), deduplicated exactly (sha256 of the normalised
+text), tokenized in batches with the `tokenizers` library (its batch encoding runs on every core) and appended,
+with an optional end-of-document token, to `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the
+vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
+filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.storage import ObjectStore, open_store
+
+MANIFEST = "manifest.json"
+SUFFIXES = (".txt", ".jsonl")
+
+
+def normalise(text: str) -> str:
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _inputs(uri: str, endpoint: str | None) -> Iterator[tuple[ObjectStore, str]]:
+    """(store, key) of every .txt/.jsonl under an input (a file or a folder/prefix), sorted."""
+    if uri.endswith(".parquet"):
+        raise KilnError(f"--input {uri}: parquet is not supported yet; use .txt or .jsonl")
+    if not uri.startswith(("file://", "s3://")):
+        uri = f"file://{Path(uri).resolve()}"
+    if uri.startswith("file://") and Path(uri.removeprefix("file://")).is_file():
+        folder, key = uri.rsplit("/", 1)
+        yield open_store(folder + "/", endpoint=endpoint), key
+        return
+    store = open_store(uri, endpoint=endpoint)
+    keys = [o.key for o in store.list("") if o.key.endswith(SUFFIXES)]
+    if not keys:
+        raise KilnError(f"--input {uri}: no .txt or .jsonl files there")
+    for key in keys:
+        yield store, key
+
+
+def documents(raw: bytes, key: str, text_field: str, counts: Counter) -> Iterator[str]:
+    """The texts of one file (not yet normalised); what cannot be read is counted under its reason."""
+    if key.endswith(".txt"):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            counts["undecodable"] += 1
+        return
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            counts["undecodable"] += 1
+            continue
+        except json.JSONDecodeError:
+            counts["invalid_json"] += 1
+            continue
+        text = doc.get(text_field) if isinstance(doc, dict) else None
+        if not isinstance(text, str):
+            counts["missing_field"] += 1
+            continue
+        yield text
+
+
+@dataclass
+class Prepared:
+    documents_in: int = 0
+    documents_out: int = 0
+    tokens: int = 0
+    removed: Counter = field(default_factory=Counter)
+    shards: list[dict] = field(default_factory=list)
+
+
+class ShardWriter:
+    """Tokens appended in order, cut into shards of exactly `shard_tokens` (the last one shorter)."""
+
+    def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared):
+        self.store, self.shard_tokens, self.dtype, self.result = store, shard_tokens, dtype, result
+        self.pending: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, ids: Iterable[int]) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self.pending.append(arr)
+        self.count += len(arr)
+        while self.count >= self.shard_tokens:
+            flat = np.concatenate(self.pending)
+            self._write(flat[:self.shard_tokens])
+            rest = flat[self.shard_tokens:]
+            self.pending, self.count = [rest], len(rest)
+
+    def close(self) -> None:
+        if self.count:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.count = [], 0
+
+    def _write(self, tokens: np.ndarray) -> None:
+        name = f"tokens-{len(self.result.shards):05d}.npy"
+        buf = io.BytesIO()
+        np.save(buf, tokens)
+        self.store.put_bytes(name, buf.getvalue())
+        self.result.shards.append({"name": name, "tokens": int(len(tokens))})
+
+
+def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str = "text", min_chars: int = 1,
+            dedup: str = "exact", eos: str | None = None, shard_tokens: int = 100_000_000,
+            batch_docs: int = 1000, endpoint: str | None = None, log=print) -> Prepared | None:
+    """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result."""
+    from kiln.trainer.hf import load_tokenizer, vocab_size
+
+    out = open_store(output, endpoint=endpoint)
+    if out.exists(MANIFEST):
+        log(f"kiln: {out.url(MANIFEST)} exists: {output} is already prepared; nothing to do")
+        return None
+    tokenizer = load_tokenizer(tokenizer_uri, endpoint)
+    if tokenizer is None:
+        raise KilnError("--tokenizer byte: data prepare needs a tokenizer.json or a model folder holding one")
+    eos_id = None
+    if eos is not None:
+        eos_id = tokenizer.token_to_id(eos)
+        if eos_id is None:
+            raise KilnError(f"--eos {eos!r} is not a token of {tokenizer_uri}")
+    vocab = vocab_size(tokenizer)
+    result = Prepared()
+    writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result)
+    seen: set[bytes] = set()
+    batch: list[str] = []
+
+    def flush() -> None:
+        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+            ids = enc.ids + ([eos_id] if eos_id is not None else [])
+            writer.add(ids)
+            result.tokens += len(ids)
+        batch.clear()
+
+    for uri in inputs:
+        for store, key in _inputs(uri, endpoint):
+            for text in documents(store.get_bytes(key), key, text_field, result.removed):
+                result.documents_in += 1
+                text = normalise(text)
+                if len(text) < min_chars:
+                    result.removed["too_short"] += 1
+                    continue
+                if dedup == "exact":
+                    digest = hashlib.sha256(text.encode()).digest()[:16]
+                    if digest in seen:
+                        result.removed["duplicate"] += 1
+                        continue
+                    seen.add(digest)
+                result.documents_out += 1
+                batch.append(text)
+                if len(batch) >= batch_docs:
+                    flush()
+    flush()
+    writer.close()
+    # what could not be read never became a document, but it came in as one
+    result.documents_in += sum(result.removed[k] for k in ("undecodable", "invalid_json", "missing_field"))
+    manifest = {
+        "tokenizer": tokenizer_uri, "vocab_size": vocab, "dtype": str(writer.dtype), "eos": eos,
+        "text_field": text_field, "min_chars": min_chars, "dedup": dedup, "inputs": inputs,
+        "documents_in": result.documents_in, "documents_out": result.documents_out, "tokens": result.tokens,
+        "removed": dict(sorted(result.removed.items())), "shards": result.shards,
+    }
+    out.put_bytes(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return result

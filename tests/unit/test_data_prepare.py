@@ -1,0 +1,96 @@
+"""`kiln data prepare`: every filter counted, exact dedup, the shards hold exactly the tokenizer's ids of the kept
+documents (checked against the `tokenizers` library's own encoding), the trainer's data source reads them, and a
+complete output is left alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln.cli.main import main
+from kiln.errors import KilnError
+from kiln.trainer.data import open_source
+from kiln.trainer.prepare import normalise, prepare, token_dtype
+from tests.hf_models import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok = make_tokenizer()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(path))
+    return path
+
+
+def corpus(folder):
+    folder.mkdir()
+    (folder / "a.txt").write_text("First document.\r\nWith two lines.  ")
+    (folder / "b.jsonl").write_bytes(b"\n".join([
+        json.dumps({"text": "Second document."}).encode(),
+        json.dumps({"text": "  Second document.  "}).encode(),   # a duplicate once normalised
+        b"{not json",                                              # invalid_json
+        json.dumps({"body": "no text field"}).encode(),           # missing_field
+        b'{"text": "bad \xff byte"}',                              # undecodable
+        json.dumps({"text": "x"}).encode(),                        # too_short with --min-chars 2
+        json.dumps({"text": "Third, cafe\u0301."}).encode(),       # NFC: e + combining accent -> one character
+        b"",
+    ]))
+    (folder / "ignored.csv").write_text("not an input suffix")
+    return folder
+
+
+def test_prepare_counts_filters_dedups_and_writes_the_tokenizers_ids(tmp_path, tokenizer_file, capsys):
+    from tokenizers import Tokenizer
+
+    src = corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", "--input", str(src), "--tokenizer", f"file://{tokenizer_file}",
+                 "--output", f"file://{out}", "--min-chars", "2", "--eos", "<eos>", "--shard-tokens", "7"]) == 0
+    assert "3 of 8 documents" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["removed"] == {"duplicate": 1, "invalid_json": 1, "missing_field": 1, "too_short": 1,
+                                   "undecodable": 1}
+    assert (manifest["documents_in"], manifest["documents_out"], manifest["dtype"]) == (8, 3, "uint16")
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    kept = ["First document.\nWith two lines.", "Second document.", "Third, caf\u00e9."]
+    want = [i for text in kept for i in tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<eos>")]]
+    shards = [np.load(out / s["name"]) for s in manifest["shards"]]
+    assert all(len(s) == 7 for s in shards[:-1]) and 0 < len(shards[-1]) <= 7
+    assert np.concatenate(shards).tolist() == want and manifest["tokens"] == len(want)
+    # the trainer's data source reads the folder as it is
+    samples = open_source(f"file://{out}", seq_len=4, vocab_size=manifest["vocab_size"], seed=0)
+    assert samples.get(0).tolist() == want[:5]
+
+    # complete: a rerun changes nothing and says so
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["data", "prepare", "--input", str(src), "--tokenizer", f"file://{tokenizer_file}",
+                 "--output", f"file://{out}"]) == 0
+    assert "already prepared" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, tokenizer_file, capsys):
+    src = corpus(tmp_path / "src")
+    cases = [
+        (["--input", str(tmp_path / "x.parquet")], "parquet is not supported yet"),
+        (["--input", str(tmp_path / "empty")], "no .txt or .jsonl files there"),
+        (["--input", str(src), "--eos", "<nope>"], "--eos '<nope>' is not a token"),
+        (["--input", str(src), "--tokenizer", "byte"], "data prepare needs a tokenizer.json"),
+    ]
+    (tmp_path / "empty").mkdir()
+    for extra, message in cases:
+        args = ["data", "prepare", "--tokenizer", f"file://{tokenizer_file}", "--output", f"file://{tmp_path / 'o'}"]
+        assert main(args + extra) == 1, extra
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_normalise_and_token_dtype():
+    assert normalise(" a\r\ne\u0301 ") == "a\n\u00e9"
+    assert token_dtype(65536) == np.uint16 and token_dtype(128256) == np.uint32
+    with pytest.raises(KilnError):
+        prepare(["/nonexistent/x.parquet"], tokenizer_uri="byte", output="file:///tmp/kiln-never")
