@@ -94,3 +94,66 @@ def test_normalise_and_token_dtype():
     assert token_dtype(65536) == np.uint16 and token_dtype(128256) == np.uint32
     with pytest.raises(KilnError):
         prepare(["/nonexistent/x.parquet"], tokenizer_uri="byte", output="file:///tmp/kiln-never")
+
+
+def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenizer_file, monkeypatch):
+    import kiln.trainer.hf as hf
+    from kiln.trainer import prepare as prep
+
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [json.dumps({"text": f"Document number {i} says {'more ' * (i % 5)}things."}) for i in range(40)]
+    (src / "docs.jsonl").write_text("\n".join(lines + lines[:5]))  # 5 duplicates at the end
+    real_load = hf.load_tokenizer
+    tokenized: list[int] = []
+
+    class Counting:  # the real tokenizer, counting the documents it encodes
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def encode_batch(self, batch, **kw):
+            tokenized.append(len(batch))
+            return self.tok.encode_batch(batch, **kw)
+
+    monkeypatch.setattr(hf, "load_tokenizer", lambda *a: Counting(real_load(*a)))
+    kwargs = dict(tokenizer_uri=f"file://{tokenizer_file}", eos="<eos>", shard_tokens=50, batch_docs=4, log=lambda m: None)
+    whole = prepare([str(src)], output=f"file://{tmp_path / 'whole'}", **kwargs)
+    assert sum(tokenized) == 40 and len(whole.shards) > 4
+
+    writes = {"n": 0}
+    real_write = prep.ShardWriter._write
+
+    def crash_after_three(self, tokens, rest):
+        if writes["n"] == 3:
+            raise RuntimeError("killed")
+        writes["n"] += 1
+        real_write(self, tokens, rest)
+
+    monkeypatch.setattr(prep.ShardWriter, "_write", crash_after_three)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare([str(src)], output=f"file://{out}", **kwargs)
+    assert not (out / "manifest.json").exists() and (out / "progress.json").exists()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("tokens-*.npy")}
+    assert len(finished) == 3
+    monkeypatch.setattr(prep.ShardWriter, "_write", real_write)
+    tokenized.clear()
+    messages: list[str] = []
+    resumed = prepare([str(src)], output=f"file://{out}", **{**kwargs, "log": messages.append})
+    assert "resuming" in messages[0] and "after 3 finished shard(s)" in messages[0]
+    assert 0 < sum(tokenized) < 40  # the documents of the finished shards were not tokenized again
+    assert {p: out.joinpath(p).stat().st_mtime_ns for p in finished} == finished
+    assert not (out / "progress.json").exists()
+    for key in ("documents_in", "documents_out", "tokens"):
+        assert getattr(resumed, key) == getattr(whole, key), key
+    assert resumed.removed == whole.removed == {"duplicate": 5}
+    for a, b in zip(whole.shards, resumed.shards, strict=True):
+        assert np.array_equal(np.load(tmp_path / "whole" / a["name"]), np.load(out / b["name"]))
+    # another run's settings are not mixed into an interrupted folder
+    (out / "manifest.json").unlink()
+    (out / "progress.json").write_text(json.dumps({"settings": {}, "shards": [], "kept_documents": 0, "carry": []}))
+    with pytest.raises(KilnError, match="holds an interrupted run with other inputs or settings"):
+        prepare([str(src)], output=f"file://{out}", **kwargs)

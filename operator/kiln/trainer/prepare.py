@@ -8,7 +8,8 @@ an undecodable or unparsable line: counted, never a crash), deduplicated exactly
 text), tokenized in batches with the `tokenizers` library (its batch encoding runs on every core) and appended,
 with an optional end-of-document token, to `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the
 vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
-filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone.
+filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
+of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
+from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
+PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.prepare.ShardWriter); gone once MANIFEST is there
 SUFFIXES = (".txt", ".jsonl")
 
 
@@ -93,40 +96,69 @@ class Prepared:
 
 
 class ShardWriter:
-    """Tokens appended in order, cut into shards of exactly `shard_tokens` (the last one shorter)."""
+    """Tokens appended document by document, cut into shards of exactly `shard_tokens` (the last one shorter).
+    After each shard, PROGRESS records the shards so far, how many kept documents they (and the carried-over
+    remainder) hold, and that remainder: an interrupted run resumes from there."""
 
-    def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared):
+    def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared, settings: dict):
         self.store, self.shard_tokens, self.dtype, self.result = store, shard_tokens, dtype, result
+        self.settings = settings
         self.pending: list[np.ndarray] = []
         self.count = 0
+        self.kept = 0  # kept documents whose tokens were all added
+
+    def resume(self, progress: dict) -> None:
+        carry = np.asarray(progress["carry"], dtype=self.dtype)
+        self.pending, self.count, self.kept = [carry], len(carry), int(progress["kept_documents"])
+        self.result.shards = list(progress["shards"])
 
     def add(self, ids: Iterable[int]) -> None:
         arr = np.asarray(ids, dtype=self.dtype)
         self.pending.append(arr)
         self.count += len(arr)
+        self.kept += 1
         while self.count >= self.shard_tokens:
             flat = np.concatenate(self.pending)
-            self._write(flat[:self.shard_tokens])
             rest = flat[self.shard_tokens:]
+            self._write(flat[:self.shard_tokens], rest)
             self.pending, self.count = [rest], len(rest)
 
     def close(self) -> None:
         if self.count:
-            self._write(np.concatenate(self.pending))
+            self._write(np.concatenate(self.pending), None)
         self.pending, self.count = [], 0
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, rest: np.ndarray | None) -> None:
         name = f"tokens-{len(self.result.shards):05d}.npy"
         buf = io.BytesIO()
         np.save(buf, tokens)
         self.store.put_bytes(name, buf.getvalue())
         self.result.shards.append({"name": name, "tokens": int(len(tokens))})
+        if rest is not None:  # written after the shard: it never names a shard that is not there
+            state = {"settings": self.settings, "shards": self.result.shards, "kept_documents": self.kept,
+                     "carry": rest.tolist()}
+            self.store.put_bytes(PROGRESS, json.dumps(state).encode())
+
+
+def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
+    try:
+        state = json.loads(out.get_bytes(PROGRESS))
+    except ObjectNotFound:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise KilnError(f"--output {output}: {PROGRESS} is damaged; delete the folder and prepare again") from None
+    if state.get("settings") != settings:
+        raise KilnError(f"--output {output} holds an interrupted run with other inputs or settings; use another "
+                        f"--output or delete that folder")
+    return state
 
 
 def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str = "text", min_chars: int = 1,
             dedup: str = "exact", eos: str | None = None, shard_tokens: int = 100_000_000,
             batch_docs: int = 1000, endpoint: str | None = None, log=print) -> Prepared | None:
-    """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result."""
+    """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
+    interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
+    (they are read, filtered and hashed again, which rebuilds the dedup set and the counts)."""
     from kiln.trainer.hf import load_tokenizer, vocab_size
 
     out = open_store(output, endpoint=endpoint)
@@ -142,13 +174,22 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         if eos_id is None:
             raise KilnError(f"--eos {eos!r} is not a token of {tokenizer_uri}")
     vocab = vocab_size(tokenizer)
+    settings = {"inputs": inputs, "tokenizer": tokenizer_uri, "vocab_size": vocab, "text_field": text_field,
+                "min_chars": min_chars, "dedup": dedup, "eos": eos, "shard_tokens": shard_tokens}
     result = Prepared()
-    writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result)
+    writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings)
+    progress = _progress(out, settings, output)
+    skip = 0
+    if progress is not None:
+        writer.resume(progress)
+        skip = writer.kept
+        result.tokens = sum(s["tokens"] for s in result.shards) + writer.count
+        log(f"kiln: resuming {output} after {len(result.shards)} finished shard(s) ({skip:,} documents)")
     seen: set[bytes] = set()
     batch: list[str] = []
 
     def flush() -> None:
-        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+        for enc in tokenizer.encode_batch(batch, add_special_tokens=False) if batch else ():
             ids = enc.ids + ([eos_id] if eos_id is not None else [])
             writer.add(ids)
             result.tokens += len(ids)
@@ -169,6 +210,8 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
                         continue
                     seen.add(digest)
                 result.documents_out += 1
+                if result.documents_out <= skip:
+                    continue  # its tokens are in a finished shard or the carried-over remainder
                 batch.append(text)
                 if len(batch) >= batch_docs:
                     flush()
@@ -183,4 +226,5 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         "removed": dict(sorted(result.removed.items())), "shards": result.shards,
     }
     out.put_bytes(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    out.delete(PROGRESS)
     return result
