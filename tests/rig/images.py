@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 from dataclasses import dataclass
@@ -181,17 +182,27 @@ class Buildah:
                 raise RuntimeError(f"buildah {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
             return proc.stdout
         start = last = time.monotonic()
-        with open(log_to, "w") as out:
-            proc = subprocess.Popen(["nice", "-n", "5", *self.cmd(*args)], env=self.env(),
-                                    stdout=out, stderr=subprocess.STDOUT)
-            while proc.poll() is None:
-                time.sleep(1)
-                if time.monotonic() - last >= 30:
-                    last = time.monotonic()
-                    log(f"  {time.monotonic() - start:.0f}s: {_last_line(log_to)}")
+        proc = subprocess.Popen(["nice", "-n", "5", *self.cmd(*args)], env=self.env(), text=True,
+                                errors="replace", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        tail: list[str] = []
+
+        def copy() -> None:  # each line with its time since the start: how long each layer took
+            with open(log_to, "w") as out:
+                for line in proc.stdout:
+                    out.write(f"{time.monotonic() - start:6.0f}s {line}")
+                    out.flush()
+                    tail[:] = [line.strip()[:160]]
+
+        reader = threading.Thread(target=copy, daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            time.sleep(1)
+            if time.monotonic() - last >= 30:
+                last = time.monotonic()
+                log(f"  {time.monotonic() - start:.0f}s: {tail[0] if tail else ''}")
+        reader.join()
         if proc.returncode != 0:
-            tail = log_to.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"buildah {args[0]} failed (log {log_to}):\n{tail}")
+            raise RuntimeError(f"buildah {args[0]} failed (log {log_to}):\n{log_to.read_text()[-4000:]}")
         return ""
 
     def image_labels(self, ref: str) -> dict[str, str] | None:
@@ -200,11 +211,6 @@ class Buildah:
         if proc.returncode != 0:
             return None
         return json.loads(proc.stdout).get("OCIv1", {}).get("config", {}).get("Labels") or {}
-
-
-def _last_line(path: Path) -> str:
-    lines = path.read_text(errors="replace").strip().splitlines()
-    return lines[-1][:160] if lines else ""
 
 
 # --- the base and the images ---------------------------------------------------------------------
@@ -313,21 +319,31 @@ def build_image(b: Buildah, name: str, out: Path, wheelhouse_complete: bool) -> 
     ref = image_refs()[name]
     start = time.monotonic()
     log(f"{name}: building {ref} from images/{name}/Dockerfile (log {out.with_suffix('.log')})")
-    cmd = ["bud", "--pull=never", "--layers", "--isolation", "chroot",
+    cmd = ["bud", "--pull=never", "--layers", "--force-rm", "--isolation", "chroot",
            "-f", str(IMAGES / name / "Dockerfile"), "--ignorefile", str(ignore_file(name)), "-t", ref]
     cmd += [f"--build-arg={k}={v}" for k, v in build_args().items()]
     cmd += build_volumes(wheelhouse_complete)
     b.run(*cmd, str(REPO), log_to=out.with_suffix(".log"))
-    built = time.monotonic() - start
-    tmp = out.with_suffix(".tar.part")
-    tmp.unlink(missing_ok=True)
-    b.run("push", ref, f"docker-archive:{tmp}:{ref}")
-    tmp.rename(out)
+    built, image = time.monotonic() - start, image_id(ref)
+    # An edit that changes no layer (a file outside the context, reverted work) builds the same image: keep
+    # its archive instead of writing GBs again.
+    same = [r.with_suffix(".tar") for r in cache_dir().glob(f"kiln-{name}-*.json")
+            if json.loads(r.read_text()).get("image") == image and r.with_suffix(".tar").is_file()]
+    if same:
+        same[0].rename(out)
+    else:
+        tmp = out.with_suffix(".tar.part")
+        tmp.unlink(missing_ok=True)
+        b.run("push", ref, f"docker-archive:{tmp}:{ref}")
+        tmp.rename(out)
     for old in cache_dir().glob(f"kiln-{name}-*"):  # one archive per image: they are GBs
         if old.stem != out.stem:
             old.unlink()
+    # Layers of earlier builds that no tagged image uses any more (a kiln change leaves ~0.2 GB each);
+    # the torch layer under the new trainer image stays, and with it the cache of the next build.
+    b.run("rmi", "--prune")
     record = {"seconds_build": round(built, 1), "seconds_total": round(time.monotonic() - start, 1),
-              "bytes": out.stat().st_size, "ref": ref}
+              "bytes": out.stat().st_size, "ref": ref, "image": image, "archive_reused": bool(same)}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
     log(f"{name}: {ref} in {record['seconds_total']:.0f}s (bud {built:.0f}s), {record['bytes'] / 2**30:.2f} GiB")
     return out
@@ -363,12 +379,14 @@ def archive_config(tar: Path) -> tuple[list[str], str, dict]:
     return entry["RepoTags"], "sha256:" + hashlib.sha256(blob).hexdigest(), json.loads(blob)
 
 
-def run_in_image(ref: str, *command: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a command in a fresh container of a built image (buildah run: the image's USER, ENV, WORKDIR)."""
+def run_in_image(ref: str, *command: str, user: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a command in a fresh container of a built image (buildah run: the image's ENV, WORKDIR and
+    USER unless `user` is given)."""
     b = Buildah.default()
     ctr = b.run("from", "--pull-never", ref).strip()
     try:
-        return subprocess.run(b.cmd("run", "--isolation", "chroot", ctr, "--", *command), env=b.env(),
+        as_user = ["--user", user] if user else []
+        return subprocess.run(b.cmd("run", "--isolation", "chroot", *as_user, ctr, "--", *command), env=b.env(),
                               capture_output=True, text=True, timeout=timeout)
     finally:
         subprocess.run(b.cmd("rm", ctr), env=b.env(), capture_output=True)
@@ -376,6 +394,21 @@ def run_in_image(ref: str, *command: str, timeout: float = 600) -> subprocess.Co
 
 def image_id(ref: str) -> str:
     return "sha256:" + Buildah.default().run("inspect", "--type", "image", "--format", "{{.FromImageID}}", ref).strip()
+
+
+def load_into_node(node) -> dict[str, str]:
+    """Build what is missing and import each image into the real node's containerd (tests/rig/node.py)
+    unless it holds that very image already (same config digest); return {name: image reference}."""
+    refs = image_refs()
+    for name, tar in ensure_images().items():
+        _, digest, _ = archive_config(tar)
+        proc = node.crictl("inspecti", "-o", "json", refs[name], check=False)
+        held = json.loads(proc.stdout)["status"]["id"] if proc.returncode == 0 and proc.stdout.strip() else None
+        if held != digest:
+            start = time.monotonic()
+            node.import_image(tar)
+            log(f"{name}: imported into the node in {time.monotonic() - start:.0f}s")
+    return refs
 
 
 def main(argv: list[str] | None = None) -> int:
