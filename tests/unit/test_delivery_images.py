@@ -175,3 +175,19 @@ def test_build_context_is_what_the_ignore_file_allows(image):
     assert {"pyproject.toml", "README.md", "operator/kiln/__init__.py", "operator/kiln/cli/main.py"} <= files
     assert not [f for f in files if "__pycache__" in f or ".egg-info" in f or f.endswith(".pyc")]
     assert not [f for f in files if not f.startswith("operator/") and f not in ("pyproject.toml", "README.md")]
+
+
+def stage(dockerfile: Path, name: str) -> str:
+    """The text of one build stage: from its `FROM ... AS name` line to the next FROM."""
+    text = dockerfile.read_text()
+    match = re.search(rf"^FROM \S+ AS {name}\n.*?(?=^FROM )", text, re.M | re.S)
+    assert match, f"{dockerfile} has no stage {name}"
+    return match.group(0).strip()
+
+
+@pytest.mark.parametrize("name", ["python", "wheel"])
+def test_images_share_their_first_stages(name):
+    # Two standalone Dockerfiles, but the same Python and wheel stages, word for word: a build of both
+    # (tests/rig/images.py, one buildah store) makes those layers once.
+    operator, trainer = (stage(IMAGES / image / "Dockerfile", name) for image in ("operator", "trainer"))
+    assert operator == trainer
