@@ -28,6 +28,7 @@ from kiln.control.kube import Kube, api_client
 from kiln.control.plan import RUN_LABEL
 from kiln.control.sync import reconcile
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_operator_api import install_crd
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
@@ -87,7 +88,7 @@ def _wait_gpu_nodes_free(rig, kube: Kube, namespace: str) -> None:
         nodes = json.loads(kube.core.list_node(_preload_content=False).data)["items"]
         views = elastic_sync.node_views(nodes, pods, (namespace, "elastic"))
         return all(v.gpus_free == rig.gpus_per_node for v in views if v.name in rig.gpu_nodes)
-    rig.wait_for("free kwok GPU nodes", free, timeout=120)
+    rig.wait_for("free kwok GPU nodes", free, timeout=SAFETY_TIMEOUT_S)
 
 
 def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, operator_kube):
@@ -104,7 +105,8 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             rig.apply(_spec(rig, namespace))
             body = kube.trainingspec(namespace, "elastic")
             reconcile(operator_kube, body, config, post)
-            rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
+            rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2,
+                         timeout=SAFETY_TIMEOUT_S)
             summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
             assert "steady at 2" in summary and _workers(kube, namespace) == 2
             assert _condition(kube, namespace)["reason"] == "Steady"
@@ -114,12 +116,13 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             victim_uid = next(p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")
                               if p["metadata"]["name"] == victim)
             rig.set_node_ready(bad, False)
-            rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=60)
+            rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=SAFETY_TIMEOUT_S)
             summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
             assert "shrink 2 → 1" in summary
             assert _workers(kube, namespace) == 1
             rig.wait_for(f"{victim} on {bad} gone", lambda: victim_uid not in {p["metadata"]["uid"]
-                                                                 for p in kube.pods(namespace, "elastic")}, timeout=60)
+                                                                 for p in kube.pods(namespace, "elastic")},
+                         timeout=SAFETY_TIMEOUT_S)
             cond = _condition(kube, namespace)
             assert cond["reason"] == "Shrink" and "only 1 matching node(s)" in cond["message"]
             state = elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))
@@ -131,10 +134,11 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             assert _workers(kube, namespace) == 1
 
             rig.set_node_ready(bad, True)
-            rig.wait_for(f"{bad} Ready", lambda: rig.node_ready(bad), timeout=60)
+            rig.wait_for(f"{bad} Ready", lambda: rig.node_ready(bad), timeout=SAFETY_TIMEOUT_S)
             summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 2, tuning)
             assert "grow 1 → 2" in summary and _workers(kube, namespace) == 2
-            rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
+            rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2,
+                         timeout=SAFETY_TIMEOUT_S)
             assert _condition(kube, namespace)["reason"] == "Grow"
 
             # hang: rank 0 reports steps 10, 20, 30 ten seconds apart, then nothing for > max(10 x 1 s, 60 s)
@@ -150,7 +154,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             assert "no training step completed for 61s" in hang.message and "restart 1/10" in hang.message
             assert elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))["restarts"] == 1
             rig.wait_for("workers recreated", lambda: len(_running_pods(kube, namespace)) == 2 and not (
-                {p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")} & uids), timeout=120)
+                {p["metadata"]["uid"] for p in kube.pods(namespace, "elastic")} & uids), timeout=SAFETY_TIMEOUT_S)
         finally:
             rig.set_node_ready(bad, True)
 
@@ -169,7 +173,7 @@ def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace, ope
         _wait_gpu_nodes_free(rig, kube, namespace)
         rig.apply(body)
         reconcile(operator_kube, kube.trainingspec(namespace, "elastic"), config, post)
-        rig.wait_for("1 running worker", lambda: len(_running_pods(kube, namespace)) == 1, timeout=120)
+        rig.wait_for("1 running worker", lambda: len(_running_pods(kube, namespace)) == 1, timeout=SAFETY_TIMEOUT_S)
         # both GPU nodes are free, but the plan says 1 node until step 10 is committed
         kube.patch_status(namespace, "elastic", {"step": 12})
         summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
@@ -178,4 +182,4 @@ def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace, ope
         summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
         assert "grow 1 → 2" in summary and "phase plan asks for 2 at committed step 10" in summary
         assert _workers(kube, namespace) == 2
-        rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=120)
+        rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=SAFETY_TIMEOUT_S)

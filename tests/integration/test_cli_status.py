@@ -12,6 +12,7 @@ import uuid
 import pytest
 import yaml
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_operator_api import install_crd
 from tests.integration.test_operator_lifecycle import small_run
 
@@ -45,7 +46,7 @@ def runs(rig):
 def kiln_status(rig, *args: str) -> str:
     """`kiln status` with its stdout a pipe; COLUMNS=80 is what cut the table to 80 characters before."""
     proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "status", "--kubeconfig", str(rig.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=120, check=False,
+                          capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False,
                           env={**os.environ, "COLUMNS": "80", "TERM": "dumb"})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 import uuid
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
 from tests.rig import versions
 
 pytestmark = pytest.mark.rig
@@ -39,7 +38,7 @@ KUBE = ("--kube-version", versions.KUBERNETES)
 
 def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [str(rig.bin / "helm"), "--kubeconfig", str(rig.kubeconfig), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -88,16 +87,12 @@ def operator_from_deployment(deployment: dict, kubeconfig: Path, log: Path, extr
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"the operator exited:\n{log.read_text()[-4000:]}"
+        def healthy() -> bool:
             try:
-                if get(health_url)[0] == 200:
-                    break
+                return get(health_url)[0] == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, f"{health_url} never answered:\n{log.read_text()[-4000:]}"
-            time.sleep(0.3)
+                return False
+        wait_until(health_url, healthy, alive=lambda: proc.poll() is None, context=lambda: log.read_text()[-4000:])
         yield health_url, metrics_url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -122,10 +117,10 @@ def reconcile_sample(rig, namespace: str, metrics_url: str) -> dict:
         proc = rig.kubectl("get", "pytorchjob", name, "-n", namespace, "-o", "json", check=False)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    pytorchjob = rig.wait_for(f"PyTorchJob {namespace}/{name}", job, timeout=60)
+    pytorchjob = rig.wait_for(f"PyTorchJob {namespace}/{name}", job, timeout=SAFETY_TIMEOUT_S)
     samples = rig.wait_for("the reconcile in the operator's metrics", lambda: (
         s := scrape(metrics_url)).get(("kiln_operator_reconciles_total", (("handler", "spec"), ("outcome", "ok"))))
-        and s, timeout=20)
+        and s, timeout=SAFETY_TIMEOUT_S)
     # The run counts once, in whatever phase it has reached by now.
     counted = {dict(labels)["phase"]: v for (metric, labels), v in samples.items()
                if metric == "kiln_operator_trainingspecs" and dict(labels)["namespace"] == namespace}
@@ -238,7 +233,7 @@ def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace
     uninstalled = False
     try:
         assert "kiln validate" in install.stdout and "kiln wait" in install.stdout  # NOTES: the next step
-        rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+        rig.kubectl("wait", "--for=condition=Established", f"--timeout={SAFETY_TIMEOUT_S}s", f"crd/{CRD_NAME}")
         manifest = [d for d in yaml.safe_load_all(helm(rig, "get", "manifest", release, "-n", namespace).stdout) if d]
         deployment = next(o for o in manifest if o["kind"] == "Deployment")
         sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]

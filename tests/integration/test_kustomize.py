@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_helm import MANIFESTS, operator_from_deployment, reconcile_sample
 
 pytestmark = pytest.mark.rig
@@ -14,11 +15,12 @@ pytestmark = pytest.mark.rig
 def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path):
     objs = [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
     # A namespace left Terminating by an earlier run refuses new objects: let it go first.
-    rig.kubectl("wait", "--for=delete", "namespace/kiln-system", "--timeout=120s", check=False)
+    rig.kubectl("wait", "--for=delete", "namespace/kiln-system", f"--timeout={SAFETY_TIMEOUT_S}s", check=False)
     fresh = rig.kubectl("get", "namespace", "kiln-system", check=False).returncode != 0
     rig.kubectl("apply", "-k", str(MANIFESTS))  # as docs/install.md says
     try:
-        rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/trainingspecs.kiln.dev")
+        rig.kubectl("wait", "--for=condition=Established",
+                    f"--timeout={SAFETY_TIMEOUT_S}s", "crd/trainingspecs.kiln.dev")
         deployment = next(o for o in objs if o["kind"] == "Deployment")
         assert rig.kubectl("get", "deployment", "kiln-operator", "-n", "kiln-system").returncode == 0
         sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]

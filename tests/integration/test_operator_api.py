@@ -28,6 +28,8 @@ from kiln.control.kube import Kube, api_client
 from kiln.control.plan import plan
 from kiln.errors import KilnError
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
+
 pytestmark = pytest.mark.rig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,7 @@ SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 def install_crd(rig) -> None:
     """Apply the checked-in CRD (server side: it is large) and wait until it is served."""
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+    rig.kubectl("wait", "--for=condition=Established", f"--timeout={SAFETY_TIMEOUT_S}s", f"crd/{PLURAL}.{GROUP}")
 
 
 @pytest.fixture(scope="module")

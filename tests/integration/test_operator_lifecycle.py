@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -21,7 +20,7 @@ import yaml
 
 from kiln.cli.main import main
 
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
 from tests.integration.test_operator_api import install_crd
 
 pytestmark = pytest.mark.rig
@@ -50,17 +49,14 @@ class Operator:
                 [sys.executable, "-m", "kiln.cli.main", "operator", "--kubeconfig", str(self.kubeconfig),
                  "-n", self.namespace, "--health-port", str(self.port)],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"operator exited:\n{self.tail()}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"operator health endpoint never answered:\n{self.tail()}")
+        wait_until("the operator's /healthz", self.healthy, alive=lambda: self.proc.poll() is None, context=self.tail)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -131,7 +127,7 @@ def events(rig, ns: str, name: str) -> list[dict]:
     return json.loads(out)["items"]
 
 
-def wait_phase(rig, ns: str, name: str, phase: str, timeout: float = 60) -> dict:
+def wait_phase(rig, ns: str, name: str, phase: str, timeout: float = SAFETY_TIMEOUT_S) -> dict:
     return rig.wait_for(f"{name} phase {phase} (now {status(rig, ns, name).get('phase')})",
                         lambda: (s := status(rig, ns, name)).get("phase") == phase and s, timeout=timeout)
 
@@ -168,7 +164,7 @@ def test_sample_becomes_a_running_pytorchjob_then_delete_removes_everything(rig,
         rig.kubectl("apply", "-n", ns, "-f", str(SAMPLES / "gpu-single-node.yaml"))
         name = "llama-1b-single-node"
         ts = get(rig, ns, "trainingspec", name)
-        job = rig.wait_for("PyTorchJob", lambda: get(rig, ns, "pytorchjob", name), timeout=30)
+        job = rig.wait_for("PyTorchJob", lambda: get(rig, ns, "pytorchjob", name), timeout=SAFETY_TIMEOUT_S)
         cm = get(rig, ns, "configmap", f"{name}-spec")
 
         assert job["metadata"]["ownerReferences"][0]["uid"] == ts["metadata"]["uid"]
@@ -181,7 +177,7 @@ def test_sample_becomes_a_running_pytorchjob_then_delete_removes_everything(rig,
         resolved = yaml.safe_load(cm["data"]["spec.yaml"])["spec"]
         assert resolved["model"]["dim"] == 2048 and resolved["resources"]["processesPerNode"] == 8
 
-        final = wait_phase(rig, ns, name, "Running", timeout=90)
+        final = wait_phase(rig, ns, name, "Running")
         assert final["nodes"] == 1 and final["observedGeneration"] == ts["metadata"]["generation"]
         (worker,) = running_pods(rig, ns, name)
         assert worker["spec"]["nodeName"] in rig.gpu_nodes
@@ -191,72 +187,76 @@ def test_sample_becomes_a_running_pytorchjob_then_delete_removes_everything(rig,
         assert main(["status", name, "-n", ns, "--kubeconfig", kubeconfig]) == 0
         out = capsys.readouterr().out
         assert name in out and "Running" in out and "SpecAccepted" in out
-        assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "running", "--timeout", "30s"]) == 0
+        assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "running",
+                     "--timeout", f"{SAFETY_TIMEOUT_S}s"]) == 0
 
         rig.kubectl("delete", "trainingspec", name, "-n", ns)
         for kind, obj in [("pytorchjob", name), ("configmap", f"{name}-spec"), ("serviceaccount", f"{name}-trainer"),
                           ("role", f"{name}-trainer"), ("rolebinding", f"{name}-trainer")]:
-            rig.wait_for(f"{kind}/{obj} deleted", lambda: get(rig, ns, kind, obj) is None, timeout=60)
-        rig.wait_for("pods deleted", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=60)
+            rig.wait_for(f"{kind}/{obj} deleted", lambda: get(rig, ns, kind, obj) is None, timeout=SAFETY_TIMEOUT_S)
+        rig.wait_for("pods deleted", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"),
+                     timeout=SAFETY_TIMEOUT_S)
 
 
 def test_pod_failure_restarts_then_fails_as_the_pytorchjob_says(rig, ns, operator):
     name = "fails"
     submit(rig, ns, small_run(name))
-    wait_phase(rig, ns, name, "Running", timeout=90)
+    wait_phase(rig, ns, name, "Running")
     # 137 (killed): retryable under restartPolicy ExitCode → the training-operator recreates the pod
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=137)
-    rig.wait_for("a restart counted", lambda: status(rig, ns, name).get("restarts", 0) >= 1, timeout=60)
+    rig.wait_for("a restart counted", lambda: status(rig, ns, name).get("restarts", 0) >= 1, timeout=SAFETY_TIMEOUT_S)
     assert any(e["reason"] == "Restarting" and e["type"] == "Warning" for e in events(rig, ns, name))
-    rig.wait_for("pod back", lambda: running_pods(rig, ns, name), timeout=60)
-    wait_phase(rig, ns, name, "Running", timeout=60)
+    rig.wait_for("pod back", lambda: running_pods(rig, ns, name), timeout=SAFETY_TIMEOUT_S)
+    wait_phase(rig, ns, name, "Running")
     # 1: a permanent error → the job fails, and so does the run
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=1)
-    final = wait_phase(rig, ns, name, "Failed", timeout=60)
+    final = wait_phase(rig, ns, name, "Failed")
     assert next(c for c in final["conditions"] if c["type"] == "Failed")["status"] == "True"
     kubeconfig = str(rig.kubeconfig)
-    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", "20s"]) == 1
+    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", f"{SAFETY_TIMEOUT_S}s"]) == 1
 
 
 def test_success_and_wait_exit_codes(rig, ns, operator):
     name = "succeeds"
     submit(rig, ns, small_run(name))
-    wait_phase(rig, ns, name, "Running", timeout=90)
+    wait_phase(rig, ns, name, "Running")
     kubeconfig = str(rig.kubeconfig)
     assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", "1s", "--interval", "0.2"]) == 2
     rig.succeed_pod(ns, f"{name}-worker-0")
-    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "succeeded", "--timeout", "90s"]) == 0
+    assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "succeeded",
+                 "--timeout", f"{SAFETY_TIMEOUT_S}s"]) == 0
 
 
 def test_suspend_releases_every_gpu_and_resume_brings_them_back(rig, ns, operator):
     name = "pausable"
     submit(rig, ns, small_run(name, suspend=True, resources={"nodes": 2}))
-    wait_phase(rig, ns, name, "Suspended", timeout=60)
+    wait_phase(rig, ns, name, "Suspended")
     job = get(rig, ns, "pytorchjob", name)
     assert job["spec"]["runPolicy"]["suspend"] is True
     assert not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}")
 
     patch_spec(rig, ns, name, {"suspend": False})
-    rig.wait_for("2 pods running", lambda: len(running_pods(rig, ns, name)) == 2, timeout=90)
-    wait_phase(rig, ns, name, "Running", timeout=60)
+    rig.wait_for("2 pods running", lambda: len(running_pods(rig, ns, name)) == 2, timeout=SAFETY_TIMEOUT_S)
+    wait_phase(rig, ns, name, "Running")
 
     patch_spec(rig, ns, name, {"suspend": True})
-    wait_phase(rig, ns, name, "Suspended", timeout=60)
-    rig.wait_for("no pods", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=90)
+    wait_phase(rig, ns, name, "Suspended")
+    rig.wait_for("no pods", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"),
+                 timeout=SAFETY_TIMEOUT_S)
     assert get(rig, ns, "pytorchjob", name)["spec"]["runPolicy"]["suspend"] is True
 
 
 def test_operator_restart_creates_no_duplicates(rig, ns, operator):
     name = "survivor"
     submit(rig, ns, small_run(name, elastic={"maxNodes": 2}))
-    wait_phase(rig, ns, name, "Running", timeout=90)
+    wait_phase(rig, ns, name, "Running")
     job = get(rig, ns, "pytorchjob", name)
 
     operator.stop()
     patch_spec(rig, ns, name, {"resources": {"nodes": 2}})  # changed while no operator runs
     operator.start()
     rig.wait_for("replicas 2", lambda: get(rig, ns, "pytorchjob", name)["spec"]["pytorchReplicaSpecs"]["Worker"]
-                 ["replicas"] == 2, timeout=60)
+                 ["replicas"] == 2, timeout=SAFETY_TIMEOUT_S)
     selector = f"kiln.dev/trainingspec={name}"
     assert [j["metadata"]["uid"] for j in items(rig, ns, "pytorchjobs", selector)] == [job["metadata"]["uid"]]
     assert len(items(rig, ns, "configmaps", selector)) == 1
@@ -266,7 +266,8 @@ def test_operator_restart_creates_no_duplicates(rig, ns, operator):
                                                                              f"{name}-spec")["metadata"]
     operator.stop()
     operator.start()
-    rig.wait_for("the resume handler ran", lambda: f"{name}: Applied" in operator.log_since_start(), timeout=60)
+    rig.wait_for("the resume handler ran", lambda: f"{name}: Applied" in operator.log_since_start(),
+                 timeout=SAFETY_TIMEOUT_S)
     after = get(rig, ns, "pytorchjob", name)["metadata"]["generation"], get(rig, ns, "configmap",
                                                                             f"{name}-spec")["metadata"]
     assert before[0] == after[0] and before[1]["resourceVersion"] == after[1]["resourceVersion"]
@@ -275,13 +276,13 @@ def test_operator_restart_creates_no_duplicates(rig, ns, operator):
 def test_change_the_job_cannot_absorb_is_refused_not_half_applied(rig, ns, operator):
     name = "steady"
     submit(rig, ns, small_run(name))
-    wait_phase(rig, ns, name, "Running", timeout=90)
+    wait_phase(rig, ns, name, "Running")
     job_gen = get(rig, ns, "pytorchjob", name)["metadata"]["generation"]
     cm_rv = get(rig, ns, "configmap", f"{name}-spec")["metadata"]["resourceVersion"]
 
     patch_spec(rig, ns, name, {"model": {"preset": "small"}})
     cond = rig.wait_for("SpecAccepted False", lambda: (c := condition(rig, ns, name, "SpecAccepted")).get(
-        "status") == "False" and c, timeout=30)
+        "status") == "False" and c, timeout=SAFETY_TIMEOUT_S)
     assert cond["reason"] == "ImmutableFieldChanged" and "spec.model.preset" in cond["message"]
     assert any(e["reason"] == "ImmutableFieldChanged" for e in events(rig, ns, name))
     assert get(rig, ns, "pytorchjob", name)["metadata"]["generation"] == job_gen
@@ -290,7 +291,7 @@ def test_change_the_job_cannot_absorb_is_refused_not_half_applied(rig, ns, opera
 
     patch_spec(rig, ns, name, {"model": {"preset": "tiny"}})
     rig.wait_for("accepted again", lambda: condition(rig, ns, name, "SpecAccepted").get("status") == "True",
-                 timeout=30)
+                 timeout=SAFETY_TIMEOUT_S)
 
 
 def test_missing_secret_is_reported_and_the_run_starts_once_it_exists(rig, ns, operator):
@@ -298,14 +299,15 @@ def test_missing_secret_is_reported_and_the_run_starts_once_it_exists(rig, ns, o
     submit(rig, ns, small_run(name, checkpoint={"uri": "s3://kiln/needs-secret/", "endpoint": rig.s3_endpoint,
                                                 "credentialsSecret": "late-secret"}))
     cond = rig.wait_for("SecretMissing", lambda: (c := condition(rig, ns, name, "SpecAccepted")).get(
-        "reason") == "SecretMissing" and c, timeout=30)
+        "reason") == "SecretMissing" and c, timeout=SAFETY_TIMEOUT_S)
     assert "late-secret" in cond["message"] and "does not exist" in cond["message"]
     assert any(e["reason"] == "SecretMissing" for e in events(rig, ns, name))
     assert get(rig, ns, "pytorchjob", name) is None  # never a half-created run
     rig.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "late-secret", "namespace": ns},
                "stringData": {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}})
-    rig.wait_for("job after the Secret", lambda: get(rig, ns, "pytorchjob", name), timeout=45)
-    rig.wait_for("accepted", lambda: condition(rig, ns, name, "SpecAccepted").get("status") == "True", timeout=30)
+    rig.wait_for("job after the Secret", lambda: get(rig, ns, "pytorchjob", name), timeout=SAFETY_TIMEOUT_S)
+    rig.wait_for("accepted", lambda: condition(rig, ns, name, "SpecAccepted").get("status") == "True",
+                 timeout=SAFETY_TIMEOUT_S)
 
 
 def test_unschedulable_gpus_are_reported(rig, ns, operator):
@@ -315,17 +317,18 @@ def test_unschedulable_gpus_are_reported(rig, ns, operator):
                                                    "gpusPerNode": rig.gpus_per_node},
                                   training={"globalBatchSize": 8 * 3 * 8}))
         cond = rig.wait_for("PodsScheduled False", lambda: (c := condition(rig, ns, name, "PodsScheduled")).get(
-            "status") == "False" and c, timeout=90)
+            "status") == "False" and c, timeout=SAFETY_TIMEOUT_S)
         assert "nvidia.com/gpu" in cond["message"]
         assert any(e["reason"] == "Unschedulable" for e in events(rig, ns, name))
         rig.kubectl("delete", "trainingspec", name, "-n", ns)
-        rig.wait_for("pods gone", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"), timeout=60)
+        rig.wait_for("pods gone", lambda: not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}"),
+                     timeout=SAFETY_TIMEOUT_S)
 
 
 def test_trainer_may_patch_only_its_own_status(rig, ns, operator):
     name = "reporter"
     submit(rig, ns, small_run(name, suspend=True))
-    rig.wait_for("trainer identity", lambda: get(rig, ns, "rolebinding", f"{name}-trainer"), timeout=30)
+    rig.wait_for("trainer identity", lambda: get(rig, ns, "rolebinding", f"{name}-trainer"), timeout=SAFETY_TIMEOUT_S)
     kubeconfig = rig.kubeconfig_for_service_account(ns, f"{name}-trainer")
 
     def as_trainer(*args):

@@ -15,7 +15,7 @@ import yaml
 from kiln.api.spec import GROUP, PLURAL
 from kiln.control.plan import names, trainer_identity
 
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"
@@ -41,14 +41,14 @@ def kiln_train(doc: dict, tmp_path: Path, **env: str) -> subprocess.CompletedPro
     full_env.pop("KUBERNETES_SERVICE_HOST", None)
     return subprocess.run([sys.executable, "-m", "kiln.cli.main", "train", "--config", str(spec),
                            "--output", str(tmp_path / "out")], env=full_env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=SAFETY_TIMEOUT_S, check=False)
 
 
 @pytest.mark.rig
 @pytest.mark.slow
 def test_rank0_reports_step_throughput_and_checkpoint_as_the_trainer_service_account(rig, namespace, tmp_path):
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    rig.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+    rig.kubectl("wait", "--for=condition=Established", f"--timeout={SAFETY_TIMEOUT_S}s", f"crd/{PLURAL}.{GROUP}")
     run = "status-report"
     prefix = f"s3://{rig.s3_bucket}/status-report/{uuid.uuid4().hex}/"
     doc = spec_doc(run, namespace, {"uri": prefix, "endpoint": rig.s3_endpoint, "intervalSteps": 3,
