@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.distributed.trainer_helpers import env, read_metrics, write_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,8 +243,8 @@ def run_evaluate_step(docs: list[dict], tmp_path: Path, spec: str, checkpoint_ur
 
     args = [fill(a) for a in container["args"]]
     assert "{{" not in " ".join(args)
-    proc = subprocess.run([*container["command"], *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    proc = subprocess.run([*container["command"], *args], capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     got = {k: p.read_text() for k, p in outputs.items() if p.exists()}
     return proc.returncode, proc.stderr, got
 
@@ -270,7 +271,8 @@ def test_kfp_evaluate_and_publish_steps_on_a_real_checkpoint(kfp_python, tmp_pat
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "lr": 3e-3}, checkpoint={"intervalSteps": 1})
     out = tmp_path / "run"
     trained = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
-                             env=env(), capture_output=True, text=True, timeout=240, check=False)
+                             env=env(), capture_output=True, text=True,
+                             timeout=SAFETY_TIMEOUT_S, check=False)
     assert trained.returncode == 0, trained.stderr[-3000:]
     src = f"file://{out}/checkpoints"
 
