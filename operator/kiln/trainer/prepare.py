@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,11 +113,13 @@ class ShardWriter:
         self.pending, self.count, self.kept = [carry], len(carry), int(progress["kept_documents"])
         self.result.shards = list(progress["shards"])
 
-    def add(self, ids: Iterable[int]) -> None:
-        arr = np.asarray(ids, dtype=self.dtype)
+    def add(self, docs: list[list[int]]) -> None:
+        """The token ids of a batch of kept documents, in order (one array for all: no per-document overhead)."""
+        total = sum(len(d) for d in docs)
+        arr = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=total)
         self.pending.append(arr)
-        self.count += len(arr)
-        self.kept += 1
+        self.count += total
+        self.kept += len(docs)  # all of them are in the shards or the carried-over remainder from here on
         while self.count >= self.shard_tokens:
             flat = np.concatenate(self.pending)
             rest = flat[self.shard_tokens:]
@@ -188,11 +191,13 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     seen: set[bytes] = set()
     batch: list[str] = []
 
+    tail = [eos_id] if eos_id is not None else []
+
     def flush() -> None:
-        for enc in tokenizer.encode_batch(batch, add_special_tokens=False) if batch else ():
-            ids = enc.ids + ([eos_id] if eos_id is not None else [])
-            writer.add(ids)
-            result.tokens += len(ids)
+        if batch:
+            docs = [enc.ids + tail for enc in tokenizer.encode_batch(batch, add_special_tokens=False)]
+            result.tokens += sum(len(d) for d in docs)
+            writer.add(docs)
         batch.clear()
 
     for uri in inputs:
