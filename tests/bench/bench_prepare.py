@@ -5,7 +5,7 @@ files, --copies times over (each copy's paragraphs numbered, so no two documents
 byte-level BPE of --vocab tokens trained on the same text with the `tokenizers` library. Reference: read each
 file, parse its lines, `Tokenizer.encode_batch` in batches of the same size (no normalising, filtering, hashing
 or writing). Reported: documents and tokens per second of each, the throughput ratio kiln/reference with
-dedup off, and what exact dedup costs (kiln with dedup exact against dedup off).
+dedup off, and what exact and MinHash dedup cost (kiln with dedup exact / minhash against dedup off).
 
     python -m tests.bench.bench_prepare [--copies 20 --vocab 8192]
 """
@@ -81,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         corpus_bytes = sum(f.stat().st_size for f in files)
         for f in files:
             f.read_bytes()  # page cache warm for every reader alike
-        times: dict[str, list[float]] = {"reference": [], "kiln_dedup_none": [], "kiln_dedup_exact": []}
+        dedups = ("none", "exact", "minhash")
+        times: dict[str, list[float]] = {"reference": [], **{f"kiln_dedup_{d}": [] for d in dedups}}
         tokens: dict[str, int] = {}
         for r in range(args.repeats):
             t0 = time.perf_counter()
             _, tokens["reference"] = reference(files, root / "tokenizer.json", batch)
             times["reference"].append(time.perf_counter() - t0)
-            for dedup in ("none", "exact"):
+            for dedup in dedups:
                 t0 = time.perf_counter()
                 res = prepare([str(root / "corpus")], tokenizer_uri=f"file://{root / 'tokenizer.json'}",
                               output=f"file://{root / f'out-{dedup}-{r}'}", dedup=dedup, batch_docs=batch,
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "documents_per_second": {k: n_docs / v for k, v in med.items()},
         "throughput_kiln_dedup_none_over_tokenizers": med["reference"] / med["kiln_dedup_none"],
         "exact_dedup_cost": med["kiln_dedup_exact"] / med["kiln_dedup_none"] - 1,
+        "minhash_dedup_cost": med["kiln_dedup_minhash"] / med["kiln_dedup_none"] - 1,
     }
     write_report(result, args.out)
     return 0

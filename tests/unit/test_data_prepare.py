@@ -157,3 +157,23 @@ def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenize
     (out / "progress.json").write_text(json.dumps({"settings": {}, "shards": [], "kept_documents": 0, "carry": []}))
     with pytest.raises(KilnError, match="holds an interrupted run with other inputs or settings"):
         prepare([str(src)], output=f"file://{out}", **kwargs)
+
+
+def test_minhash_drops_near_duplicates_that_exact_dedup_keeps(tmp_path, tokenizer_file):
+    from kiln.trainer.data import pydoc_bytes
+
+    long = (p.strip() for p in pydoc_bytes().decode().split("\n\n") if len(p.split()) > 60)
+    paragraphs = list(dict.fromkeys(long))[:30]  # 30 distinct paragraphs of over 60 words
+    src = tmp_path / "src"
+    src.mkdir()
+    near = [p + " Amen." for p in paragraphs[:10]]  # one word more: near, not exact
+    (src / "d.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in paragraphs + near))
+    common = dict(tokenizer_uri=f"file://{tokenizer_file}", log=lambda m: None)
+    exact = prepare([str(src)], output=f"file://{tmp_path / 'exact'}", dedup="exact", **common)
+    assert exact.documents_out == 40 and exact.removed == {}
+    minhash = prepare([str(src)], output=f"file://{tmp_path / 'minhash'}", dedup="minhash", **common)
+    assert minhash.documents_out == 30 and minhash.removed == {"near_duplicate": 10}
+    manifest = json.loads((tmp_path / "minhash" / "manifest.json").read_text())
+    assert manifest["minhash_threshold"] == 0.8 and manifest["removed"] == {"near_duplicate": 10}
+    with pytest.raises(KilnError, match="threshold in"):
+        prepare([str(src)], output=f"file://{tmp_path / 'bad'}", dedup="minhash", minhash_threshold=0, **common)

@@ -100,7 +100,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--output", required=True, help="folder for the shards: file:///path/ or s3://bucket/prefix/")
     pr.add_argument("--text-field", default="text", help="the field of a .jsonl line holding the text (default text)")
     pr.add_argument("--min-chars", type=int, default=1, help="drop documents shorter than this after normalising")
-    pr.add_argument("--dedup", choices=["exact", "none"], default="exact", help="drop repeated documents (default exact)")
+    pr.add_argument("--dedup", choices=["exact", "minhash", "none"], default="exact",
+                    help="drop repeated documents: exact (default), minhash (exact and near-duplicates) or none")
+    pr.add_argument("--minhash-threshold", type=float, default=0.8,
+                    help="with --dedup minhash: estimated Jaccard similarity of word 5-grams that makes a "
+                    "near-duplicate (default 0.8)")
     pr.add_argument("--eos", default=None, help="a token appended to every document, e.g. '<|end_of_text|>'")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     pr.add_argument("--endpoint", default=None, help="S3 endpoint URL; keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
@@ -333,7 +337,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     if not args.output.startswith(("file://", "s3://")):
         raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
     result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
-                     min_chars=args.min_chars, dedup=args.dedup, eos=args.eos, shard_tokens=args.shard_tokens,
+                     min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
+                     eos=args.eos, shard_tokens=args.shard_tokens,
                      endpoint=args.endpoint)
     if result is not None:
         removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"

@@ -4,10 +4,10 @@ it does not do yet).
 Documents come from .txt files (one document per file) and .jsonl files (one per line, the text in
 `text_field`), in local folders, file:// or s3:// prefixes, in sorted order. Each document is decoded as UTF-8,
 normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filtered (too short, a missing field,
-an undecodable or unparsable line: counted, never a crash), deduplicated exactly (sha256 of the normalised
-text), tokenized in batches with the `tokenizers` library (its batch encoding runs on every core) and appended,
-with an optional end-of-document token, to `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the
-vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
+an undecodable or unparsable line: counted, never a crash), deduplicated (exactly by sha256 of the normalised
+text; with dedup minhash also near-duplicates, `NearDuplicates`), tokenized in batches with the `tokenizers`
+library (its batch encoding runs on every core) and appended, with an optional end-of-document token, to
+`tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
 filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
 of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
 """
@@ -37,6 +37,35 @@ SUFFIXES = (".txt", ".jsonl")
 
 def normalise(text: str) -> str:
     return unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
+
+
+MINHASH_PERMUTATIONS = 128
+SHINGLE_WORDS = 5
+
+
+class NearDuplicates:
+    """MinHash + LSH (the `datasketch` library) over word 5-gram shingles of the lower-cased text: a document
+    whose estimated Jaccard similarity to one already kept reaches `threshold` is a near-duplicate."""
+
+    def __init__(self, threshold: float):
+        from datasketch import MinHashLSH
+
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=MINHASH_PERMUTATIONS)
+        self.kept = 0
+
+    def seen_before(self, text: str) -> bool:
+        from datasketch import MinHash
+
+        words = text.lower().split()
+        shingles = {" ".join(words[i:i + SHINGLE_WORDS]).encode()
+                    for i in range(max(1, len(words) - SHINGLE_WORDS + 1))}
+        m = MinHash(num_perm=MINHASH_PERMUTATIONS, seed=1)
+        m.update_batch(shingles)
+        if self.lsh.query(m):
+            return True
+        self.lsh.insert(str(self.kept), m)
+        self.kept += 1
+        return False
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -157,8 +186,9 @@ def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
 
 
 def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str = "text", min_chars: int = 1,
-            dedup: str = "exact", eos: str | None = None, shard_tokens: int = 100_000_000,
-            batch_docs: int = 1000, endpoint: str | None = None, log=print) -> Prepared | None:
+            dedup: str = "exact", minhash_threshold: float = 0.8, eos: str | None = None,
+            shard_tokens: int = 100_000_000, batch_docs: int = 1000, endpoint: str | None = None,
+            log=print) -> Prepared | None:
     """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
     interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
     (they are read, filtered and hashed again, which rebuilds the dedup set and the counts)."""
@@ -177,8 +207,14 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         if eos_id is None:
             raise KilnError(f"--eos {eos!r} is not a token of {tokenizer_uri}")
     vocab = vocab_size(tokenizer)
+    if dedup not in ("none", "exact", "minhash") or not 0 < minhash_threshold <= 1:
+        raise KilnError(f"--dedup {dedup} / --minhash-threshold {minhash_threshold}: use none, exact or minhash, "
+                        f"with a threshold in (0, 1]")
     settings = {"inputs": inputs, "tokenizer": tokenizer_uri, "vocab_size": vocab, "text_field": text_field,
                 "min_chars": min_chars, "dedup": dedup, "eos": eos, "shard_tokens": shard_tokens}
+    if dedup == "minhash":
+        settings["minhash_threshold"] = minhash_threshold
+    near = NearDuplicates(minhash_threshold) if dedup == "minhash" else None
     result = Prepared()
     writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings)
     progress = _progress(out, settings, output)
@@ -208,12 +244,15 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
                 if len(text) < min_chars:
                     result.removed["too_short"] += 1
                     continue
-                if dedup == "exact":
+                if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
                     digest = hashlib.sha256(text.encode()).digest()[:16]
                     if digest in seen:
                         result.removed["duplicate"] += 1
                         continue
                     seen.add(digest)
+                    if near is not None and near.seen_before(text):
+                        result.removed["near_duplicate"] += 1
+                        continue
                 result.documents_out += 1
                 if result.documents_out <= skip:
                     continue  # its tokens are in a finished shard or the carried-over remainder
@@ -227,6 +266,7 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     manifest = {
         "tokenizer": tokenizer_uri, "vocab_size": vocab, "dtype": str(writer.dtype), "eos": eos,
         "text_field": text_field, "min_chars": min_chars, "dedup": dedup, "inputs": inputs,
+        **({"minhash_threshold": minhash_threshold} if near is not None else {}),
         "documents_in": result.documents_in, "documents_out": result.documents_out, "tokens": result.tokens,
         "removed": dict(sorted(result.removed.items())), "shards": result.shards,
     }
