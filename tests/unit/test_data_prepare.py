@@ -75,8 +75,7 @@ def test_prepare_counts_filters_dedups_and_writes_the_tokenizers_ids(tmp_path, t
 def test_bad_arguments_are_one_line_errors(tmp_path, tokenizer_file, capsys):
     src = corpus(tmp_path / "src")
     cases = [
-        (["--input", str(tmp_path / "x.parquet")], "parquet is not supported yet"),
-        (["--input", str(tmp_path / "empty")], "no .txt or .jsonl files there"),
+        (["--input", str(tmp_path / "empty")], "no .txt, .jsonl or .parquet files there"),
         (["--input", str(src), "--eos", "<nope>"], "--eos '<nope>' is not a token"),
         (["--input", str(src), "--tokenizer", "byte"], "data prepare needs a tokenizer.json"),
     ]
@@ -92,8 +91,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, tokenizer_file, capsys):
 def test_normalise_and_token_dtype():
     assert normalise(" a\r\ne\u0301 ") == "a\n\u00e9"
     assert token_dtype(65536) == np.uint16 and token_dtype(128256) == np.uint32
-    with pytest.raises(KilnError):
-        prepare(["/nonexistent/x.parquet"], tokenizer_uri="byte", output="file:///tmp/kiln-never")
+    with pytest.raises(KilnError, match="needs a tokenizer.json"):
+        prepare(["/nonexistent/x.jsonl"], tokenizer_uri="byte", output="file:///tmp/kiln-never")
 
 
 def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenizer_file, monkeypatch):
@@ -177,3 +176,19 @@ def test_minhash_drops_near_duplicates_that_exact_dedup_keeps(tmp_path, tokenize
     assert manifest["minhash_threshold"] == 0.8 and manifest["removed"] == {"near_duplicate": 10}
     with pytest.raises(KilnError, match="threshold in"):
         prepare([str(src)], output=f"file://{tmp_path / 'bad'}", dedup="minhash", minhash_threshold=0, **common)
+
+
+def test_parquet_rows_are_documents_and_bad_files_are_counted(tmp_path, tokenizer_file):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"text": ["Row one.", None, "Row two.", "Row one."], "n": [1, 2, 3, 4]}),
+                   src / "a.parquet")
+    pq.write_table(pa.table({"body": ["no text column", "here"]}), src / "b.parquet")
+    (src / "c.parquet").write_bytes(b"PAR1 this is not parquet")
+    res = prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / 'out'}",
+                  log=lambda m: None)
+    assert (res.documents_out, res.documents_in) == (2, 6)  # 4 rows + 2 rows without the column
+    assert res.removed == {"duplicate": 1, "missing_field": 3, "unreadable_file": 1}

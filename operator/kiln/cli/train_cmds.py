@@ -90,8 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="prepare training data (kiln data prepare)")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     pr = data_sub.add_parser(
-        "prepare", help="tokenize .txt/.jsonl files into token shards that data.uri reads",
-        description="Read .txt (one document per file) and .jsonl (one per line) files from files, folders, "
+        "prepare", help="tokenize .txt/.jsonl/.parquet files into token shards that data.uri reads",
+        description="Read .txt (one document per file), .jsonl (one per line) and .parquet (one per row) files "
+        "from files, folders, "
         "file:// or s3:// prefixes; normalise, filter, deduplicate exactly and tokenize them into "
         "tokens-NNNNN.npy shards and a manifest.json at OUTPUT (docs/models.md).",
     )

@@ -1,8 +1,9 @@
 """`kiln data prepare`: text files → token shards that `data.uri` reads (a first cut; docs/models.md says what
 it does not do yet).
 
-Documents come from .txt files (one document per file) and .jsonl files (one per line, the text in
-`text_field`), in local folders, file:// or s3:// prefixes, in sorted order. Each document is decoded as UTF-8,
+Documents come from .txt files (one document per file), .jsonl files (one per line, the text in
+`text_field`) and .parquet files (one per row of the `text_field` column, read with pyarrow), in local
+folders, file:// or s3:// prefixes, in sorted order. Each document is decoded as UTF-8,
 normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filtered (too short, a missing field,
 an undecodable or unparsable line: counted, never a crash), deduplicated (exactly by sha256 of the normalised
 text; with dedup minhash also near-duplicates, `NearDuplicates`), tokenized in batches with the `tokenizers`
@@ -32,7 +33,7 @@ from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.prepare.ShardWriter); gone once MANIFEST is there
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def normalise(text: str) -> str:
@@ -73,9 +74,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _inputs(uri: str, endpoint: str | None) -> Iterator[tuple[ObjectStore, str]]:
-    """(store, key) of every .txt/.jsonl under an input (a file or a folder/prefix), sorted."""
-    if uri.endswith(".parquet"):
-        raise KilnError(f"--input {uri}: parquet is not supported yet; use .txt or .jsonl")
+    """(store, key) of every .txt/.jsonl/.parquet under an input (a file or a folder/prefix), sorted."""
     if not uri.startswith(("file://", "s3://")):
         uri = f"file://{Path(uri).resolve()}"
     if uri.startswith("file://") and Path(uri.removeprefix("file://")).is_file():
@@ -85,13 +84,16 @@ def _inputs(uri: str, endpoint: str | None) -> Iterator[tuple[ObjectStore, str]]
     store = open_store(uri, endpoint=endpoint)
     keys = [o.key for o in store.list("") if o.key.endswith(SUFFIXES)]
     if not keys:
-        raise KilnError(f"--input {uri}: no .txt or .jsonl files there")
+        raise KilnError(f"--input {uri}: no .txt, .jsonl or .parquet files there")
     for key in keys:
         yield store, key
 
 
 def documents(raw: bytes, key: str, text_field: str, counts: Counter) -> Iterator[str]:
     """The texts of one file (not yet normalised); what cannot be read is counted under its reason."""
+    if key.endswith(".parquet"):
+        yield from _parquet_documents(raw, text_field, counts)
+        return
     if key.endswith(".txt"):
         try:
             yield raw.decode("utf-8")
@@ -114,6 +116,30 @@ def documents(raw: bytes, key: str, text_field: str, counts: Counter) -> Iterato
             counts["missing_field"] += 1
             continue
         yield text
+
+
+def _parquet_documents(raw: bytes, text_field: str, counts: Counter) -> Iterator[str]:
+    """The `text_field` column of a parquet file (pyarrow); a row without a string there is missing_field, a
+    file pyarrow cannot read is unreadable_file."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise KilnError("parquet input needs pyarrow: pip install 'kiln[train]'") from None
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(raw))
+    except (pa.ArrowException, OSError):
+        counts["unreadable_file"] += 1
+        return
+    if text_field not in parquet.schema_arrow.names:
+        counts["missing_field"] += parquet.metadata.num_rows
+        return
+    for batch in parquet.iter_batches(columns=[text_field]):
+        for value in batch.column(0).to_pylist():
+            if isinstance(value, str):
+                yield value
+            else:
+                counts["missing_field"] += 1
 
 
 @dataclass
@@ -263,6 +289,7 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     writer.close()
     # what could not be read never became a document, but it came in as one
     result.documents_in += sum(result.removed[k] for k in ("undecodable", "invalid_json", "missing_field"))
+    # (an unreadable_file counts as one removal, not as documents: how many it held is unknown)
     manifest = {
         "tokenizer": tokenizer_uri, "vocab_size": vocab, "dtype": str(writer.dtype), "eos": eos,
         "text_field": text_field, "min_chars": min_chars, "dedup": dedup, "inputs": inputs,
