@@ -188,7 +188,9 @@ def test_parquet_rows_are_documents_and_bad_files_are_counted(tmp_path, tokenize
                    src / "a.parquet")
     pq.write_table(pa.table({"body": ["no text column", "here"]}), src / "b.parquet")
     (src / "c.parquet").write_bytes(b"PAR1 this is not parquet")
+    calls = []
     res = prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / 'out'}",
-                  log=lambda m: None)
+                  log=lambda m: None, progress=lambda *a: calls.append(a))
     assert (res.documents_out, res.documents_in) == (2, 6)  # 4 rows + 2 rows without the column
+    assert calls == [(1, 3, 2), (2, 3, 2), (3, 3, 2)]  # (files done, files, documents kept) after each file
     assert res.removed == {"duplicate": 1, "missing_field": 3, "unreadable_file": 1}

@@ -337,10 +337,18 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         raise KilnError("--shard-tokens must be at least 1 and --min-chars at least 0")
     if not args.output.startswith(("file://", "s3://")):
         raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
-    result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
-                     min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
-                     eos=args.eos, shard_tokens=args.shard_tokens,
-                     endpoint=args.endpoint)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    # a bar over the input files on a terminal; rich prints nothing of it when stderr is not one
+    with Progress(TextColumn("kiln data prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
+                  TextColumn("{task.fields[docs]:,} documents kept"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prepare", total=None, docs=0)
+        result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
+                         min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
+                         eos=args.eos, shard_tokens=args.shard_tokens, endpoint=args.endpoint,
+                         progress=lambda done, total, docs: bar.update(task, completed=done, total=total, docs=docs))
     if result is not None:
         removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"
         print(f"kiln: {result.documents_out:,} of {result.documents_in:,} documents, {result.tokens:,} tokens in "

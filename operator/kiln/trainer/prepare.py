@@ -214,10 +214,11 @@ def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
 def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str = "text", min_chars: int = 1,
             dedup: str = "exact", minhash_threshold: float = 0.8, eos: str | None = None,
             shard_tokens: int = 100_000_000, batch_docs: int = 1000, endpoint: str | None = None,
-            log=print) -> Prepared | None:
+            log=print, progress=None) -> Prepared | None:
     """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
     interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
-    (they are read, filtered and hashed again, which rebuilds the dedup set and the counts)."""
+    (they are read, filtered and hashed again, which rebuilds the dedup set and the counts). `progress`, when
+    given, is called as progress(files done, files in all, documents kept so far) after each input file."""
     from kiln.trainer.hf import load_tokenizer, vocab_size
 
     out = open_store(output, endpoint=endpoint)
@@ -243,10 +244,10 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     near = NearDuplicates(minhash_threshold) if dedup == "minhash" else None
     result = Prepared()
     writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings)
-    progress = _progress(out, settings, output)
+    unfinished = _progress(out, settings, output)
     skip = 0
-    if progress is not None:
-        writer.resume(progress)
+    if unfinished is not None:
+        writer.resume(unfinished)
         skip = writer.kept
         result.tokens = sum(s["tokens"] for s in result.shards) + writer.count
         log(f"kiln: resuming {output} after {len(result.shards)} finished shard(s) ({skip:,} documents)")
@@ -262,29 +263,31 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
             writer.add(docs)
         batch.clear()
 
-    for uri in inputs:
-        for store, key in _inputs(uri, endpoint):
-            for text in documents(store.get_bytes(key), key, text_field, result.removed):
-                result.documents_in += 1
-                text = normalise(text)
-                if len(text) < min_chars:
-                    result.removed["too_short"] += 1
+    files = [(store, key) for uri in inputs for store, key in _inputs(uri, endpoint)]
+    for done, (store, key) in enumerate(files, 1):
+        for text in documents(store.get_bytes(key), key, text_field, result.removed):
+            result.documents_in += 1
+            text = normalise(text)
+            if len(text) < min_chars:
+                result.removed["too_short"] += 1
+                continue
+            if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
+                digest = hashlib.sha256(text.encode()).digest()[:16]
+                if digest in seen:
+                    result.removed["duplicate"] += 1
                     continue
-                if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
-                    digest = hashlib.sha256(text.encode()).digest()[:16]
-                    if digest in seen:
-                        result.removed["duplicate"] += 1
-                        continue
-                    seen.add(digest)
-                    if near is not None and near.seen_before(text):
-                        result.removed["near_duplicate"] += 1
-                        continue
-                result.documents_out += 1
-                if result.documents_out <= skip:
-                    continue  # its tokens are in a finished shard or the carried-over remainder
-                batch.append(text)
-                if len(batch) >= batch_docs:
-                    flush()
+                seen.add(digest)
+                if near is not None and near.seen_before(text):
+                    result.removed["near_duplicate"] += 1
+                    continue
+            result.documents_out += 1
+            if result.documents_out <= skip:
+                continue  # its tokens are in a finished shard or the carried-over remainder
+            batch.append(text)
+            if len(batch) >= batch_docs:
+                flush()
+        if progress is not None:
+            progress(done, len(files), result.documents_out)
     flush()
     writer.close()
     # what could not be read never became a document, but it came in as one
