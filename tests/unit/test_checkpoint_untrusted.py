@@ -193,3 +193,45 @@ def test_kiln_eval_and_export_refuse_a_checkpoint_that_would_run_code(tmp_path, 
     assert f"file://{root}/step-00000002/.metadata" in err and "refused" in err and "Traceback" not in err
     assert not marker.exists(), "the checkpoint ran code"
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as getattr(EnumClass, "NAME"), as Debian's Python 3.11.2 (kiln's trainer image)
+    does: the metadata the real trainer wrote in its pod."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_metadata_with_enum_members_pickled_by_name_loads(tmp_path):
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                        TensorStorageMetadata)
+
+    props = TensorProperties(dtype=torch.float32)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([2]), [chunk])})
+    buf = io.BytesIO()
+    _EnumsByName(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(metadata)
+    assert b"getattr" in buf.getvalue()
+    loaded = load_metadata(io.BytesIO(buf.getvalue()), "s3://b/step-00000001/.metadata")
+    assert loaded.state_dict_metadata["w"].properties == props
+
+
+@pytest.mark.parametrize("owner, name", [("Metadata", "__init__"), ("_MEM_FORMAT_ENCODING", "__class__"),
+                                         ("_MEM_FORMAT_ENCODING", "_missing_")])
+def test_getattr_reaches_nothing_but_an_allowed_enum_member(owner, name):
+    """getattr is resolved only as `AllowedEnum.MEMBER`: not a method, not a dunder, not another class's."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    target = getattr(dcp_metadata, owner)
+
+    class Forged:
+        def __reduce__(self):
+            return getattr, (target, name)
+
+    with pytest.raises(KilnError, match=r"getattr\(.*refused"):
+        load_metadata(io.BytesIO(pickle.dumps(Forged())), "s3://b/step-00000001/.metadata")

@@ -16,6 +16,7 @@ that would run code is refused with `UnsafeCheckpoint`, naming it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import io
 import os
@@ -329,9 +330,25 @@ class MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Some Pythons (Debian's 3.11.2 in kiln's trainer image) pickle an enum member as
+            # getattr(EnumClass, "NAME"): resolve exactly that, and only for an allowed enum's member.
+            return self._enum_member
         raise UnsafeCheckpoint(
             f"{self.source} refers to {module}.{name}, which DCP checkpoint metadata never holds: refused without "
             f"loading it (unpickling it would run code). Was the checkpoint written by someone else?"
+        )
+
+
+    def _enum_member(self, cls, name):
+        allowed = isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__name__ in METADATA_GLOBALS.get(
+            cls.__module__, ())
+        if allowed and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise UnsafeCheckpoint(
+            f"{self.source} asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), which DCP "
+            f"checkpoint metadata never holds: refused without loading it (unpickling it would run code). Was the "
+            f"checkpoint written by someone else?"
         )
 
 
