@@ -47,7 +47,7 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
     pod = worker(job)["template"]["spec"]
     (c,) = pod["containers"]
     assert c["name"] == "pytorch" and c["image"] == "registry.test/trainer:1"
-    assert c["command"] == ["torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml",
+    assert c["command"] == ["kiln", "torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml",
                             "--output", "/var/lib/kiln/run"]
     # no cpu/memory in the spec: the operator's defaults (a cpu request, memory request = limit)
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "4Gi"},

@@ -33,6 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "(default: runs/<metadata.name>)")
     run.set_defaults(func=cmd_run)
 
+    # Every argument belongs to torchrun ("+" is this parser's option prefix, so "--nproc-per-node" passes).
+    launcher = subparsers.add_parser(
+        "torchrun", prefix_chars="+", add_help=False,
+        help="torchrun, exiting 128+N when stopped by signal N (what trainer pods run)",
+        description="Run torchrun with these arguments. When the pod is stopped (deleted, evicted, preempted, "
+        "its node drained) the ranks save and torchrun ends on the signal; this exits 128+signal instead of "
+        "torchrun's 1, so the training-operator's ExitCode restart policy restarts the pod instead of failing "
+        "the job.",
+    )
+    launcher.add_argument("torchrun_args", nargs=argparse.REMAINDER)
+    launcher.set_defaults(func=cmd_torchrun)
+
     train = subparsers.add_parser(
         "train", help="run one training rank (started by torchrun; reads RANK/WORLD_SIZE and the PET_* env)",
     )
@@ -241,6 +253,22 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return found
+
+
+def cmd_torchrun(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(args.torchrun_args)
+    except SignalException as err:
+        # torchrun forwarded the signal to the ranks, which saved; it then raises, and Python exits 1, which
+        # PyTorchJob's ExitCode policy counts as a permanent failure: one deleted pod failed the whole run.
+        signum = int(err.sigval)
+        print(f"kiln: torchrun stopped by signal {signum}; exiting {128 + signum} (retryable)", file=sys.stderr,
+              flush=True)
+        return 128 + signum
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -240,7 +240,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         image_pull_policy=config.image_pull_policy,
         # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
         # that the training-operator sets from elasticPolicy and nprocPerNode.
-        command=["torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}",
+        # `kiln torchrun`: torchrun, exiting 128+signal when the pod is stopped, so the ExitCode policy retries.
+        command=["kiln", "torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}",
                  "--output", f"{config.scratch_dir}/run"],
         env=env,
         ports=ports,

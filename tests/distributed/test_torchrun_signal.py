@@ -1,0 +1,39 @@
+"""`kiln torchrun`, what trainer pods run: a pod that is stopped (deleted, evicted, preempted, its node
+drained) gets SIGTERM; the ranks save, and the launcher must exit 128+15, a code the PyTorchJob's ExitCode
+restart policy retries. Plain torchrun exits 1 there, which that policy treats as a permanent failure: on the
+rig's real node one deleted worker pod failed the whole run (tests/e2e/test_real_node.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
+from tests.distributed.trainer_helpers import env, write_spec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def test_a_stopped_launcher_saves_and_exits_with_a_retryable_code(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": 100000, "globalBatchSize": 4},
+                      checkpoint={"uri": f"file://{ckpt}/"})
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli.main", "torchrun", "--standalone", "--nproc-per-node=2", "--no-python",
+         "kiln", "train", "--config", str(spec), "--output", str(out)],
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_step(out / "metrics.jsonl", 3, proc)
+        proc.send_signal(signal.SIGTERM)  # the kubelet, when the pod is deleted
+        log, _ = proc.communicate(timeout=SAFETY_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "exiting 143 (retryable)" in log
+    saved = (ckpt / "latest").read_text().strip()  # the ranks committed before the launcher ended
+    assert saved.startswith("step-") and int(saved.split("-")[1]) >= 3, log[-3000:]
