@@ -272,6 +272,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from kiln.trainer.checkpoint import sigterm_received
     from kiln.trainer.loop import train
 
     doc = load_one(args.config)
@@ -285,10 +286,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(note, flush=True)
     output = Path(args.output or f"runs/{doc.metadata.name}")
     try:
-        train(doc, output_dir=output)
+        result = train(doc, output_dir=output)
     except KeyboardInterrupt:
         return 130  # the launcher reports the interruption once
-    return 0
+    return stop_exit_code(result.final_step, doc.spec.training.steps, signalled=sigterm_received())
+
+
+def stop_exit_code(final_step: int, steps: int, *, signalled: bool) -> int:
+    """A rank's exit code. 0: the run finished, or this process was stopped (SIGTERM) and saved: its
+    launcher, stopped too, reports that. A rank that saved and stopped early because *another* rank was
+    stopped (a peer pod deleted) exits 143 instead: 0 would tell torchrun, and so the PyTorchJob, that the run
+    is done (an elastic job succeeds when one worker does), while it must restart its group and go on."""
+    if final_step >= steps or signalled:
+        return 0
+    return 128 + signal.SIGTERM
 
 
 def eval_checkpoint_uri(doc: TrainingSpec, *, output: str | None, checkpoint: str | None) -> str:

@@ -147,6 +147,11 @@ def _first_line(err: BaseException) -> str:
 _sigterm = threading.Event()
 
 
+def sigterm_received() -> bool:
+    """Whether this process itself got SIGTERM (as opposed to stopping because another rank did)."""
+    return _sigterm.is_set()
+
+
 def install_sigterm_handler() -> threading.Event:
     """Turn SIGTERM (pod eviction, preemption, `kubectl delete`) into a flag instead of an exit.
 
