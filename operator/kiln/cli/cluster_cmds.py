@@ -49,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("logs", parents=[common], help="print the trainer logs of a run's worker pod")
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--worker", type=int, default=0, help="worker index (default 0, the one that logs metrics)")
+    p.add_argument("--worker", type=int, default=None,
+                   help="worker index (default: the worker holding global rank 0, which logs the steps; after a "
+                   "restart that can be any worker, since the rendezvous deals the ranks anew)")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int, default=None, help="last N lines")
     p.set_defaults(func=logs)
@@ -269,7 +271,8 @@ def logs(args) -> int:
 
     kube = _kube(args)
     ns = _namespace(args)
-    pod = f"{args.name}-worker-{args.worker}"
+    worker = args.worker if args.worker is not None else _worker_logging_steps(kube, ns, args.name)
+    pod = f"{args.name}-worker-{worker}"
     try:
         out = kube.logs(ns, pod, follow=args.follow, tail=args.tail)
     except ApiException as err:
@@ -282,6 +285,26 @@ def logs(args) -> int:
             sys.stdout.flush()
     else:
         sys.stdout.write(out)
+    return 0
+
+
+STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.metrics prints these on rank 0 only
+
+
+def _worker_logging_steps(kube, namespace: str, run: str) -> int:
+    """The index of the worker pod whose log has the trainer's step lines (global rank 0), else 0."""
+    from kubernetes.client.exceptions import ApiException
+
+    prefix = f"{run}-worker-"
+    names = sorted((p["metadata"]["name"] for p in kube.pods(namespace, run)
+                    if p["metadata"]["name"].startswith(prefix) and p["metadata"]["name"][len(prefix):].isdigit()),
+                   key=lambda n: int(n[len(prefix):]))
+    for name in names:
+        try:
+            if STEP_LINE.search(kube.logs(namespace, name, tail=200) or ""):
+                return int(name[len(prefix):])
+        except ApiException:
+            continue  # not started yet, or gone
     return 0
 
 

@@ -1,0 +1,309 @@
+"""The whole path for real: kiln's images, built from images/, run on the rig's real node.
+
+Only what a user uses: `helm install` puts the operator in its pod (from its image), `kubectl apply` a
+TrainingSpec, and the trainer trains in its own containers (torchrun, gloo, two pods) under Pod Security
+`restricted`, checkpointing to the rig's S3 and reporting status from the pod; `kiln status/logs/eval`
+read the result. Faults are driven by what the run reports (its commits), never by a clock: a fast
+machine cannot outrun them, a slow one only waits longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.rig import images as rig_images
+
+pytestmark = [pytest.mark.rig, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "kiln"
+RELEASE = "kiln-e2e"
+SECRET = "s3-credentials"
+# Two pods of one process each; small enough that two of them and the operator fit on a 2-core node.
+MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
+POD_RESOURCES = {"cpu": "600m", "memory": "2Gi"}
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}
+START_TIMEOUT = 900  # pods start, import torch and rendezvous: slow on a loaded 2-core machine
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def loaded_images(real_node) -> dict[str, str]:
+    """Both images built from their Dockerfiles (cached) and loaded into the node's containerd."""
+    return rig_images.load_into_node(real_node)  # re-imported whenever the sources changed
+
+
+def restricted_namespace(rig, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    rig.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": RESTRICTED}})
+    return name
+
+
+@pytest.fixture(scope="module")
+def runs_ns(rig):
+    """Where the TrainingSpecs live: Pod Security `restricted` enforced, the S3 credentials as a Secret."""
+    name = restricted_namespace(rig, "kiln-e2e-runs")
+    rig.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET, "namespace": name},
+               "stringData": {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}})
+    yield name
+    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(rig.bin / "helm"), *args, "--kubeconfig", str(rig.kubeconfig)],
+                          capture_output=True, text=True, timeout=600)
+    assert not check or proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def operator_release(rig, real_node, loaded_images, runs_ns):
+    """`helm install` of the chart, watching the runs' namespace, its pod pinned to the real node."""
+    ns = restricted_namespace(rig, "kiln-e2e-system")
+    release = f"{RELEASE}-{ns.rsplit('-', 1)[1]}"  # its cluster-wide RBAC is named after it: one per session
+    node_selector_key = next(iter(real_node.node_selector))
+    tol = real_node.toleration
+    try:
+        yield from _installed(rig, release, ns, node_selector_key, tol, real_node, runs_ns)
+    finally:
+        helm(rig, "uninstall", release, "--namespace", ns, "--wait", check=False)
+        rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _installed(rig, release, ns, node_selector_key, tol, real_node, runs_ns):
+    proc = helm(rig, "install", release, str(CHART), "--namespace", ns, "--wait", "--timeout", f"{START_TIMEOUT}s",
+         "--set", f"watchNamespaces={{{runs_ns}}}",
+         "--set-string", f"operator.nodeSelector.{node_selector_key.replace('.', chr(92) + '.')}"
+                         f"={real_node.node_selector[node_selector_key]}",
+         "--set", f"operator.tolerations[0].key={tol['key']}",
+         "--set", f"operator.tolerations[0].operator={tol.get('operator', 'Equal')}",
+         "--set-string", f"operator.tolerations[0].value={tol.get('value', '')}",
+         "--set", f"operator.tolerations[0].effect={tol['effect']}", check=False)
+    if proc.returncode != 0:
+        pod_logs = rig.kubectl("logs", "-n", ns, "-l", "app.kubernetes.io/component=operator", "--tail=40",
+                               check=False)
+        raise AssertionError(f"helm install failed: {proc.stderr}\n"
+                             f"{rig.kubectl('get', 'pods', '-n', ns, '-o', 'wide', check=False).stdout}\n"
+                             f"{pod_logs.stdout}{pod_logs.stderr}")
+    yield ns
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def kiln(*args: str, rig, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The `kiln` command as a user runs it, with the rig's kubeconfig and S3 credentials."""
+    env = {**rig.env, "AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key}
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=timeout)
+    assert not check or proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def get(rig, ns: str, kind: str, name: str) -> dict | None:
+    proc = rig.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def status(rig, ns: str, name: str) -> dict:
+    return (get(rig, ns, "trainingspec", name) or {}).get("status") or {}
+
+
+def pods(rig, ns: str, run: str) -> list[dict]:
+    out = rig.kubectl("get", "pods", "-n", ns, "-l", f"kiln.dev/trainingspec={run}", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def diagnose(rig, ns: str, run: str) -> str:
+    """What a user would look at when a run is stuck: its status, pods, events and the pods' logs."""
+    parts = [json.dumps(status(rig, ns, run), indent=1)[-2000:],
+             rig.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout,
+             rig.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]]
+    for pod in pods(rig, ns, run):
+        parts.append(rig.kubectl("logs", "-n", ns, pod["metadata"]["name"], "--tail=30", check=False).stdout)
+    return "\n".join(parts)
+
+
+def wait_status(rig, ns: str, run: str, what: str, predicate, timeout: float = START_TIMEOUT) -> dict:
+    """Wait until the run's status satisfies `predicate` (a safety-net timeout, not a trigger)."""
+    try:
+        return rig.wait_for(f"{run}: {what}", lambda: (s := status(rig, ns, run)) and predicate(s) and s,
+                            timeout=timeout, interval=1)
+    except Exception as err:  # noqa: BLE001 - re-raised with what a user would look at
+        raise AssertionError(f"{err}\n{diagnose(rig, ns, run)}") from None
+
+
+def committed(step: int):
+    return lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= step
+
+
+def cpu_run(rig, real_node, ns: str, name: str, *, steps: int, interval: int, schedule: str = "constant") -> dict:
+    """Two pods × one process on the real node, gloo, checkpoints to the rig's S3 as the pods reach it."""
+    return {
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "model": MODEL,
+            "data": {"uri": "builtin:pydoc"},
+            "training": {"steps": steps, "globalBatchSize": 8, "microBatchSize": 4, "lr": 3e-3,
+                         "warmupSteps": 0, "schedule": schedule, "precision": "fp32", "logEvery": 1},
+            "parallelism": {"fsdp": True, "compile": False},
+            "resources": {"nodes": 2, "processesPerNode": 1, **POD_RESOURCES,
+                          "nodeSelector": real_node.node_selector, "tolerations": [real_node.toleration]},
+            "elastic": {"maxRestarts": 5},
+            "checkpoint": {"uri": f"s3://{rig.s3_bucket}/e2e/{ns}/{name}/",
+                           "endpoint": f"http://{rig.bridge_ip}:{rig.s3_endpoint.rsplit(':', 1)[1]}",
+                           "credentialsSecret": SECRET, "intervalSteps": interval, "keep": 5},
+        },
+    }
+
+
+def apply(rig, body: dict) -> None:
+    rig.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+
+def patch_spec(rig, ns: str, name: str, spec: dict) -> None:
+    rig.kubectl("patch", "trainingspec", name, "-n", ns, "--type", "merge", "-p", json.dumps({"spec": spec}))
+
+
+def logged_steps(log: str) -> list[int]:
+    """The steps of the trainer's progress lines ("step N/TOTAL  loss …") in a rank-0 log."""
+    return [int(m.group(1)) for m in re.finditer(r"^step (\d+)/\d+", log, re.MULTILINE)]
+
+
+def eval_loss(rig, spec_path: Path, checkpoint: str | None = None) -> dict:
+    out = spec_path.parent / f"eval-{uuid.uuid4().hex[:6]}.json"
+    args = ["eval", str(spec_path), "--endpoint", rig.s3_endpoint, "--json", str(out)]
+    if checkpoint:
+        args += ["--checkpoint", checkpoint]
+    kiln(*args, rig=rig)
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+def test_helm_installs_an_operator_pod_that_is_ready_non_root_and_read_only(rig, real_node, operator_release):
+    ns = operator_release
+    (pod,) = [p for p in json.loads(rig.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
+              if p["status"].get("phase") == "Running"]
+    assert pod["spec"]["nodeName"] == real_node.name
+    assert all(c["ready"] for c in pod["status"]["containerStatuses"])
+    name = pod["metadata"]["name"]
+    # runs as the image's non-root user, on a root filesystem it cannot write
+    assert rig.kubectl("exec", "-n", ns, name, "--", "id", "-u").stdout.strip() == "65532"
+    denied = rig.kubectl("exec", "-n", ns, name, "--", "touch", "/kiln-was-here", check=False)
+    assert denied.returncode != 0 and "Read-only file system" in denied.stderr
+    # /healthz and /metrics answer on the pod's own address (through the apiserver's pod proxy)
+    health = rig.kubectl("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{name}:8080/proxy/healthz").stdout
+    assert health.strip()
+    metrics = rig.kubectl("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{name}:9090/proxy/metrics").stdout
+    assert "kiln_" in metrics
+
+
+def test_a_run_trains_in_its_pods_reports_status_commits_to_s3_and_is_scored(rig, real_node, operator_release,
+                                                                             runs_ns, tmp_path):
+    name = "e2e-plain"
+    body = cpu_run(rig, real_node, runs_ns, name, steps=30, interval=10, schedule="cosine")
+    apply(rig, body)
+    running = wait_status(rig, runs_ns, name, "both pods Running",
+                          lambda s: len([p for p in pods(rig, runs_ns, name)
+                                         if p["status"].get("phase") == "Running"]) == 2)
+    assert running
+    for pod in pods(rig, runs_ns, name):
+        assert pod["spec"]["nodeName"] == real_node.name, pod["spec"].get("nodeName")
+        (c,) = pod["spec"]["containers"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["resources"]["limits"]["memory"] == POD_RESOURCES["memory"]
+    done = wait_status(rig, runs_ns, name, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"))
+    assert done["phase"] == "Succeeded", diagnose(rig, runs_ns, name)
+    # status written by the real trainer in its pod
+    assert done["step"] == 30 and done["progress"] == "100.0%", done
+    assert done["tokensPerSecond"] > 0
+    last = done["lastCheckpoint"]
+    assert last["step"] == 30 and last["uri"].endswith("/step-00000030/"), last
+    # the COMMIT is in S3 (what the host sees of the bucket the pods wrote)
+    client = rig.minio_client()
+    prefix = f"e2e/{runs_ns}/{name}/"
+    keys = {o.object_name for o in client.list_objects(rig.s3_bucket, prefix=prefix, recursive=True)}
+    assert f"{prefix}step-00000030/COMMIT" in keys, sorted(keys)
+    assert client.get_object(rig.s3_bucket, f"{prefix}latest").read().decode().strip() == "step-00000030"
+    # kiln logs: the rank-0 pod's real log
+    logs = kiln("logs", name, "-n", runs_ns, rig=rig).stdout
+    assert logged_steps(logs) == list(range(1, 31)), logs[-2000:]
+    # kiln status shows the run
+    assert name in kiln("status", "-n", runs_ns, rig=rig).stdout
+    # kiln eval scores the committed checkpoint from this workstation
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(body))
+    result = eval_loss(rig, spec_path)
+    assert result["step"] == 30 and 0 < result["loss"] < 5.6  # below uniform guessing over bytes (5.55)
+
+
+def test_a_deleted_worker_and_a_suspend_resume_lose_nothing_committed(rig, real_node, operator_release, runs_ns,
+                                                                     tmp_path):
+    name = "e2e-faults"
+    # Long enough that it never ends by itself here: the test ends it with a suspend once it has seen
+    # every fault recovered. Faults follow the run's own commits.
+    body = cpu_run(rig, real_node, runs_ns, name, steps=100000, interval=5)
+    apply(rig, body)
+    first = wait_status(rig, runs_ns, name, "a first commit", committed(5))["lastCheckpoint"]["step"]
+
+    # 1. the worker pod is deleted: the training-operator replaces it, torchrun re-forms the group, and the
+    #    run goes on from its newest commit
+    (worker,) = [p for p in pods(rig, runs_ns, name) if p["metadata"]["name"].endswith("-worker-1")]
+    rig.kubectl("delete", "pod", "-n", runs_ns, worker["metadata"]["name"], "--wait=false")
+    old_uid = worker["metadata"]["uid"]
+    wait_status(rig, runs_ns, name, "a replacement worker", lambda s: any(
+        p["metadata"]["name"].endswith("-worker-1") and p["metadata"]["uid"] != old_uid
+        and p["status"].get("phase") == "Running" for p in pods(rig, runs_ns, name)))
+    after_fault = wait_status(rig, runs_ns, name, "commits after the fault", committed(first + 10))
+    assert after_fault["step"] >= after_fault["lastCheckpoint"]["step"] >= first + 10
+    # rank 0 serves its Prometheus metrics on its pod's `metrics` port while it trains (after the restart
+    # rank 0 may be on either pod: the rendezvous deals the ranks anew)
+    scraped = [rig.kubectl("get", "--raw", f"/api/v1/namespaces/{runs_ns}/pods/{p['metadata']['name']}:9400"
+                           "/proxy/metrics", check=False).stdout for p in pods(rig, runs_ns, name)]
+    assert any(re.search(rf'^kiln_train_step{{run="{name}"}} \d', text, re.MULTILINE) for text in scraped), scraped
+
+    # 2. suspend: the pods get SIGTERM, the trainer commits, every pod is gone; resume continues there
+    patch_spec(rig, runs_ns, name, {"suspend": True})
+    suspended = wait_status(rig, runs_ns, name, "Suspended with no pods",
+                            lambda s: s.get("phase") == "Suspended" and not pods(rig, runs_ns, name))
+    saved = suspended["lastCheckpoint"]["step"]
+    assert saved >= after_fault["lastCheckpoint"]["step"]
+    assert suspended["step"] == saved, "the final save on SIGTERM is the last step the run made"
+    patch_spec(rig, runs_ns, name, {"suspend": False})
+    resumed = wait_status(rig, runs_ns, name, "commits after the resume", committed(saved + 5))
+    assert resumed["step"] > saved
+    # step numbering continues: the resumed pod's first step is the one after the saved one
+    assert logged_steps(kiln("logs", name, "-n", runs_ns, rig=rig).stdout)[0] == saved + 1
+    patch_spec(rig, runs_ns, name, {"suspend": True})
+    end = wait_status(rig, runs_ns, name, "Suspended again",
+                      lambda s: s.get("phase") == "Suspended" and not pods(rig, runs_ns, name))["lastCheckpoint"]
+    assert end["step"] > saved
+
+    # 3. the loss curve joins the uninterrupted one: the same spec trained straight to that step on this
+    #    machine (`kiln run`, two processes) gives the same held-out loss as the run that lost a pod and was
+    #    suspended twice
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(body))
+    faulty = eval_loss(rig, spec_path)
+    assert faulty["step"] == end["step"]
+    local = dict(body)
+    local["spec"] = {**body["spec"], "checkpoint": {"uri": f"file://{tmp_path / 'ref'}/", "intervalSteps": 1000}}
+    local["spec"]["resources"] = {"nodes": 1, "processesPerNode": 2}
+    local_path = tmp_path / "reference.yaml"
+    local_path.write_text(yaml.safe_dump(local))
+    kiln("run", str(local_path), "--nproc", "2", "--steps", str(end["step"]), "--output", str(tmp_path / "ref-run"),
+         rig=rig, timeout=1800)
+    reference = eval_loss(rig, local_path)
+    assert reference["step"] == end["step"]
+    assert faulty["loss"] == pytest.approx(reference["loss"], rel=1e-3)
