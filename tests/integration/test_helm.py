@@ -184,7 +184,7 @@ def test_default_deployment_is_hardened_and_probed(rig):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}  # POD_ID comes from the downward API
     assert int(env["KILN_HEALTH_PORT"]) == ports["health"] and int(env["KILN_METRICS_PORT"]) == ports["metrics"]
     assert "args" not in container  # every namespace
 
