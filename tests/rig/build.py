@@ -220,13 +220,15 @@ def build_node() -> dict[str, float]:
     return build(versions.NODE_BUILD_ORDER)
 
 
-def install_host_packages() -> None:
-    """Install the node's Debian packages (runc, iptables, ...) that are missing, with apt."""
-    missing = sorted({pkg for exe, pkg in versions.NODE_HOST_PACKAGES.items() if shutil.which(exe) is None})
+def install_host_packages(packages: dict[str, str] | None = None, purpose: str = "the real node") -> None:
+    """apt-get install the Debian packages whose program is missing; `packages` maps program → package
+    (default: the node's runc, iptables, ...). CI starts on a fresh machine, so the rig installs them itself."""
+    packages = versions.NODE_HOST_PACKAGES if packages is None else packages
+    missing = sorted({pkg for exe, pkg in packages.items() if shutil.which(exe) is None})
     if not missing:
         return
     if shutil.which("apt-get") is None:
-        raise RuntimeError(f"the real node needs the Debian packages {missing}; install them (no apt-get here)")
+        raise RuntimeError(f"{purpose} needs the Debian packages {missing}; install them (no apt-get here)")
     log(f"installing Debian packages {', '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.rig import build
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
 
@@ -138,20 +140,8 @@ def archive_path(name: str) -> Path:
 # --- tools and the buildah store ------------------------------------------------------------------
 
 def install_tools() -> None:
-    """apt-get install the Debian packages that are missing (CI starts on a fresh machine)."""
-    missing = sorted({pkg for exe, pkg in TOOLS.items() if shutil.which(exe) is None})
-    if not missing:
-        return
-    if shutil.which("apt-get") is None:
-        raise RuntimeError(f"building kiln's images needs the Debian packages {missing}; install them")
-    log(f"installing Debian packages {', '.join(missing)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
-    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:  # no package lists yet
-        subprocess.run(["apt-get", "update"], env=env, check=True, capture_output=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"apt-get install {' '.join(missing)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    """The Debian tools the image build uses (mmdebstrap, buildah, ...), installed when missing."""
+    build.install_host_packages(TOOLS, purpose="building kiln's images")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -135,9 +134,7 @@ def test_merge_keys_may_be_overridden_and_are_no_duplicates(tmp_path):
 
 
 def test_an_unreadable_stream_is_refused_without_reading_it_all(tmp_path):
-    if not os.path.exists("/dev/zero"):
-        pytest.skip("no /dev/zero on this system")
-    rc, out, err = cli("validate", "/dev/zero")
+    rc, out, err = cli("validate", "/dev/zero")  # endless: kiln runs on Linux, which always has it
     assert_answered(rc, out, err)
     assert rc == 1 and "larger than 3 MiB" in err
 
