@@ -200,8 +200,9 @@ def test_sample_becomes_a_running_pytorchjob_then_delete_removes_everything(rig,
 
 def test_pod_failure_restarts_then_fails_as_the_pytorchjob_says(rig, ns, operator):
     name = "fails"
-    submit(rig, ns, small_run(name))
+    submit(rig, ns, small_run(name, resources={"nodes": 2}))
     wait_phase(rig, ns, name, "Running")
+    rig.wait_for("both pods running", lambda: len(running_pods(rig, ns, name)) == 2, timeout=SAFETY_TIMEOUT_S)
     # 137 (killed): retryable under restartPolicy ExitCode → the training-operator recreates the pod
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=137)
     rig.wait_for("a restart counted", lambda: status(rig, ns, name).get("restarts", 0) >= 1, timeout=SAFETY_TIMEOUT_S)
@@ -212,6 +213,12 @@ def test_pod_failure_restarts_then_fails_as_the_pytorchjob_says(rig, ns, operato
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=1)
     final = wait_phase(rig, ns, name, "Failed")
     assert next(c for c in final["conditions"] if c["type"] == "Failed")["status"] == "True"
+    # the surviving worker would hold its GPU until its rendezvous times out: the operator stops it, and
+    # keeps the failed pod (its log says why)
+    rig.wait_for("the surviving worker stopped", lambda: not running_pods(rig, ns, name), timeout=SAFETY_TIMEOUT_S)
+    stopped = [e for e in events(rig, ns, name) if e["reason"] == "PodsStopped"]
+    assert stopped and f"{name}-worker-1" in stopped[0]["message"], [e["reason"] for e in events(rig, ns, name)]
+    assert get(rig, ns, "pod", f"{name}-worker-0")["status"]["phase"] == "Failed"
     kubeconfig = str(rig.kubeconfig)
     assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--timeout", f"{SAFETY_TIMEOUT_S}s"]) == 1
 
@@ -225,6 +232,9 @@ def test_success_and_wait_exit_codes(rig, ns, operator):
     rig.succeed_pod(ns, f"{name}-worker-0")
     assert main(["wait", name, "-n", ns, "--kubeconfig", kubeconfig, "--for", "succeeded",
                  "--timeout", f"{SAFETY_TIMEOUT_S}s"]) == 0
+    # a finished run's pod stays (Completed, holding nothing) so `kiln logs` can read it
+    assert get(rig, ns, "pod", f"{name}-worker-0")["status"]["phase"] == "Succeeded"
+    assert not any(e["reason"] == "PodsStopped" for e in events(rig, ns, name))
 
 
 def test_suspend_releases_every_gpu_and_resume_brings_them_back(rig, ns, operator):

@@ -61,7 +61,7 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
 def test_run_policy_gang_suspend_and_queue():
     job = objects(with_({"suspend": True, "scheduling": {"queue": "team-a", "priorityClassName": "high"}}))["PyTorchJob"]
     rp = job["spec"]["runPolicy"]
-    assert rp["suspend"] is True and rp["backoffLimit"] == 10 and rp["cleanPodPolicy"] == "Running"
+    assert rp["suspend"] is True and rp["backoffLimit"] == 10 and rp["cleanPodPolicy"] == "None"
     assert rp["schedulingPolicy"] == {"minAvailable": 1, "queue": "team-a", "priorityClass": "high"}
     assert job["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "team-a"
     assert worker(job)["template"]["spec"]["priorityClassName"] == "high"

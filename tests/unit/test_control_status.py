@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.control.status import changed, derive, job_condition
+from kiln.control.status import changed, derive, job_condition, pods_to_stop
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 APPLIED = ("True", "Applied", "ok")
@@ -162,3 +162,15 @@ def test_a_goodput_ledger_that_only_moved_with_the_clock_is_written_every_few_se
     assert scaling["phase"] == "Scaling" and changed(first, scaling)
     # a status without a ledger yet gets one
     assert changed({"phase": "Running"}, soon)
+
+
+def test_a_failed_runs_surviving_pods_are_stopped_and_stopped_pods_are_kept():
+    leaving = {"metadata": {"name": "run-worker-3", "deletionTimestamp": T1}, "status": {"phase": "Running"}}
+    pods = [pod("run-worker-0", "Failed"), pod("run-worker-1"), pod("run-worker-2", "Pending"), leaving,
+            pod("run-worker-4", "Succeeded")]
+    assert pods_to_stop(job(("Running", T0), ("Failed", T1)), pods) == ["run-worker-1", "run-worker-2"]
+    # a succeeded, running, restarting or suspended job: its pods are the training-operator's to manage
+    for conditions in [(("Running", T0), ("Succeeded", T1)), (("Running", T0),), (("Running", T0), ("Restarting", T1)),
+                       (("Running", T0), ("Suspended", T1))]:
+        assert pods_to_stop(job(*conditions), pods) == []
+    assert pods_to_stop(None, pods) == []

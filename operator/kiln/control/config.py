@@ -14,7 +14,12 @@ DEFAULT_IMAGE = f"ghcr.io/kiln-dev/kiln-trainer:{__version__}"
 class OperatorConfig:
     image: str = DEFAULT_IMAGE  # trainer image when spec.image is unset
     image_pull_policy: str = "IfNotPresent"
-    clean_pod_policy: str = "Running"  # PyTorchJob runPolicy.cleanPodPolicy: None | Running | All
+    # PyTorchJob runPolicy.cleanPodPolicy: None | Running | All. None keeps a finished run's pods (Completed,
+    # holding no resources) so `kiln logs` still reads them. Running would delete the pods still running
+    # when the job ends, and an elastic job ends Succeeded as soon as ANY worker exits 0: rank 0's pod,
+    # still writing its last status and log lines, would be deleted. A Failed run's pods are stopped by
+    # the operator itself (kiln.control.status.pods_to_stop), so a failure holds no GPU either way.
+    clean_pod_policy: str = "None"
     rdzv_port: int = 29400
     # SIGTERM → pod kill: the time a trainer gets to stage a checkpoint when its pod is deleted
     # (suspend, scale-down, preemption).

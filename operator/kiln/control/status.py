@@ -52,6 +52,17 @@ def job_condition(job: dict | None) -> str | None:
     return conds[-1]["type"]
 
 
+def pods_to_stop(job: dict | None, pods: list[dict]) -> list[str]:
+    """The pods to delete because their run failed while they still run (or wait to): a failed job's
+    surviving workers would otherwise hold their GPUs until their rendezvous times out. Pods that have
+    stopped stay, with their logs."""
+    if job_condition(job) != "Failed":
+        return []
+    return sorted(p["metadata"]["name"] for p in pods
+                  if (p.get("status") or {}).get("phase") in ("Pending", "Running")
+                  and not p["metadata"].get("deletionTimestamp"))
+
+
 def _job_message(job: dict | None, ctype: str) -> str:
     for c in ((job or {}).get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:

@@ -22,7 +22,7 @@ from kiln.control.config import OperatorConfig
 from kiln.control.elastic_sync import carried_avoid, carried_nodes
 from kiln.control.kube import Kube
 from kiln.control.plan import Observed, plan
-from kiln.control.status import Event, changed, derive, job_condition
+from kiln.control.status import Event, changed, derive, job_condition, pods_to_stop
 from kiln.errors import KilnError
 
 PostEvent = Callable[[dict, Event], None]
@@ -191,6 +191,15 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
         kube.last_spec[(namespace, name)] = body
     for event in result.events:
         post(body, event)
+    stop = pods_to_stop(job, pods)
+    for pod in stop:
+        try:
+            kube.core.delete_namespaced_pod(pod, namespace)
+        except ApiException as err:
+            if err.status != 404:  # gone already is what was wanted
+                raise
+    if stop:
+        post(body, Event("Warning", "PodsStopped", f"the run failed; stopped its pods still running: {', '.join(stop)}"))
     _derived_from[(namespace, name)] = ((job or {}).get("metadata") or {}).get("resourceVersion")
 
 

@@ -253,6 +253,11 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             checkpointer.close()
             reporter.close(checkpointer.status())
             logger.close()
+        if dist.is_initialized():
+            # Every rank leaves together, after rank 0's last commit, status report and log lines: on a
+            # cluster, the first worker pod to exit 0 ends the elastic job, and a pod still running then
+            # may be stopped.
+            dist.barrier()
         return TrainResult(start_step, step, losses)  # `step`, not a count: a rollback re-runs steps
     finally:
         if dist.is_initialized():
