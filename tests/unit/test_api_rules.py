@@ -180,7 +180,7 @@ def test_crd_is_structural_and_carries_rules_and_subresources():
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.resources.nodes"
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Nodes", "Step", "Progress", "Age"]
     phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
-    assert phases == ["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
+    assert phases == ["Pending", "Queued", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
 
 
 def test_docs_field_reference_matches_the_models():

@@ -260,7 +260,7 @@ class TrainingSpecSpec(ApiModel):
 
 # ---- status: written by the operator (phase, conditions, nodes, restarts, goodput) and trainer rank 0 (step, metrics) ----
 
-Phase = Literal["Pending", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Queued", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 
 
@@ -298,7 +298,7 @@ class LostSeconds(ApiModel):
     """Wall seconds lost, by cause."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-    pending: float = Field(0.0, ge=0, description="Waiting for pods, capacity or a queue (Pending, Scaling).")
+    pending: float = Field(0.0, ge=0, description="Waiting for pods, capacity or a queue (Pending, Queued, Scaling).")
     restart: float = Field(0.0, ge=0, description="Restarting, plus steps redone after resuming from a commit.")
     checkpoint_stall: float = Field(0.0, ge=0, description="Training blocked on checkpoints.")
     rollback: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
@@ -318,13 +318,22 @@ class GoodputDetail(ApiModel):
     )
 
 
+class QueueStatus(ApiModel):
+    """Where Kueue has the run (operator-written, only for a run with scheduling.queue)."""
+
+    name: str = Field(..., max_length=63, description="The LocalQueue.")
+    admitted_at: str | None = Field(None, description="When Kueue last admitted the run (RFC 3339).")
+    cluster_queue: str | None = Field(None, max_length=253, description="The ClusterQueue that admitted it.")
+    flavors: list[str] = Field(default_factory=list, max_length=64, description="The ResourceFlavors it was given.")
+
+
 class TrainingSpecStatus(ApiModel):
     """What the run is doing: the operator writes phase, conditions, nodes and goodput; trainer rank 0 writes
     progress and trainerTime."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
     phase: Phase | None = Field(
-        None, description="Pending | Running | Scaling | Restarting | Suspended | Succeeded | Failed."
+        None, description="Pending | Queued | Running | Scaling | Restarting | Suspended | Succeeded | Failed."
     )
     nodes: int | None = Field(None, ge=0, le=INT32_MAX, description="Worker pods currently running.")
     step: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Last completed optimizer step.")
@@ -339,8 +348,9 @@ class TrainingSpecStatus(ApiModel):
     )
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
+    queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Running, Suspended, Succeeded, Failed."
+        default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Queued, Running, Suspended, Succeeded, Failed."
     )
     observed_generation: int | None = Field(
         None, ge=0, le=JSON_INT_MAX, description="The metadata.generation the operator acted on last."

@@ -10,7 +10,7 @@ Attribution of the wall time between two observations:
 - the growth of the trainer's counters (what was not credited yet) is productive, `checkpointStall`,
   `rollback` — each at most the time left in the interval, so no time is ever invented; the rest carries
   over to the next interval;
-- the remainder goes to the phase: Pending / Scaling → `pending`, Restarting → `restart`, Suspended →
+- the remainder goes to the phase: Pending / Queued / Scaling → `pending`, Restarting → `restart`, Suspended →
   `suspended`, Running → counted as wall time only (start-up, restore, data waits, logging);
 - a productive counter that went *down* means a new trainer resumed from an older commit: that much
   productive time is moved to `restart` (it is done again);
@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended")
 COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
-REMAINDER = {"Pending": "pending", "Scaling": "pending", "Restarting": "restart", "Suspended": "suspended"}
+REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart", "Suspended": "suspended"}
 FINAL = ("Succeeded", "Failed")
 
 

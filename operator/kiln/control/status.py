@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.control import goodput
+from kiln.control import goodput, kueue
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
 USER_ERRORS = {
@@ -101,7 +101,9 @@ def phase_of(spec: dict, job: dict | None, pods: list[dict]) -> str:
         return state
     if spec.get("suspend"):
         return "Suspended"
-    if state == "Suspended":  # suspended by someone else: a queue (Kueue) holding it until admission
+    if kueue.queue_name(job) and (state == "Suspended" or kueue.held(job)):
+        return "Queued"  # Kueue holds it: not admitted yet, or evicted (preempted) and waiting again
+    if state == "Suspended":  # suspended by someone else
         return "Pending"
     if state == "Restarting":
         return "Restarting"
@@ -129,12 +131,14 @@ def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, 
 
 
 def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
-           accepted: tuple[str, str, str] | None = None) -> Derived:
+           accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None) -> Derived:
     """Status and Events for one TrainingSpec.
 
     accepted: the SpecAccepted condition (status, reason, message) from the last reconcile: False when the
     operator applied nothing (a change the running job cannot absorb, a missing Secret); None keeps the
     condition as it is (status refreshes triggered by the job or its pods).
+    queue: the run's place in Kueue (kiln.control.kueue) when it was read; None keeps condition Queued and
+    status.queue as they are.
     """
     spec, old = ts.get("spec") or {}, ts.get("status") or {}
     # the generation acted on: the current one after a reconcile, else what the last reconcile saw
@@ -166,6 +170,12 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         if pods and running_pods(pods) == len(pods):
             conditions = set_condition(conditions, "PodsReady", "True", "Running", "every pod is running", now, gen)
 
+    if queue is not None:  # Queued=True with Kueue's reason while it waits; False once admitted
+        waiting = ("False", "Admitted", queue.message) if queue.admitted else ("True", queue.reason, queue.message)
+        if not queue.admitted and not _same(old, "Queued", *waiting):
+            events.append(Event("Normal", "Queued", f"{queue.reason}: {queue.message}"))
+        conditions = set_condition(conditions, "Queued", *waiting, now, gen)
+
     job_msg = _job_message(job, job_condition(job) or "")
     for ctype in ("Running", "Suspended", "Succeeded", "Failed"):
         active = phase == ctype or (ctype == "Running" and phase == "Scaling")
@@ -185,6 +195,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     }
     if gen is None:
         status.pop("observedGeneration")
+    if queue is not None:
+        status["queue"] = queue.as_status()
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)

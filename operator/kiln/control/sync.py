@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kiln.api.load import format_validation_error
 from kiln.api.spec import TrainingSpec
+from kiln.control import kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_sync import carried_avoid, carried_nodes
 from kiln.control.kube import Kube
@@ -184,7 +185,8 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
         body = {**body, "status": known.get("status") or {}}
     if pods is READ:
         pods = kube.pods(namespace, name) if job is not None else []
-    result = derive(body, job, pods, now(), accepted)
+    queue = kueue.observe(kube, job, body.get("status"))  # a queued run: why it waits (a Workload read)
+    result = derive(body, job, pods, now(), accepted, queue)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:

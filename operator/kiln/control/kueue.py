@@ -1,0 +1,114 @@
+"""Kueue's view of a run: why its PyTorchJob waits, when it was admitted and with which flavor.
+
+Kueue admits a queued job through a Workload it makes for it (owned by the job, labelled with the job's
+uid): while the Workload waits, the job stays suspended (Kueue's webhook suspended it at creation), so no
+pod exists. `queue_state(job, workload)` is pure: the Workload's conditions → one state for the run's
+status (phase Queued, condition Queued, status.queue). `read_workload(kube, job)` is the one read, made
+only for a job labelled with a queue; a cluster without Kueue (404) or an operator not allowed to read
+Workloads (403) reads as no Workload, and the run's status says it waits for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubernetes.client.exceptions import ApiException
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
+
+
+@dataclass(frozen=True)
+class QueueState:
+    queue: str  # the LocalQueue
+    admitted: bool
+    reason: str  # Kueue's own: Admitted, Pending (QuotaReserved=False), Preempted, PodsReadyTimeout, ...
+    message: str
+    admitted_at: str | None = None
+    cluster_queue: str | None = None
+    flavors: tuple[str, ...] = field(default=())
+
+    def as_status(self) -> dict:
+        """status.queue: the queue, and once admitted, when, where and with which flavors."""
+        out: dict = {"name": self.queue}
+        if self.admitted:
+            out |= {"admittedAt": self.admitted_at, "clusterQueue": self.cluster_queue, "flavors": list(self.flavors)}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def queue_name(job: dict | None) -> str | None:
+    return ((job or {}).get("metadata") or {}).get("labels", {}).get(QUEUE_LABEL) or None
+
+
+def held(job: dict | None) -> bool:
+    """Whether the job is suspended (by Kueue until admission, or after an eviction)."""
+    return bool((((job or {}).get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+
+
+def _conditions(workload: dict) -> dict[str, dict]:
+    return {c.get("type"): c for c in (workload.get("status") or {}).get("conditions") or []}
+
+
+def queue_state(job: dict | None, workload: dict | None) -> QueueState | None:
+    """The run's place in Kueue (None: its job names no queue)."""
+    queue = queue_name(job)
+    if queue is None:
+        return None
+    if workload is None:
+        return QueueState(queue, False, "NoWorkload",
+                          f"waiting for Kueue to make a Workload for this run in LocalQueue {queue} (is Kueue installed, "
+                          "and does the LocalQueue exist?)")
+    conds = _conditions(workload)
+
+    def true(ctype: str) -> bool:
+        return conds.get(ctype, {}).get("status") == "True"
+
+    if true("Admitted"):
+        admission = (workload.get("status") or {}).get("admission") or {}
+        flavors = tuple(sorted({f for psa in admission.get("podSetAssignments") or []
+                                for f in (psa.get("flavors") or {}).values()}))
+        cq = admission.get("clusterQueue")
+        return QueueState(queue, True, "Admitted", f"admitted by ClusterQueue {cq} (flavor {', '.join(flavors)})",
+                          admitted_at=conds["Admitted"].get("lastTransitionTime"), cluster_queue=cq, flavors=flavors)
+    if true("Evicted"):  # preempted, or its pods were not all ready in time: requeued, waits again
+        ev = conds["Evicted"]
+        return QueueState(queue, False, ev.get("reason") or "Evicted", ev.get("message") or "evicted by Kueue")
+    reserved = conds.get("QuotaReserved")
+    if reserved and reserved.get("status") == "False":
+        return QueueState(queue, False, reserved.get("reason") or "Pending", reserved.get("message") or "")
+    return QueueState(queue, False, "Pending", f"waiting for Kueue to admit it from LocalQueue {queue}")
+
+
+def read_workload(kube, job: dict | None) -> dict | None:
+    """The Workload Kueue made for `job` (None: none, no Kueue, or not allowed to read it)."""
+    meta = (job or {}).get("metadata") or {}
+    if not queue_name(job) or not meta.get("uid"):
+        return None
+    try:
+        found = kube.custom.list_namespaced_custom_object(
+            GROUP, VERSION, meta["namespace"], PLURAL, label_selector=f"{JOB_UID_LABEL}={meta['uid']}")
+    except ApiException as err:
+        if err.status in (403, 404):
+            return None
+        raise
+    items = found.get("items") or []
+    # a job's Workload is replaced when its pod sets change: the newest one is the job's now
+    return max(items, key=lambda w: w["metadata"].get("creationTimestamp") or "") if items else None
+
+
+def needs_read(job: dict | None, old_status: dict | None) -> bool:
+    """Whether a status refresh should read the Workload: while Kueue holds the job, while the run has not
+    left Pending/Queued, and once after each admission (to record when and where). A running admitted
+    run costs no read."""
+    if not queue_name(job):
+        return False
+    old = old_status or {}
+    if held(job) or old.get("phase") in (None, "Pending", "Queued"):
+        return True
+    return not (old.get("queue") or {}).get("admittedAt")
+
+
+def observe(kube, job: dict | None, old_status: dict | None) -> QueueState | None:
+    """The run's place in Kueue for kiln.control.status.derive (None: nothing to read or change)."""
+    return queue_state(job, read_workload(kube, job)) if needs_read(job, old_status) else None

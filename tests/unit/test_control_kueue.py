@@ -1,0 +1,102 @@
+"""kiln.control.kueue: a Workload's conditions → the run's phase Queued, condition Queued, status.queue (pure)."""
+
+from __future__ import annotations
+
+from kiln.control import kueue
+from kiln.control.status import derive
+
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+INSUFFICIENT = ("couldn't assign flavors to pod set worker: insufficient quota for nvidia.com/gpu in flavor "
+                "rig-h200, previously considered podsets requests (0) + current podset request (8) > maximum capacity (8)")
+
+
+def job(suspend: bool | None, queue: str | None = "team", conditions: tuple = ()) -> dict:
+    labels = {kueue.QUEUE_LABEL: queue} if queue else {}
+    run_policy = {} if suspend is None else {"suspend": suspend}
+    return {"metadata": {"name": "run", "namespace": "ml", "uid": "u-1", "labels": labels},
+            "spec": {"runPolicy": run_policy, "pytorchReplicaSpecs": {"Worker": {"replicas": 1}}},
+            "status": {"conditions": [{"type": t, "status": "True", "lastTransitionTime": when}
+                                      for t, when in conditions]}}
+
+
+def workload(*conditions: dict, admission: dict | None = None) -> dict:
+    status: dict = {"conditions": list(conditions)}
+    if admission:
+        status["admission"] = admission
+    return {"metadata": {"name": "pytorchjob-run-abcde"}, "status": status}
+
+
+def cond(ctype: str, status: str, reason: str, message: str = "", when: str = T1) -> dict:
+    return {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": when}
+
+
+ADMISSION = {"clusterQueue": "gpus", "podSetAssignments": [{"name": "worker", "count": 1,
+                                                            "flavors": {"nvidia.com/gpu": "rig-h200", "cpu": "rig-h200"}}]}
+
+
+def ts(status: dict | None = None) -> dict:
+    return {"metadata": {"name": "run", "namespace": "ml", "generation": 1},
+            "spec": {"suspend": False, "scheduling": {"queue": "team"}}, "status": status or {}}
+
+
+def test_waiting_for_quota_shows_kueues_reason_and_message():
+    state = kueue.queue_state(job(True), workload(cond("QuotaReserved", "False", "Pending", INSUFFICIENT)))
+    assert (state.admitted, state.reason, state.message) == (False, "Pending", INSUFFICIENT)
+    d = derive(ts(), job(True, conditions=(("Created", T0), ("Suspended", T0))), [], T1, None, state)
+    assert d.status["phase"] == "Queued"
+    queued = next(c for c in d.status["conditions"] if c["type"] == "Queued")
+    assert (queued["status"], queued["reason"], queued["message"]) == ("True", "Pending", INSUFFICIENT)
+    assert d.status["queue"] == {"name": "team"}
+    assert any(e.reason == "Queued" and "insufficient quota" in e.message for e in d.events)
+
+
+def test_admitted_records_when_where_and_flavor():
+    admitted = workload(cond("QuotaReserved", "True", "QuotaReserved"), cond("Admitted", "True", "Admitted", when=T1),
+                        admission=ADMISSION)
+    state = kueue.queue_state(job(False), admitted)
+    assert state.admitted and state.admitted_at == T1 and state.flavors == ("rig-h200",)
+    d = derive(ts({"phase": "Queued"}), job(False, conditions=(("Running", T1),)), [], T2, None, state)
+    assert d.status["phase"] == "Running"
+    assert d.status["queue"] == {"name": "team", "admittedAt": T1, "clusterQueue": "gpus", "flavors": ["rig-h200"]}
+    queued = next(c for c in d.status["conditions"] if c["type"] == "Queued")
+    assert (queued["status"], queued["reason"]) == ("False", "Admitted")
+
+
+def test_preempted_run_is_queued_with_reason_preempted():
+    evicted = workload(cond("Admitted", "False", "NoReservation"),
+                       cond("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: x) due to "
+                            "prioritization in the ClusterQueue"))
+    state = kueue.queue_state(job(True), evicted)
+    assert (state.admitted, state.reason) == (False, "Preempted")
+    # Kueue suspended the running job: the training-operator may not have noticed yet
+    d = derive(ts({"phase": "Running"}), job(True, conditions=(("Running", T0),)), [], T1, None, state)
+    assert d.status["phase"] == "Queued"
+    assert next(c for c in d.status["conditions"] if c["type"] == "Queued")["reason"] == "Preempted"
+
+
+def test_no_workload_yet_says_what_it_waits_for():
+    state = kueue.queue_state(job(True), None)
+    assert state.reason == "NoWorkload" and "LocalQueue team" in state.message
+
+
+def test_a_job_without_a_queue_is_not_kueues():
+    assert kueue.queue_state(job(None, queue=None), workload()) is None
+    assert not kueue.needs_read(job(None, queue=None), {})
+    # suspended by someone else than a queue: Pending as before
+    plain = job(True, queue=None, conditions=(("Created", T0), ("Suspended", T0)))
+    assert derive(ts(), plain, [], T1, None).status["phase"] == "Pending"
+
+
+def test_reads_while_held_and_once_after_admission_only():
+    assert kueue.needs_read(job(True), {"phase": "Queued"})
+    assert kueue.needs_read(job(None), {"phase": "Queued"})  # just admitted: record when
+    assert not kueue.needs_read(job(None), {"phase": "Running", "queue": {"name": "team", "admittedAt": T1}})
+    assert kueue.needs_read(job(True), {"phase": "Running", "queue": {"name": "team", "admittedAt": T1}})  # preempted
+
+
+def test_status_without_a_read_keeps_the_queue_fields():
+    old = {"phase": "Running", "queue": {"name": "team", "admittedAt": T1},
+           "conditions": [cond("Queued", "False", "Admitted", "admitted")]}
+    d = derive(ts(old), job(None, conditions=(("Running", T1),)), [], T2, None, None)
+    assert "queue" not in d.status  # merge patch: the stored one stays
+    assert next(c for c in d.status["conditions"] if c["type"] == "Queued")["reason"] == "Admitted"
