@@ -12,7 +12,7 @@ from kubeflow.training import models as k
 from kiln.api.load import parse
 from kiln.cli.main import main
 from kiln.control.config import OperatorConfig
-from kiln.control.plan import KUEUE_QUEUE_LABEL, Observed, dump, plan, resolve
+from kiln.control.plan import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, Observed, dump, plan, resolve
 from kiln.errors import KilnError
 
 from tests.unit.test_api_rules import BASE, with_
@@ -69,6 +69,14 @@ def test_run_policy_gang_suspend_and_queue():
     rp = objects(with_({"scheduling": {"queue": "team-a"}}))["PyTorchJob"]["spec"]["runPolicy"]
     assert "suspend" not in rp
     assert objects(BASE)["PyTorchJob"]["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_kueue_priority_is_a_label_apart_from_the_pod_priority_class():
+    job = objects(with_({"scheduling": {"queue": "team-a", "priority": "urgent", "priorityClassName": "high"}}))[
+        "PyTorchJob"]
+    assert job["metadata"]["labels"][KUEUE_PRIORITY_LABEL] == "urgent"
+    assert worker(job)["template"]["spec"]["priorityClassName"] == "high"
+    assert KUEUE_PRIORITY_LABEL not in (objects(BASE)["PyTorchJob"]["metadata"].get("labels") or {})
 
 
 def test_credentials_only_by_reference():

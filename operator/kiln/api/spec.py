@@ -228,6 +228,11 @@ class SchedulingSpec(ApiModel):
         True, description="Start all pods together or none (PyTorchJob schedulingPolicy.minAvailable = nodes)."
     )
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
+    priority: str | None = Field(
+        None, max_length=63,
+        description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the run's place in its queue "
+        "and which runs it may preempt. Separate from priorityClassName, the pods' PriorityClass.",
+    )
 
 
 class TrainingSpecSpec(ApiModel):

@@ -33,6 +33,7 @@ CONTAINER = "pytorch"  # the training-operator finds the container by this name
 GPU = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass: Kueue's order and preemption
 RUN_LABEL = "kiln.dev/trainingspec"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -314,6 +315,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         ),
     )
     body = ApiClient().sanitize_for_serialization(job)
-    labels = {KUEUE_QUEUE_LABEL: s.scheduling.queue} if s.scheduling.queue else None
+    labels = {KUEUE_QUEUE_LABEL: s.scheduling.queue} if s.scheduling.queue else {}
+    if s.scheduling.priority:
+        labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
+    labels = labels or None
     body["metadata"] = metadata(n["job"], labels)
     return body
