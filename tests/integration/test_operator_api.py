@@ -140,6 +140,10 @@ def specs(draw) -> dict:
     if draw(st.booleans()):
         spec["resources"]["processesPerNode"] = draw(st.sampled_from([1, 2, 4, 8]))
     if draw(st.booleans()):
+        spec["parallelism"]["pipelineMicrobatches"] = draw(st.sampled_from([1, 2, 3, 4]))
+    if draw(st.booleans()):
+        spec["parallelism"]["fsdp"] = False  # replicate then means nothing: no rule on it
+    if draw(st.booleans()):
         spec["resources"]["gpuType"] = "NVIDIA-H200"
     if draw(st.booleans()):
         spec["elastic"] = {"minNodes": draw(st.integers(1, 4)), "maxNodes": draw(st.integers(1, 6))}
@@ -180,7 +184,8 @@ def valid_specs(draw) -> dict:
     steps = draw(st.integers(10, 10_000))
     spec: dict = {
         "model": {"preset": preset},
-        "training": {"steps": steps, "globalBatchSize": lcm * draw(st.integers(1, 3)), "microBatchSize": mbs,
+        # x pipeline: every pipeline stage needs a microbatch of each data-parallel rank's sequences
+        "training": {"steps": steps, "globalBatchSize": lcm * pipeline * draw(st.integers(1, 3)), "microBatchSize": mbs,
                      "warmupSteps": draw(st.integers(0, steps))},
         "parallelism": {"tensor": tensor, "pipeline": pipeline},
         "resources": {"nodes": nodes, "gpusPerNode": gpus, "processesPerNode": ppn},

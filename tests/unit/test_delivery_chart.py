@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
+from kiln.api import generate
 from kiln.cli.main import main
 from tests.rig import versions
 
@@ -17,22 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "kiln"
 
 
-def test_chart_crd_is_what_kiln_crd_prints(capsys):
+@pytest.mark.parametrize("path", sorted(generate.outputs(REPO)))
+def test_generated_files_are_current(path):
+    # The CRD (from the models and rules), its chart copy, the chart's copies of manifests/rbac (Helm reads only
+    # files inside the chart) and the field reference of docs/api.md: one command writes them all.
+    assert (REPO / path).read_text() == generate.outputs(REPO)[path], f"{path} is stale: run `{generate.COMMAND}`"
+
+
+def test_kiln_crd_prints_the_checked_in_crd(capsys):
     assert main(["crd"]) == 0
-    generated = capsys.readouterr().out
-    chart_crd = CHART / "crds" / "kiln.dev_trainingspecs.yaml"
-    assert chart_crd.read_text() == generated, "regenerate: kiln crd > manifests/crds/kiln.dev_trainingspecs.yaml"
-
-
-@pytest.mark.parametrize("copy,source", [
-    ("crds/kiln.dev_trainingspecs.yaml", "manifests/crds/kiln.dev_trainingspecs.yaml"),
-    ("files/operator-clusterrole.yaml", "manifests/rbac/operator-clusterrole.yaml"),
-    ("files/trainer-clusterrole.yaml", "manifests/rbac/trainer-clusterrole.yaml"),
-])
-def test_chart_copies_of_crd_and_rbac_equal_manifests(copy, source):
-    # Helm reads only files inside the chart (symlinks work but warn on every command), so the chart holds
-    # copies; manifests/ is the source, and the chart renders its RBAC rules from these copies verbatim.
-    assert (CHART / copy).read_text() == (REPO / source).read_text(), f"cp {source} helm/kiln/{copy}"
+    assert capsys.readouterr().out == (REPO / generate.CRD).read_text(), f"stale: run `{generate.COMMAND}`"
 
 
 def test_default_values_match_the_schema():

@@ -154,7 +154,8 @@ def test_decision_is_always_within_bounds_and_whole_groups(ppn, tp_i, pp, lo, sp
             "parallelism": {"tensor": tp, "pipeline": pp, "fsdp": False},
             "resources": {"nodes": start, "gpusPerNode": ppn},
             "elastic": {"minNodes": lo, "maxNodes": hi,
-                        "plan": [{"untilStep": 1000, "nodes": lo + plan_i % (span + 1)}, {"nodes": hi}]}})
+                        "plan": [{"untilStep": 1000, "nodes": lo + plan_i % (span + 1)}, {"nodes": hi}]}},
+            context={"rules": "all"})  # as kiln validate and the apiserver: the layout at every planned count
     except ValidationError:
         assume(False)
     nodes = [NodeView(f"n{i}", gpus_free=ppn) for i in range(free)]

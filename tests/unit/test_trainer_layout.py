@@ -38,17 +38,22 @@ def test_accumulation_reaches_the_global_batch():
     assert lay.grad_accum * lay.micro_batch * lay.dp == 16
 
 
-# The API rules refuse these specs up front for the world the spec names; plan_layout checks the world that
-# actually started (an elastic restart with fewer processes, `kiln train` under a hand-written torchrun).
+# `kiln validate` refuses these specs up front for the world the spec names; plan_layout checks the world that
+# actually started (an elastic restart with fewer processes, `kiln train` under a hand-written torchrun), with
+# the same rules (kiln.api.layout) and the same messages.
 @pytest.mark.parametrize(
     "world,change,message",
     [
-        (3, {"parallelism": {"tensor": 2}}, "must divide the 3 processes"),
-        (3, {"parallelism": {"tensor": 3}}, "must divide model heads 4"),
-        (5, {"parallelism": {"pipeline": 5}}, "exceeds model layers 4"),
-        (2, {"training": {"global_batch_size": 3}}, "globalBatchSize 3"),
-        (4, {"parallelism": {"replicate": 3}}, "replicate 3"),
-        (2, {"parallelism": {"pipeline": 2, "pipeline_microbatches": 3}}, "pipelineMicrobatches 3"),
+        (3, {"parallelism": {"tensor": 2}}, r"spec.parallelism: .* must divide the world size .*world 3\)"),
+        (3, {"parallelism": {"tensor": 3}}, r"spec.parallelism.tensor: .* must divide model.heads .*heads=4"),
+        (5, {"parallelism": {"pipeline": 5}}, r"spec.parallelism.pipeline: .* must not exceed model.layers"),
+        (2, {"training": {"global_batch_size": 3}}, r"spec.training.globalBatchSize: .*got globalBatchSize=3"),
+        (4, {"parallelism": {"replicate": 3}}, r"spec.parallelism.replicate: .*got replicate=3"),
+        (2, {"parallelism": {"pipeline": 2, "pipeline_microbatches": 3}},
+         r"spec.parallelism.pipelineMicrobatches: .*got pipelineMicrobatches=3"),
+        # Schedule1F1B needs at least one microbatch per stage; it raised a ValueError inside the pods before
+        (2, {"parallelism": {"pipeline": 2, "pipeline_microbatches": 1}},
+         r"spec.parallelism.pipelineMicrobatches: .*got pipelineMicrobatches=1, pipeline=2"),
     ],
 )
 def test_impossible_layouts_name_the_field(world, change, message):
@@ -58,6 +63,22 @@ def test_impossible_layouts_name_the_field(world, change, message):
             setattr(getattr(s, section), name, value)
     with pytest.raises(KilnError, match=message):
         plan_layout(s, resolve_model(s.model), world)
+
+
+def test_default_pipeline_microbatches_always_split_the_rank_batch():
+    # 6 sequences per rank, accumulation 2: max(2 x pipeline, 2) = 4 does not divide 6, so the default is 6
+    # (the trainer refused this spec before, with the default it chose itself)
+    lay = plan(2, parallelism={"pipeline": 2}, training={"globalBatchSize": 6, "microBatchSize": 3})
+    assert lay.pp_microbatches == 6
+    lay = plan(2, parallelism={"pipeline": 2}, training={"globalBatchSize": 8, "microBatchSize": 1})
+    assert lay.pp_microbatches == 8  # accumulation 8 >= 2 x pipeline: one microbatch per accumulation step
+
+
+def test_tensor_parallel_stays_within_a_node():
+    s = spec(2, parallelism={"tensor": 2}, training={"globalBatchSize": 4})
+    assert plan_layout(s, resolve_model(s.model), 4, processes_per_node=2).tp == 2
+    with pytest.raises(KilnError, match=r"spec.parallelism.tensor: .*processes per node=1"):
+        plan_layout(s, resolve_model(s.model), 4, processes_per_node=1)
 
 
 def test_stages_cover_every_layer_once():

@@ -7,16 +7,18 @@ says what would be valid; the Python side adds the offending values.
 
 CEL sees the spec after the apiserver applied the CRD defaults, so fields with a default are always
 present; optional fields (no default) are guarded with has(). The helpers below spell the derived
-values (effective processes per node, model dims from a preset) once for each language.
+values (effective processes per node, model dims from a preset) once for each language. The Python side of
+the layout rules (which worlds a spec runs at) is kiln.api.layout's, which the operator and trainer call too.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
+from kiln.api.layout import (LAYOUT_RULES, LayoutRule, divisors as _divisors, model_value, node_bounds,
+                             processes_per_node, spec_shape)
 from kiln.api.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -34,32 +36,16 @@ class Rule:
     message: str  # what would be valid; the CRD's message and the start of the Python error
     cel: str  # over `self` = the spec object
     check: Callable[["TrainingSpecSpec"], str | None]  # None when fine, else the offending values
-    scope: Scope = "local"  # "cluster": only where the pods run on Kubernetes (the CRD, kiln validate, plan)
+    # "cluster": only where the pods run on Kubernetes (the CRD, kiln validate, plan): S3 credentials, and the
+    # layout at the world the spec names (`kiln run --nproc N` checks its own world instead)
+    scope: Scope = "local"
 
     @property
     def path(self) -> str:
         return f"spec.{self.field}"
 
 
-# ---- derived values, Python ----
-
-def processes_per_node(spec: "TrainingSpecSpec") -> int:
-    r = spec.resources
-    return r.processes_per_node or (r.gpus_per_node if r.gpus_per_node > 0 else 1)
-
-
-def model_value(spec: "TrainingSpecSpec", field: str) -> int | None:
-    """The effective model dimension (explicit, else from the preset, kvHeads else heads); None if unknown."""
-    m = spec.model
-    value = getattr(m, field)
-    if value is not None:
-        return value
-    if m.preset is not None:
-        return PRESETS[m.preset].get(field)
-    if field == "kv_heads":
-        return m.heads
-    return None
-
+# ---- derived values, Python (the layout arithmetic lives in kiln.api.layout) ----
 
 def model_complete(spec: "TrainingSpecSpec") -> bool:
     return spec.model.preset is not None or spec.model.from_ is not None or all(
@@ -67,22 +53,9 @@ def model_complete(spec: "TrainingSpecSpec") -> bool:
     )
 
 
-def effective_nodes_bounds(spec: "TrainingSpecSpec") -> tuple[int, int]:
-    e, n = spec.elastic, spec.resources.nodes
-    lo = e.min_nodes if e.min_nodes is not None else n
-    hi = e.max_nodes if e.max_nodes is not None else n
-    return lo, hi
-
-
 def node_counts(spec: "TrainingSpecSpec") -> list[int]:
     """Node counts the run is planned with: the start count and every phase of the plan."""
     return [spec.resources.nodes] + [p.nodes for p in spec.elastic.plan]
-
-
-def data_parallel(spec: "TrainingSpecSpec", nodes: int) -> int | None:
-    mp = spec.parallelism.tensor * spec.parallelism.pipeline
-    world = nodes * processes_per_node(spec)
-    return world // mp if world % mp == 0 else None
 
 
 # ---- derived values, CEL ----
@@ -142,54 +115,6 @@ def _check_dim(s):
     return None
 
 
-def _check_tensor_heads(s):
-    t, h, kv = s.parallelism.tensor, model_value(s, "heads"), model_value(s, "kv_heads")
-    if h is not None and kv is not None and (h % t or kv % t):
-        return f"got tensor={t}, heads={h}, kvHeads={kv}; valid tensor: {_divisors(math.gcd(h, kv))}"
-    return None
-
-
-def _check_tensor_node(s):
-    t, ppn = s.parallelism.tensor, processes_per_node(s)
-    if ppn % t:
-        return f"got tensor={t}, processes per node={ppn}; valid tensor: {_divisors(ppn)}"
-    return None
-
-
-def _check_pipeline_layers(s):
-    p, layers = s.parallelism.pipeline, model_value(s, "layers")
-    if layers is not None and p > layers:
-        return f"got pipeline={p}, layers={layers}"
-    return None
-
-
-def _check_world(s):
-    t, p, ppn = s.parallelism.tensor, s.parallelism.pipeline, processes_per_node(s)
-    bad = [n for n in node_counts(s) if (n * ppn) % (t * p)]
-    if bad:
-        return f"got tensor×pipeline={t * p}, processes per node={ppn}, nodes={bad[0]} (world {bad[0] * ppn})"
-    return None
-
-
-def _check_replicate(s):
-    r = s.parallelism.replicate
-    for n in node_counts(s):
-        dp = data_parallel(s, n)
-        if dp is not None and dp % r:
-            return f"got replicate={r}, data-parallel size={dp} at nodes={n}; valid replicate: {_divisors(dp)}"
-    return None
-
-
-def _check_batch(s):
-    g, mb = s.training.global_batch_size, s.training.micro_batch_size
-    for n in node_counts(s):
-        dp = data_parallel(s, n)
-        if dp is not None and g % (mb * dp):
-            return (f"got globalBatchSize={g}, microBatchSize={mb}, data-parallel size={dp} at nodes={n}; "
-                    f"e.g. globalBatchSize={mb * dp * max(1, round(g / (mb * dp)))}")
-    return None
-
-
 def _check_warmup(s):
     if s.training.warmup_steps > s.training.steps:
         return f"got warmupSteps={s.training.warmup_steps}, steps={s.training.steps}"
@@ -232,7 +157,7 @@ def _check_plan_order(s):
 
 
 def _check_plan_nodes(s):
-    lo, hi = effective_nodes_bounds(s)
+    lo, hi = node_bounds(s)
     bad = [p.nodes for p in s.elastic.plan if not lo <= p.nodes <= hi]
     if bad:
         return f"got nodes={bad[0]}, allowed [{lo}, {hi}]"
@@ -285,20 +210,49 @@ def _check_s3_cluster(s):
     return None
 
 
-DIVISORS_LISTED_UP_TO = 10**8  # finding them costs sqrt(n) steps: 10^4 here; an int64 would take minutes
-
-
-def _divisors(n: int) -> str:
-    if n > DIVISORS_LISTED_UP_TO:
-        return f"the divisors of {n}"
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
-
-
 def shown(value: object, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: errors quote the input, but never megabytes of it."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+# The apiserver's copy of each kiln.api.layout rule, over every planned node count where it depends on it.
+_AT_EACH = f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0 || "
+_DP = f"((n * {PPN}) / {MP})"
+_PER_RANK = f"(self.training.globalBatchSize / {_DP})"
+LAYOUT_CEL = {
+    "tensor-divides-heads":
+        f"!{cel_model_known('heads', 'kv_heads')} || ({cel_model('heads')} % self.parallelism.tensor == 0"
+        f" && {cel_model('kv_heads')} % self.parallelism.tensor == 0)",
+    "tensor-within-node": f"{PPN} % self.parallelism.tensor == 0",
+    "pipeline-within-layers": f"!{cel_model_known('layers')} || self.parallelism.pipeline <= {cel_model('layers')}",
+    "model-parallel-divides-world": f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} == 0)",
+    "replicate-divides-dp": f"!self.parallelism.fsdp || {_AT_EACH}{_DP} % self.parallelism.replicate == 0)",
+    "batch-divides": f"{_AT_EACH}self.training.globalBatchSize % (self.training.microBatchSize * {_DP}) == 0)",
+    "pipeline-microbatches":
+        f"self.parallelism.pipeline == 1 || {_AT_EACH}(has(self.parallelism.pipelineMicrobatches) ? "
+        f"({_PER_RANK} % self.parallelism.pipelineMicrobatches == 0 && "
+        f"self.parallelism.pipelineMicrobatches >= self.parallelism.pipeline) : "
+        f"{_PER_RANK} >= self.parallelism.pipeline))",
+}
+# Rules that hold whatever the world are checked by every run; those about the world the spec names
+# (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own
+# world of one node x N processes (kiln.api.layout.fit_local).
+_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers"}
+
+
+def _layout_rule(r: LayoutRule) -> Rule:
+    def check(s: "TrainingSpecSpec") -> str | None:
+        shape, ppn = spec_shape(s), processes_per_node(s)
+        for n in node_counts(s) if r.per_world else [s.resources.nodes]:
+            detail = r.check(s, shape, n, ppn)
+            if detail is not None:
+                return detail
+        return None
+
+    where = " for resources.nodes and every elastic.plan entry" if r.per_world else ""
+    return Rule(r.name, r.field, r.message + where, LAYOUT_CEL[r.name], check,
+                scope="local" if r.name in _WORLD_FREE else "cluster")
 
 
 RULES: list[Rule] = [
@@ -323,36 +277,7 @@ RULES: list[Rule] = [
          "model.dim must be a multiple of 2 × model.heads (an even head size for rotary embeddings)",
          f"!{cel_model_known('dim', 'heads')} || {cel_model('dim')} % (2 * {cel_model('heads')}) == 0",
          _check_dim),
-    Rule("tensor-divides-heads", "parallelism.tensor",
-         "parallelism.tensor must divide model.heads and model.kvHeads",
-         f"!{cel_model_known('heads', 'kv_heads')} || ({cel_model('heads')} % self.parallelism.tensor == 0"
-         f" && {cel_model('kv_heads')} % self.parallelism.tensor == 0)",
-         _check_tensor_heads),
-    Rule("tensor-within-node", "parallelism.tensor",
-         "parallelism.tensor must divide the processes per node (resources.processesPerNode, default "
-         "gpusPerNode): tensor parallelism stays inside a node",
-         f"{PPN} % self.parallelism.tensor == 0",
-         _check_tensor_node),
-    Rule("pipeline-within-layers", "parallelism.pipeline",
-         "parallelism.pipeline must not exceed model.layers",
-         f"!{cel_model_known('layers')} || self.parallelism.pipeline <= {cel_model('layers')}",
-         _check_pipeline_layers),
-    Rule("model-parallel-divides-world", "parallelism",
-         "parallelism.tensor × parallelism.pipeline must divide the world size (nodes × processes per node) "
-         "for resources.nodes and every elastic.plan entry",
-         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} == 0)",
-         _check_world),
-    Rule("replicate-divides-dp", "parallelism.replicate",
-         "parallelism.replicate must divide the data-parallel size (world / (tensor × pipeline))",
-         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0"
-         f" || ((n * {PPN}) / {MP}) % self.parallelism.replicate == 0)",
-         _check_replicate),
-    Rule("batch-divides", "training.globalBatchSize",
-         "training.globalBatchSize must be a multiple of microBatchSize × the data-parallel size "
-         "(world / (tensor × pipeline)) for resources.nodes and every elastic.plan entry",
-         f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0 || self.training.globalBatchSize"
-         f" % (self.training.microBatchSize * ((n * {PPN}) / {MP})) == 0)",
-         _check_batch),
+    *(_layout_rule(r) for r in LAYOUT_RULES),
     Rule("warmup-within-steps", "training.warmupSteps",
          "training.warmupSteps must not exceed training.steps",
          "self.training.warmupSteps <= self.training.steps",

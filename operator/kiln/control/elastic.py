@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from kiln.api.rules import processes_per_node
+from kiln.api import layout
 from kiln.api.spec import TrainingSpecSpec
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -56,28 +56,12 @@ class Decision:
 # ---- whole data-parallel groups ------------------------------------------------------------------------
 
 
-def bounds(spec: TrainingSpecSpec) -> tuple[int, int]:
-    """[minNodes, maxNodes], each defaulting to resources.nodes."""
-    e, n = spec.elastic, spec.resources.nodes
-    return (e.min_nodes if e.min_nodes is not None else n), (e.max_nodes if e.max_nodes is not None else n)
-
-
-def valid_node_count(spec: TrainingSpecSpec, nodes: int) -> bool:
-    """The world splits into whole tensor x pipeline groups and the global batch stays constant."""
-    par, tr = spec.parallelism, spec.training
-    world = nodes * processes_per_node(spec)
-    group = par.tensor * par.pipeline
-    if nodes < 1 or world % group:
-        return False
-    dp = world // group
-    if tr.global_batch_size % (tr.micro_batch_size * dp):
-        return False
-    return not (par.fsdp and dp % par.replicate)
-
-
-def valid_node_counts(spec: TrainingSpecSpec) -> list[int]:
-    lo, hi = bounds(spec)
-    return [n for n in range(lo, hi + 1) if valid_node_count(spec, n)]
+# One copy of the arithmetic, shared with kiln validate and the trainer: a count chosen here is one the
+# trainer starts at (whole tensor x pipeline groups, the global batch kept, replicate and pipeline microbatches
+# fitting).
+bounds = layout.node_bounds
+valid_node_count = layout.runnable
+valid_node_counts = layout.runnable_node_counts
 
 
 def _largest_valid_at_most(spec: TrainingSpecSpec, n: int) -> int | None:

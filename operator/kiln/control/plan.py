@@ -18,7 +18,8 @@ from kubeflow.training import ApiClient
 from kubeflow.training import models as k
 
 from kiln.api.presets import resolve_model
-from kiln.api.rules import check, processes_per_node
+from kiln.api.layout import node_bounds, processes_per_node
+from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import with_avoided_nodes
@@ -90,8 +91,7 @@ def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
     s = doc.spec
     # model.from: the dimensions are in the folder's config.json, which the trainer reads (kiln.trainer.hf)
     model = s.model if s.model.from_ else s.model.model_copy(update=resolve_model(s.model).model_dump())
-    lo = s.elastic.min_nodes if s.elastic.min_nodes is not None else s.resources.nodes
-    hi = s.elastic.max_nodes if s.elastic.max_nodes is not None else s.resources.nodes
+    lo, hi = node_bounds(s)
     uri = s.checkpoint.uri or f"file://{config.scratch_dir}/checkpoints/"
     spec = s.model_copy(update={
         "image": s.image or config.image,

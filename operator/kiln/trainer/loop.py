@@ -125,7 +125,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     try:
         dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
         tokenizer = hf.training_tokenizer(spec, dims)
-        layout = plan_layout(spec, dims, world)
+        layout = plan_layout(spec, dims, world, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
         kernels.set_mode(par.kernels)
         torch.manual_seed(tr.seed)
 

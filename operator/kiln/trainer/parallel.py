@@ -12,67 +12,24 @@ Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the siz
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kiln.api import ModelDims
+from kiln.api.layout import Layout, dims_shape, plan as plan_world
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 
 
-@dataclass(frozen=True)
-class Layout:
-    world: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    micro_batch: int
-    grad_accum: int  # microbatches per optimizer step on one data-parallel rank
-    pp_microbatches: int  # microbatches the pipeline schedule splits a rank's batch into (pp > 1)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def as_dict(self) -> dict:
-        return {"world": self.world, "pp": self.pp, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp}
-
-
-def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int) -> Layout:
-    """The parallel sizes for `world` processes; KilnError naming the field when they cannot work."""
-    par, tr = spec.parallelism, spec.training
-    tp, pp = par.tensor, par.pipeline
-    if world % (tp * pp):
-        raise KilnError(f"parallelism: tensor x pipeline = {tp * pp} must divide the {world} processes")
-    dp = world // (tp * pp)
-    if dims.heads % tp or dims.kv_heads % tp:
-        raise KilnError(f"parallelism.tensor {tp} must divide model heads {dims.heads} and kvHeads {dims.kv_heads}")
-    if pp > dims.layers:
-        raise KilnError(f"parallelism.pipeline {pp} exceeds model layers {dims.layers}")
-    if par.fsdp:
-        if dp % par.replicate:
-            raise KilnError(f"parallelism.replicate {par.replicate} must divide the data-parallel size {dp}")
-        replicate, shard = par.replicate, dp // par.replicate
-    else:
-        replicate, shard = dp, 1
-    if tr.global_batch_size % (tr.micro_batch_size * dp):
-        raise KilnError(
-            f"training.globalBatchSize {tr.global_batch_size} must be divisible by microBatchSize "
-            f"{tr.micro_batch_size} x data-parallel size {dp} = {tr.micro_batch_size * dp}"
-        )
-    accum = tr.global_batch_size // (tr.micro_batch_size * dp)
-    per_rank = tr.global_batch_size // dp
-    n_mb = par.pipeline_microbatches or min(per_rank, max(2 * pp, accum))
-    if pp > 1 and per_rank % n_mb:
-        raise KilnError(
-            f"parallelism.pipelineMicrobatches {n_mb} must divide the {per_rank} sequences each data-parallel "
-            f"rank gets per step (globalBatchSize / data-parallel size)"
-        )
-    return Layout(world, pp, replicate, shard, tp, tr.micro_batch_size, accum, n_mb if pp > 1 else 1)
+def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int, processes_per_node: int | None = None) -> Layout:
+    """The parallel sizes for `world` processes, `processes_per_node` of them per node (torchrun's
+    LOCAL_WORLD_SIZE; default: all on one node). The arithmetic is kiln.api.layout's, the same that
+    `kiln validate` and the operator's elastic controller use; a KilnError names each field that does not fit."""
+    ppn = processes_per_node or world
+    if world % ppn:
+        raise KilnError(f"{world} processes do not fill nodes of {ppn} each (torchrun's --nproc-per-node)")
+    return plan_world(spec, world // ppn, ppn, dims_shape(dims))
 
 
 def build_mesh(layout: Layout, device_type: str):
