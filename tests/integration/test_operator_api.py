@@ -135,6 +135,10 @@ def specs(draw) -> dict:
                         "replicate": draw(st.sampled_from([1, 2]))},
         "resources": {"nodes": nodes, "gpusPerNode": gpus},
         "data": {"uri": draw(st.sampled_from(["synthetic", "builtin:pydoc", "s3://d/t/"] * 3 + ["gs://d/t/"]))},
+        **({"data": {"sources": draw(st.lists(st.fixed_dictionaries({
+            "uri": st.sampled_from(["synthetic", "file:///d/a/", "s3://d/b/", "gs://d/c/"]),
+            "weight": st.sampled_from([0.5, 1, 3])}), min_size=1, max_size=3)),
+            **({"uri": "s3://d/t/"} if draw(st.booleans()) else {})}} if draw(st.booleans()) else {}),
         "checkpoint": {"intervalSteps": draw(st.sampled_from([1, 50, "auto"] * 3 + [0]))},
     }
     if draw(st.booleans()):

@@ -76,6 +76,10 @@ INVALID = [
     ({"model": {"preset": "tiny", "from": "s3://models/llama/"}}, "spec.model.from:", "exclude each other"),
     ({"model": {"from": "hf://meta-llama/Llama-3.2-1B"}}, "spec.model.from:", "file:///path/ or s3://"),
     ({"data": {"tokenizer": "gpt2"}}, "spec.data.tokenizer:", "'byte', or a tokenizer.json"),
+    ({"data": {"sources": [{"uri": "synthetic", "weight": 1}, {"uri": "gs://b/x/", "weight": 1}]}},
+     "spec.data.sources:", "every data.sources uri"),
+    ({"data": {"uri": "s3://data/web/", "sources": [{"uri": "synthetic", "weight": 1}]}}, "spec.data.sources:",
+     "leave data.uri unset"),
     ({"checkpoint": {"uri": "s3://ckpt/x/"}}, "spec.checkpoint.credentialsSecret:", "needs checkpoint.endpoint"),
 ]
 

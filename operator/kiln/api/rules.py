@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 from kiln.api.layout import (LAYOUT_RULES, LayoutRule, divisors as _divisors, model_value, node_bounds,
                              processes_per_node, spec_shape)
 from kiln.api.presets import PRESETS
+from kiln.api.spec import DEFAULT_DATA_URI
 
 if TYPE_CHECKING:
     from kiln.api.spec import TrainingSpecSpec
@@ -195,10 +196,22 @@ def _check_tokenizer(s):
     return None if s.data.tokenizer == "byte" else _check_store_uri(s.data.tokenizer)
 
 
+def _data_uri_ok(uri: str) -> bool:
+    return uri == "synthetic" or uri.startswith(("builtin:", "file://", "s3://"))
+
+
 def _check_data_uri(s):
-    uri = s.data.uri
-    if not (uri == "synthetic" or uri.startswith(("builtin:", "file://", "s3://"))):
-        return f"got {shown(uri)}"
+    return None if _data_uri_ok(s.data.uri) else f"got {shown(s.data.uri)}"
+
+
+def _check_source_uris(s):
+    bad = [src.uri for src in s.data.sources if not _data_uri_ok(src.uri)]
+    return f"got {shown(bad[0])}" if bad else None
+
+
+def _check_sources_or_uri(s):
+    if s.data.sources and s.data.uri != DEFAULT_DATA_URI:
+        return f"got uri={shown(s.data.uri)} and {len(s.data.sources)} sources"
     return None
 
 
@@ -325,6 +338,15 @@ RULES: list[Rule] = [
          "self.data.uri == 'synthetic' || self.data.uri.startsWith('builtin:')"
          " || self.data.uri.startsWith('file://') || self.data.uri.startsWith('s3://')",
          _check_data_uri),
+    Rule("data-source-uri-scheme", "data.sources",
+         "every data.sources uri must be 'synthetic', builtin:<name>, file:///path/ or s3://bucket/prefix/",
+         "self.data.sources.all(s, s.uri == 'synthetic' || s.uri.startsWith('builtin:')"
+         " || s.uri.startsWith('file://') || s.uri.startsWith('s3://'))",
+         _check_source_uris),
+    Rule("data-sources-or-uri", "data.sources",
+         "data.sources replaces data.uri: leave data.uri unset when data.sources is set",
+         f"size(self.data.sources) == 0 || self.data.uri == '{DEFAULT_DATA_URI}'",
+         _check_sources_or_uri),
     Rule("data-tokenizer", "data.tokenizer",
          "data.tokenizer must be 'byte', or a tokenizer.json or model folder at file://... or s3://...",
          "!has(self.data.tokenizer) || self.data.tokenizer == 'byte' || self.data.tokenizer.startsWith('s3://')"

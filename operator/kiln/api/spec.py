@@ -28,6 +28,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # refuses what `kiln validate` refuses (a test walks the CRD for an integer without one).
 INT32_MAX = 2**31 - 1
 JSON_INT_MAX = 2**53 - 1
+DEFAULT_DATA_URI = "builtin:pydoc"  # also what data.sources requires data.uri to be left at
 JSON_INT_MIN = -JSON_INT_MAX
 
 
@@ -73,11 +74,26 @@ class ModelSpec(ApiModel):
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
 
 
+class DataSource(ApiModel):
+    """One dataset of a mix (data.sources)."""
+
+    uri: str = Field(
+        ..., max_length=1024,
+        description="Like data.uri: 'synthetic', 'builtin:pydoc', or a folder of token shards (file:///path/ or "
+        "s3://bucket/prefix/, e.g. the output of `kiln data prepare`).",
+    )
+    weight: float = Field(
+        ..., gt=0, le=1e6,
+        description="Relative share of this source in every global batch stream: weights 3 and 1 draw 75 % and "
+        "25 % of the samples. Only the ratios matter; each share must be at least 1/1000 of the total.",
+    )
+
+
 class DataSpec(ApiModel):
     """Where training tokens come from."""
 
     uri: str = Field(
-        "builtin:pydoc", max_length=1024,
+        DEFAULT_DATA_URI, max_length=1024,
         description=(
             "'synthetic' (random tokens, for throughput tests), 'builtin:pydoc' (a small English corpus that ships "
             "with Python, tokenized with data.tokenizer: bytes by default), or a folder of tokenized shards: "
@@ -90,6 +106,12 @@ class DataSpec(ApiModel):
         "one: file://... or s3://.... Default: the model folder's tokenizer when model.from is set, else 'byte'. "
         "builtin:pydoc is tokenized with it; token shards must have been made with it. Its vocabulary must fit "
         "model.vocabSize.",
+    )
+    sources: list[DataSource] = Field(
+        default_factory=list, max_length=16,
+        description="Train on a mix of datasets in fixed proportions instead of data.uri (leave data.uri unset). "
+        "The mix is deterministic and resumes at any world size; the realised shares are reported per source "
+        "(metrics.jsonl data_mix, Prometheus kiln_data_source_share). All sources use data.tokenizer.",
     )
 
 

@@ -13,6 +13,7 @@ Sources:
 - `synthetic`: uniformly random tokens, for throughput measurements.
 - `file:///dir/` (or a plain path): tokenized shards `*.npy` (1-D integer arrays) or `*.bin` (raw
   little-endian uint16, nanoGPT style), read through memory maps in file-name order.
+- `data.sources`: several of the above mixed in fixed proportions (MixedSamples).
 - `s3://bucket/prefix/`: the same shards in an object store (kiln.storage; keys from AWS_ACCESS_KEY_ID /
   AWS_SECRET_ACCESS_KEY, endpoint from KILN_DATA_ENDPOINT, else the checkpoint endpoint, else
   AWS_ENDPOINT_URL). Each shard is downloaded once into a local cache (KILN_DATA_CACHE, default
@@ -64,6 +65,8 @@ class TokenSamples:
 
 class SyntheticSamples:
     """Random tokens; sample i is a pure function of (seed, i)."""
+
+    ordered = True  # already random: a permutation of 2^30 would be wasted work
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int, size: int = 1 << 30):
         self.seq_len, self.vocab_size, self.seed, self.size = seq_len, vocab_size, seed, size
@@ -130,23 +133,129 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
     return TokenSamples(arrays, seq_len, vocab_size)
 
 
+def open_data(data, *, seq_len: int, vocab_size: int, seed: int, endpoint: str | None = None, tokenizer=None):
+    """The training samples of a spec's `data` (kiln.api.DataSpec): data.uri's source, or the mix of
+    data.sources. Each mixed source gets its own seed, so two sources of the same kind differ."""
+    if not data.sources:
+        return open_source(data.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed, endpoint=endpoint,
+                           tokenizer=tokenizer)
+    opened = []
+    for k, src in enumerate(data.sources):
+        try:
+            opened.append(open_source(src.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 104729 * (k + 1),
+                                      endpoint=endpoint, tokenizer=tokenizer))
+        except KilnError as err:
+            raise KilnError(f"data.sources[{k}]: {err}") from None
+    return MixedSamples(opened, [src.weight for src in data.sources], [src.uri for src in data.sources], seed)
+
+
+class SeededOrder:
+    """The visiting order of n samples: epoch e is `randperm(n, seed + e)`; a pure function of the index."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, index: int) -> int:
+        epoch = index // self.n
+        if epoch != self._epoch:
+            self._perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            self._epoch = epoch
+        return int(self._perm[index % self.n])
+
+
+MIX_BLOCK = 1000  # samples per mixing block: realised proportions are exact to 1/MIX_BLOCK at block ends
+
+
+def block_counts(weights: list[float], block: int = MIX_BLOCK) -> list[int]:
+    """Samples of each source in one block of `block`: the weights' shares, rounded by largest remainder so
+    they sum to `block`. A source with a weight too small for one sample per block is refused."""
+    total = sum(weights)
+    exact = [block * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)[: block - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class MixedSamples:
+    """Several sources drawn in fixed proportions, deterministically: a pure function of (seed, index).
+
+    The global sample stream is cut into blocks of MIX_BLOCK; block b holds `block_counts(weights)[k]`
+    samples of source k, at positions shuffled by (seed, b). The j-th sample of source k that the mix asks
+    for is that source's own j-th sample in its seeded order (SeededOrder), so each source is read without
+    repeats until it is exhausted, then in a new order. The loader's cursor (samples consumed) is all the
+    state there is: a resumed run, at any world size, draws the same samples.
+    """
+
+    ordered = True  # the loader must not permute the mix: it orders itself
+
+    def __init__(self, sources: list, weights: list[float], names: list[str], seed: int):
+        self.sources, self.names, self.seed = sources, names, seed
+        self.counts = block_counts(weights)
+        if 0 in self.counts:
+            small = [n for n, c in zip(names, self.counts) if c == 0]
+            raise KilnError(f"data.sources: {', '.join(small)} weigh less than 1/{MIX_BLOCK} of the mix; raise "
+                            "their weight or drop them")
+        self.orders = [SeededOrder(len(s), seed + 7919 * (k + 1)) for k, s in enumerate(sources)]
+        self.seq_len = sources[0].seq_len
+        self._block, self._layout = -1, None
+
+    def __len__(self) -> int:
+        return 1 << 62  # endless: every source wraps around into a new epoch of its own
+
+    def _positions(self, block: int) -> tuple[list[int], list[int]]:
+        """For each position of `block`: its source, and how many of that source's samples precede it."""
+        if block != self._block:
+            kinds = torch.tensor([k for k, c in enumerate(self.counts) for _ in range(c)])
+            kinds = kinds[torch.randperm(MIX_BLOCK, generator=torch.Generator().manual_seed(self.seed * 31 + block))]
+            seen, before = [0] * len(self.counts), []
+            for k in kinds.tolist():
+                before.append(seen[k])
+                seen[k] += 1
+            self._block, self._layout = block, (kinds.tolist(), before)
+        return self._layout
+
+    def source_of(self, index: int) -> tuple[int, int]:
+        """(source, that source's sample number) of global sample `index`."""
+        block, pos = divmod(index, MIX_BLOCK)
+        kinds, before = self._positions(block)
+        k = kinds[pos]
+        return k, block * self.counts[k] + before[pos]
+
+    def get(self, index: int) -> torch.Tensor:
+        k, j = self.source_of(index)
+        return self.sources[k].get(self.orders[k](j))
+
+    def drawn(self, samples: int) -> dict[str, int]:
+        """How many of the first `samples` samples came from each source (the realised mix)."""
+        block, rest = divmod(samples, MIX_BLOCK)
+        out = [block * c for c in self.counts]
+        if rest:
+            kinds, _ = self._positions(block)
+            for k in kinds[:rest]:
+                out[k] += 1
+        return dict(zip(self.names, out))
+
+
 class GlobalBatchLoader:
     """Global batches of samples in a seeded order, sliced for this data-parallel rank; resumable."""
 
     def __init__(self, source, *, seed: int, dp_rank: int = 0, dp_size: int = 1):
         self.source, self.seed, self.dp_rank, self.dp_size = source, seed, dp_rank, dp_size
         self.samples_seen = 0  # the cursor: samples consumed by the whole job
-        self._perm_epoch, self._perm = -1, None
+        # random tokens need no order, and a mix orders itself
+        self._order = None if getattr(source, "ordered", False) else SeededOrder(len(source), seed)
 
     def _sample_id(self, index: int) -> int:
-        if isinstance(self.source, SyntheticSamples):
-            return index  # already random; a permutation of 2^30 would be wasted work
-        n = len(self.source)
-        epoch = index // n
-        if epoch != self._perm_epoch:
-            self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
-            self._perm_epoch = epoch
-        return int(self._perm[index % n])
+        return index if self._order is None else self._order(index)
+
+    def mix(self) -> dict[str, float] | None:
+        """The realised share of each source in the samples consumed so far (None: one source)."""
+        if not isinstance(self.source, MixedSamples) or self.samples_seen == 0:
+            return None
+        drawn = self.source.drawn(self.samples_seen)
+        return {name: count / self.samples_seen for name, count in drawn.items()}
 
     def next_batch(self, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (global_batch // dp_size, seq_len), and advance the cursor."""

@@ -56,6 +56,9 @@ def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None =
     so they need `data_uri`.
     """
     tr, uri = doc.spec.training, data_uri or doc.spec.data.uri
+    if data_uri is None and doc.spec.data.sources:
+        raise KilnError("data.sources mixes datasets and the mix has no held-out split; pass held-out token shards "
+                        "with --data file:///path/ or s3://bucket/prefix/")
     if data_uri is None and uri not in HELD_OUT:
         raise KilnError(f"data.uri {uri} has no held-out split (only {' and '.join(HELD_OUT)} do); pass the "
                         f"held-out token shards with --data file:///path/ or s3://bucket/prefix/")

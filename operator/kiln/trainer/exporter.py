@@ -7,6 +7,7 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     checkpoint_stall_s   seconds this step blocked on a checkpoint (staging, or a synchronous save)
     goodput              productive step time / wall time since the run started
     restarts             restarts of the run so far (carried across restarts in trainer.json)
+    data_mix             {source uri: realised share of the samples consumed} when data.sources mixes datasets
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class TrainerExporter:
             "kiln_train_checkpoint_stall_seconds", "Seconds training blocked on checkpoints.", ["run"],
             registry=self.registry,
         ).labels(run)
+        self._mix = Gauge("kiln_data_source_share", "Realised share of each data.sources entry in the samples "
+                          "consumed so far (0..1).", ["run", "source"], registry=self.registry)
         self._server = None
 
     def observe(self, record: dict) -> None:
@@ -58,6 +61,9 @@ class TrainerExporter:
         step_s = _number(record.get("step_s"))
         if step_s is not None and math.isfinite(step_s) and step_s >= 0:
             self._step_seconds.observe(step_s)
+        for source, share in (record.get("data_mix") or {}).items():
+            if _number(share) is not None:
+                self._mix.labels(self._run, str(source)).set(share)
         stall = _number(record.get("checkpoint_stall_s"))
         if stall is not None and math.isfinite(stall) and stall > 0:
             self._stall.inc(stall)

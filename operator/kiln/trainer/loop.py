@@ -23,8 +23,9 @@ from torch import nn
 
 from kiln.api import TrainingSpec
 from kiln.trainer import hf, kernels
-from kiln.trainer.data import GlobalBatchLoader, open_source
-from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, peak_flops, peak_memory_gib
+from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
+from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops,
+                                  peak_memory_gib)
 from kiln.trainer.model import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
@@ -138,6 +139,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         else:
             model.init_weights(tr.seed)
         model.train()
+        if rank == 0:  # what runs, and what the numbers are measured against, once per run
+            print(f"kiln: {kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile)}",
+                  flush=True)
+            print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
         model_parts = [model]
         optimizer = build_optimizer(model_parts, tr, device)
         optimizers = [optimizer]
@@ -150,15 +155,15 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         reports_loss = is_last and mesh["tp"].get_local_rank() == 0
 
         dp_rank, dp_size = dp_coordinates(mesh)
-        source = open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
-                             endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint,
-                             tokenizer=tokenizer)
+        source = open_data(spec.data, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                           endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint,
+                           tokenizer=tokenizer)
         loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size)
         # Held-out loss at the end of the run, for the corpus that has a validation split.
         val_loader = GlobalBatchLoader(
             open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
                         split="validation", tokenizer=tokenizer), seed=tr.seed, dp_rank=dp_rank, dp_size=dp_size,
-        ) if spec.data.uri == "builtin:pydoc" else None
+        ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
 
         from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
 
@@ -182,7 +187,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
 
         global_tokens = tr.global_batch_size * dims.seq_len
         flops_step = flops_per_token(dims) * global_tokens
-        peak = peak_flops(device, tr.precision) * world
+        peak = peak_flops(device, tr.precision)  # None: no known peak, no MFU (kiln.trainer.metrics)
         logger = MetricsLogger(output_dir, rank=rank, total_steps=tr.steps, start_step=start_step,
                                exporter=_exporter(spec_doc.metadata.name) if rank == 0 else None)
         timer = StepTimer(device)
@@ -225,8 +230,11 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
 
                 step_s = sum(timer.times.values())
                 record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
-                              mfu=flops_step / step_s / peak, world_size=world, global_batch_tokens=global_tokens,
+                              mfu=flops_step / step_s / (peak * world) if peak else None,
+                              world_size=world, global_batch_tokens=global_tokens,
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
+                if (mix := loader.mix()) is not None:
+                    record["data_mix"] = mix
                 reporter.update(record, checkpointer.status())  # before the save: it carries the time counters
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
