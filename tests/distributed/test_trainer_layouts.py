@@ -55,7 +55,7 @@ def test_layout_matches_single_process(tmp_path, reference, reference_records, n
         assert r["step"] == step
         assert (r["world_size"], r["tp"], r["pp"], r["dp_replicate"] * r["dp_shard"]) == (nproc, tp, pp, nproc // (tp * pp))
         assert r["global_batch_tokens"] == 4 * 32
-        assert r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1
+        assert r["tokens_per_second"] > 0 and r["mfu"] is None  # no known peak on CPU: no MFU, not a guess
         assert r["step_s"] == pytest.approx(r["data_s"] + r["fwd_bwd_s"] + r["optim_s"])
     assert any((tmp_path / "out" / "tensorboard").iterdir()), "TensorBoard event file written"
 

@@ -70,7 +70,7 @@ def test_rank0_reports_step_throughput_and_checkpoint_as_the_trainer_service_acc
     assert status["lastCheckpoint"]["step"] == 6
     assert status["lastCheckpoint"]["uri"] == f"{prefix}step-00000006/"
     assert status["lastCheckpoint"]["time"].endswith("Z")
-    assert status["tokensPerSecond"] > 0 and status["mfu"] > 0
+    assert status["tokensPerSecond"] > 0 and "mfu" not in status  # a CPU run has no known peak, so no MFU
     assert 0 < status["trainerTime"]["productiveSeconds"] and "goodput" not in status  # goodput: the operator's
     assert (status["phase"], status["nodes"]) == ("Running", 1)
 

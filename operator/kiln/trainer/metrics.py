@@ -1,8 +1,8 @@
 """Training metrics: FLOPs and MFU, step-time breakdown, memory; written as JSON lines, TensorBoard, console.
 
 Only rank 0 writes. `DIR/metrics.jsonl` holds one JSON object per logged step with at least: step, loss,
-lr, grad_norm, tokens_per_second, mfu, world_size, global_batch_tokens, tokens_seen, and the step-time
-breakdown (data_s, fwd_bwd_s, optim_s, step_s) and peak_memory_gib.
+lr, grad_norm, tokens_per_second, mfu (null where no peak is known, see PEAK_FLOPS), world_size,
+global_batch_tokens, tokens_seen, and the step-time breakdown (data_s, fwd_bwd_s, optim_s, step_s) and peak_memory_gib.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from kiln.api import ModelDims
 from kiln.trainer.model import count_params
 
 # Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
-# without sparsity. The CPU entry is a nominal figure (about one modern core's worth of AVX-512 FMA per
-# process) so MFU stays a comparable number on laptops; it is not a measured peak.
+# without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start
+# would measure the load of whatever else shares the cores (two runs of `kiln run` on a loaded 2-core
+# machine differ by more than 2x), so MFU on CPU would be noise presented as a number. Off this table
+# MFU is reported as absent (None), never against another device's peak.
 PEAK_FLOPS = {
     ("h200", "bf16"): 989e12,
     ("h100", "bf16"): 989e12,
@@ -29,24 +31,35 @@ PEAK_FLOPS = {
     ("h200", "fp32"): 67e12,
     ("h100", "fp32"): 67e12,
     ("a100", "fp32"): 19.5e12,
-    ("cpu", "bf16"): 1e11,
-    ("cpu", "fp32"): 1e11,
+    ("l40s", "fp32"): 91.6e12,
 }
 
 
 def device_kind(device: torch.device) -> str:
-    """'h200', 'h100', 'a100', ... from the CUDA device name; 'cpu' off-GPU; 'gpu' when unknown."""
+    """'h200', 'h100', 'a100', ... from the CUDA device name; 'cpu' off-GPU; the full name when unknown."""
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
     for kind in ("h200", "h100", "a100", "l40s"):
         if kind in name:
             return kind
-    return "gpu"
+    return name
 
 
-def peak_flops(device: torch.device, precision: str) -> float:
-    return PEAK_FLOPS.get((device_kind(device), precision), PEAK_FLOPS[("h100", precision)])
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The datasheet peak of one device at `precision`, or None when kiln does not know it (CPU, other GPUs)."""
+    return PEAK_FLOPS.get((device_kind(device), precision))
+
+
+def mfu_note(device: torch.device, precision: str) -> str:
+    """One line for the start of a run: what MFU is measured against, or why there is none."""
+    kind = device_kind(device)
+    peak = PEAK_FLOPS.get((kind, precision))
+    if peak is not None:
+        return f"mfu: against the {kind.upper()} {precision} datasheet peak, {peak / 1e12:g} TFLOP/s per device"
+    if kind == "cpu":
+        return "mfu: not reported on CPU (no known peak; tokens/s is the measure)"
+    return f"mfu: not reported: no {precision} peak known for {torch.cuda.get_device_name(device)!r}"
 
 
 def flops_per_token(dims: ModelDims) -> float:
@@ -159,8 +172,9 @@ class _Console:
             self.progress.start()
 
     def update(self, r: dict) -> None:
-        info = (f"loss {r['loss']:.4f}  lr {r['lr']:.2e}  {r['tokens_per_second']:,.0f} tok/s  "
-                f"mfu {100 * r['mfu']:.2f}%")
+        info = f"loss {r['loss']:.4f}  lr {r['lr']:.2e}  {r['tokens_per_second']:,.0f} tok/s"
+        if r.get("mfu") is not None:
+            info += f"  mfu {100 * r['mfu']:.2f}%"
         if "val_loss" in r:
             info += f"  validation loss {r['val_loss']:.4f}"
         if self.live:

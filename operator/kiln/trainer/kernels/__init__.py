@@ -31,18 +31,39 @@ def get_mode() -> str:
     return _MODE
 
 
-def _load_triton_ops() -> ModuleType | None:
+def _load_triton_ops() -> tuple[ModuleType | None, str]:
+    """The Triton ops, or None and why not."""
     if not torch.cuda.is_available():  # CPU-only: never import triton (the reference serves every call)
-        return None
+        return None, "no CUDA device"
     try:
         from kiln.trainer.kernels import triton as triton_ops
-    except ImportError:  # no triton in this environment: the reference is the only implementation
-        return None
-    return triton_ops
+    except ImportError as err:  # no triton in this environment: the reference is the only implementation
+        return None, f"Triton does not import ({err})"
+    return triton_ops, ""
 
 
 # Resolved once at import, not per call, so that the model's torch.compile traces a plain global read.
-_TRITON_OPS = _load_triton_ops()
+_TRITON_OPS, _NO_TRITON_WHY = _load_triton_ops()
+
+
+def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, compiled: bool = False) -> str:
+    """One line for the start of a run: which implementation the ops run with, and why when not Triton.
+    Mirrors the per-call choice in `_fused` for a model of width `dim` on `device`."""
+    reference_is = "the PyTorch reference" + (" under torch.compile" if compiled else " (eager)")
+    if _MODE != "fused":
+        why = "parallelism.kernels is reference"
+    elif device.type != "cuda":
+        why = f"the run is on {device.type.upper()}"
+    elif _TRITON_OPS is None:
+        why = _NO_TRITON_WHY
+    elif tensor_parallel > 1:
+        why = f"tensor parallel ({tensor_parallel}) passes DTensors, which only the reference takes"
+    elif dim > _TRITON_OPS.MAX_FUSED_COLS:
+        return (f"kernels: Triton, except rms_norm: {reference_is} (dim {dim} > {_TRITON_OPS.MAX_FUSED_COLS} "
+                f"columns)")
+    else:
+        return "kernels: Triton (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy)"
+    return f"kernels: {reference_is}, because {why}"
 
 
 def _fused(*tensors: torch.Tensor) -> ModuleType | None:
@@ -89,4 +110,5 @@ def fused_linear_cross_entropy(
     return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
 
 
-__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "reference", "MODES"]
+__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe", "reference",
+           "MODES"]

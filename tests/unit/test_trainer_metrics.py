@@ -1,0 +1,79 @@
+"""What the run says it measures: MFU only against a known peak, and which kernels run and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.trainer import kernels, metrics
+from kiln.trainer.status_report import status_patch
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu_named(monkeypatch):
+    """Pretend device 0 is a GPU of the given name (only its name is read)."""
+    return lambda name: monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_cpu_has_no_peak_so_no_mfu_and_the_run_says_why():
+    cpu = torch.device("cpu")
+    assert metrics.peak_flops(cpu, "fp32") is None and metrics.peak_flops(cpu, "bf16") is None
+    assert metrics.mfu_note(cpu, "fp32") == "mfu: not reported on CPU (no known peak; tokens/s is the measure)"
+
+
+def test_an_unknown_gpu_gets_no_peak_not_the_h100s(gpu_named):
+    gpu_named("NVIDIA GeForce RTX 4090")
+    assert metrics.peak_flops(CUDA, "bf16") is None
+    assert "no bf16 peak known for 'NVIDIA GeForce RTX 4090'" in metrics.mfu_note(CUDA, "bf16")
+
+
+@pytest.mark.parametrize("name,precision,peak", [("NVIDIA H200", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "fp32", 67e12),
+                                                 ("NVIDIA A100-SXM4-80GB", "bf16", 312e12)])
+def test_a_known_gpu_uses_its_datasheet_peak(gpu_named, name, precision, peak):
+    gpu_named(name)
+    assert metrics.peak_flops(CUDA, precision) == peak
+    assert f"{peak / 1e12:g} TFLOP/s per device" in metrics.mfu_note(CUDA, precision)
+
+
+def test_a_record_without_mfu_is_shown_and_reported_without_it(capsys):
+    record = {"step": 3, "loss": 2.0, "lr": 1e-3, "tokens_per_second": 1234.0, "mfu": None}
+    console = metrics._Console(10, 0)
+    console.update(record)
+    line = capsys.readouterr().out
+    assert "1,234 tok/s" in line and "mfu" not in line
+    assert "mfu" not in status_patch(record, None, 10)["status"]
+
+
+@pytest.fixture
+def kernel_state(monkeypatch):
+    """Set the switch's mode and what Triton import gave, as on another machine."""
+    def set_state(mode="fused", ops=None, why=""):
+        monkeypatch.setattr(kernels, "_MODE", mode)
+        monkeypatch.setattr(kernels, "_TRITON_OPS", ops)
+        monkeypatch.setattr(kernels, "_NO_TRITON_WHY", why)
+    return set_state
+
+
+class _Ops:
+    MAX_FUSED_COLS = 65536
+
+
+@pytest.mark.parametrize("state,device,kw,expected", [
+    ({}, torch.device("cpu"), {"compiled": True},
+     "kernels: the PyTorch reference under torch.compile, because the run is on CPU"),
+    ({"mode": "reference", "ops": _Ops}, CUDA, {},
+     "kernels: the PyTorch reference (eager), because parallelism.kernels is reference"),
+    ({"why": "Triton does not import (No module named 'triton')"}, CUDA, {"compiled": True},
+     "kernels: the PyTorch reference under torch.compile, because Triton does not import (No module named 'triton')"),
+    ({"ops": _Ops}, CUDA, {"tensor_parallel": 2},
+     "kernels: the PyTorch reference (eager), because tensor parallel (2) passes DTensors, which only the "
+     "reference takes"),
+    ({"ops": _Ops}, CUDA, {"dim": 70000},
+     "kernels: Triton, except rms_norm: the PyTorch reference (eager) (dim 70000 > 65536 columns)"),
+    ({"ops": _Ops}, CUDA, {"dim": 4096}, "kernels: Triton (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy)"),
+], ids=["cpu", "mode", "no-triton", "tp", "wide", "triton"])
+def test_the_run_says_which_kernels_run_and_why(kernel_state, state, device, kw, expected):
+    kernel_state(**state)
+    assert kernels.describe(device, **kw) == expected
