@@ -63,6 +63,7 @@ INVALID = [
     ({"training.warmupSteps": 101}, "spec.training.warmupSteps:", "must not exceed training.steps"),
     ({"resources.gpusPerNode": 0, "parallelism.tensor": 1, "parallelism.pipeline": 1, "elastic.plan": [],
       "training.globalBatchSize": 4}, "spec.resources.gpuType:", "gpusPerNode > 0"),
+    ({"resources.gpuType": "nvidia-h200"}, "spec.resources.gpuType:", "case-sensitive"),
     ({"elastic.minNodes": 3}, "spec.elastic.minNodes:", "at most resources.nodes"),
     ({"elastic.maxNodes": 1, "elastic.plan": []}, "spec.elastic.maxNodes:", "at least resources.nodes"),
     ({"elastic.plan": [{"nodes": 1}, {"untilStep": 5, "nodes": 2}]}, "spec.elastic.plan:", "needs untilStep"),

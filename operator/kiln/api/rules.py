@@ -128,6 +128,13 @@ def _check_gpu_type(s):
     return None
 
 
+def _check_gpu_label(s):
+    # Label values match exactly; NVIDIA's product labels always carry capitals (NVIDIA-H200, Tesla-T4), so an
+    # all-lower-case gpuType (README once said nvidia-h200) would select no node and the run would wait forever.
+    gpu = s.resources.gpu_type
+    return f"got gpuType={shown(gpu)}" if gpu and not re.search("[A-Z]", gpu) else None
+
+
 def _check_min_nodes(s):
     e = s.elastic
     if e.min_nodes is not None and e.min_nodes > s.resources.nodes:
@@ -299,6 +306,11 @@ RULES: list[Rule] = [
          "resources.gpuType needs resources.gpusPerNode > 0",
          "!has(self.resources.gpuType) || self.resources.gpusPerNode > 0",
          _check_gpu_type),
+    Rule("gpu-type-label", "resources.gpuType",
+         "resources.gpuType must be the nodes' nvidia.com/gpu.product label value, which is case-sensitive and "
+         "spells NVIDIA's products with capitals, e.g. NVIDIA-H200 (kubectl get nodes -L nvidia.com/gpu.product)",
+         "!has(self.resources.gpuType) || self.resources.gpuType.matches('[A-Z]')",
+         _check_gpu_label, scope="cluster"),
     Rule("min-nodes", "elastic.minNodes",
          "elastic.minNodes must be at most resources.nodes",
          "!has(self.elastic.minNodes) || self.elastic.minNodes <= self.resources.nodes",

@@ -183,7 +183,8 @@ class ResourcesSpec(ApiModel):
     )
     gpu_type: str | None = Field(
         None, max_length=128,
-        description="GPU product, e.g. nvidia-h200; becomes the node selector nvidia.com/gpu.product=<gpuType>.",
+        description="GPU product as the nodes' nvidia.com/gpu.product label spells it (case-sensitive), e.g. "
+                    "NVIDIA-H200; becomes that node selector.",
     )
     cpu: str | None = Field(None, max_length=32, description="CPU request and limit per pod, e.g. '32'.")
     memory: str | None = Field(None, max_length=32, description="Memory request and limit per pod, e.g. 512Gi.")
@@ -247,7 +248,8 @@ class SchedulingSpec(ApiModel):
         description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and PyTorchJob schedulingPolicy.queue.",
     )
     gang: bool = Field(
-        True, description="Start all pods together or none (PyTorchJob schedulingPolicy.minAvailable = nodes)."
+        True, description="Gang scheduling: PyTorchJob schedulingPolicy.minAvailable = elastic.minNodes (default: "
+                          "nodes), the fewest pods the run trains with, placed together or not at all."
     )
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
     priority: str | None = Field(
