@@ -81,7 +81,6 @@ INVALID = [
      "spec.data.sources:", "every data.sources uri"),
     ({"data": {"uri": "s3://data/web/", "sources": [{"uri": "synthetic", "weight": 1}]}}, "spec.data.sources:",
      "leave data.uri unset"),
-    ({"checkpoint": {"uri": "s3://ckpt/x/"}}, "spec.checkpoint.credentialsSecret:", "needs checkpoint.endpoint"),
 ]
 
 
@@ -104,10 +103,9 @@ def test_every_rule_is_exercised_by_a_case():
     assert fields <= covered
 
 
-def test_s3_without_credentials_is_fine_locally_but_not_on_kubernetes():
-    doc = parse(with_({"checkpoint": {"uri": "s3://ckpt/x/"}}))  # kiln run may take keys from the environment
-    with pytest.raises(KilnError, match=r"spec.checkpoint.credentialsSecret: .*needs checkpoint.endpoint"):
-        check_cluster(doc)
+def test_s3_without_endpoint_or_secret_is_aws_with_ambient_credentials_everywhere():
+    # no endpoint: AWS S3; no Secret: the pod's own AWS identity (kiln.storage.s3.ambient_credentials)
+    check_cluster(parse(with_({"checkpoint": {"uri": "s3://ckpt/x/"}})))
 
 
 def test_errors_say_what_would_be_valid():

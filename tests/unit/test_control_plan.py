@@ -179,8 +179,15 @@ def test_elastic_decision_sets_the_replicas():
 
 
 def test_cluster_rules_are_enforced_by_plan():
-    with pytest.raises(KilnError, match="spec.checkpoint.credentialsSecret"):
-        plan(doc_of(with_({"checkpoint": {"uri": "s3://x/"}})))
+    # fine for `kiln run --nproc N` (its own world), not at the 2 x 8 processes the spec names
+    with pytest.raises(KilnError, match="spec.training.globalBatchSize"):
+        plan(doc_of(with_({"training.globalBatchSize": 20})))
+
+
+def test_s3_without_a_secret_gives_the_pods_no_keys_and_without_an_endpoint_no_endpoint():
+    job = objects(with_({"checkpoint": {"uri": "s3://ckpt/x/"}}))["PyTorchJob"]
+    env = {e["name"] for e in worker(job)["template"]["spec"]["containers"][0].get("env") or []}
+    assert not env & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}, env
 
 
 def test_render_cli_prints_applyable_yaml(capsys, tmp_path):

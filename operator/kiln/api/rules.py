@@ -37,8 +37,8 @@ class Rule:
     message: str  # what would be valid; the CRD's message and the start of the Python error
     cel: str  # over `self` = the spec object
     check: Callable[["TrainingSpecSpec"], str | None]  # None when fine, else the offending values
-    # "cluster": only where the pods run on Kubernetes (the CRD, kiln validate, plan): S3 credentials, and the
-    # layout at the world the spec names (`kiln run --nproc N` checks its own world instead)
+    # "cluster": only where the pods run on Kubernetes (the CRD, kiln validate, plan): the layout at the
+    # world the spec names (`kiln run --nproc N` checks its own world instead)
     scope: Scope = "local"
 
     @property
@@ -222,14 +222,6 @@ def _check_sources_or_uri(s):
     return None
 
 
-def _check_s3_cluster(s):
-    c = s.checkpoint
-    if c.uri is not None and c.uri.startswith("s3://") and (not c.endpoint or not c.credentials_secret):
-        missing = [n for n, v in (("endpoint", c.endpoint), ("credentialsSecret", c.credentials_secret)) if not v]
-        return f"missing: {', '.join(missing)}"
-    return None
-
-
 def shown(value: object, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: errors quote the input, but never megabytes of it."""
     text = repr(value)
@@ -364,12 +356,6 @@ RULES: list[Rule] = [
          "!has(self.data.tokenizer) || self.data.tokenizer == 'byte' || self.data.tokenizer.startsWith('s3://')"
          " || self.data.tokenizer.startsWith('file://')",
          _check_tokenizer),
-    Rule("s3-needs-endpoint-and-secret", "checkpoint.credentialsSecret",
-         "an s3:// checkpoint.uri on Kubernetes needs checkpoint.endpoint and checkpoint.credentialsSecret "
-         "(a Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
-         "!has(self.checkpoint.uri) || !self.checkpoint.uri.startsWith('s3://')"
-         " || (has(self.checkpoint.endpoint) && has(self.checkpoint.credentialsSecret))",
-         _check_s3_cluster, scope="cluster"),
 ]
 
 # The document-level rule: the name becomes the PyTorchJob's, its pods' and services' names.

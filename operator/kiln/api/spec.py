@@ -222,15 +222,17 @@ class CheckpointSpec(ApiModel):
     uri: str | None = Field(
         None, max_length=1024,
         description="s3://bucket/prefix/ or file:///path/. Default for `kiln run`: file://<output>/checkpoints/; "
-        "on Kubernetes an s3:// uri needs endpoint and credentialsSecret.",
+        "an s3:// uri without endpoint is AWS S3, and without credentialsSecret uses the pods' own AWS identity.",
     )
     endpoint: str | None = Field(
-        None, max_length=1024, description="S3 endpoint URL, e.g. http://minio.minio.svc:9000."
+        None, max_length=1024,
+        description="S3 endpoint URL, e.g. http://minio.minio.svc:9000; unset: AWS S3 (https://s3.amazonaws.com).",
     )
     credentials_secret: str | None = Field(
         None, max_length=253,
         description="Name of a Secret in the run's namespace with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
-        "the pods read it by reference, keys are never inline.",
+        "the pods read it by reference, keys are never inline. Unset: the pods' own AWS identity (EKS Pod "
+        "Identity on the run's ServiceAccount <name>-trainer, ECS, the node's instance role).",
     )
     interval_steps: Annotated[int, Field(le=JSON_INT_MAX)] | Literal["auto"] = Field(
         100,

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import urllib3
 from minio import Minio
+from minio.credentials.providers import IamAwsProvider, Provider, StaticProvider
 from minio.datatypes import Part
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
@@ -36,6 +37,30 @@ MAX_PARTS = 10_000  # the S3 limit on parts per multipart upload
 MIN_PART = 5 * MiB  # the S3 minimum for every part but the last
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+
+
+def ambient_credentials(env: Mapping[str, str], endpoint: str, uri: str) -> Provider:
+    """Where the S3 keys come from: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN) when set
+    (on Kubernetes, from checkpoint.credentialsSecret), else what the pod or machine already has — a web
+    identity token (IRSA: AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN), a container credentials endpoint (EKS
+    Pod Identity, ECS: AWS_CONTAINER_CREDENTIALS_FULL_URI / _RELATIVE_URI), or the instance metadata service
+    (the node's role) — through the minio client's own providers. The ambient chain is asked once here, with
+    short timeouts, so a machine without any credentials fails now with this message, not at the first save."""
+    access, secret = env.get(ACCESS_KEY_ENV), env.get(SECRET_KEY_ENV)
+    if access and secret:
+        return StaticProvider(access, secret, env.get("AWS_SESSION_TOKEN"))
+    quick = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2.0, read=5.0), retries=urllib3.Retry(total=1))
+    provider = IamAwsProvider(http_client=quick)
+    try:
+        provider.retrieve()
+    except Exception as err:  # noqa: BLE001 - every way the chain can fail ends in the one message below
+        raise KilnError(
+            f"no S3 credentials for {endpoint} ({uri}): {ACCESS_KEY_ENV}/{SECRET_KEY_ENV} are not set and no ambient "
+            f"credentials were found (web identity, container credentials endpoint, instance metadata: "
+            f"{type(err).__name__}: {str(err)[:200]}); on Kubernetes name a Secret with those keys in "
+            "checkpoint.credentialsSecret, or give the run's ServiceAccount (<name>-trainer) an AWS identity"
+        ) from None
+    return provider
 
 
 class S3Store(ObjectStore):
@@ -69,12 +94,7 @@ class S3Store(ObjectStore):
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise KilnError(f"checkpoint.endpoint {endpoint!r} is not a URL; use e.g. http://minio.minio.svc:9000")
         self.endpoint = f"{parsed.scheme}://{parsed.netloc}"
-        access, secret = env.get(ACCESS_KEY_ENV), env.get(SECRET_KEY_ENV)
-        if not access or not secret:
-            raise KilnError(
-                f"no S3 credentials for {self.endpoint} ({self.uri}): set {ACCESS_KEY_ENV} and {SECRET_KEY_ENV} in the "
-                "environment (on Kubernetes: checkpoint.credentialsSecret names a Secret with those keys)"
-            )
+        credentials = ambient_credentials(env, self.endpoint, self.uri)
         # No retries inside urllib3: call_with_retry owns the schedule, so a server that is down for a
         # minute is waited out with backoff and a warning instead of five quick failures.
         http = urllib3.PoolManager(
@@ -85,9 +105,7 @@ class S3Store(ObjectStore):
         )
         self.client = Minio(
             parsed.netloc,
-            access_key=access,
-            secret_key=secret,
-            session_token=env.get("AWS_SESSION_TOKEN"),
+            credentials=credentials,
             secure=parsed.scheme == "https",
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
             http_client=http,
