@@ -47,9 +47,11 @@ def test_quickstart_writes_metrics_and_rerun_resumes_the_same_curve(tmp_path):
         (lambda d: _yaml(d, "spec:\n  training: {stpes: 3}\n"), ["spec.training.stpes", "unknown field"]),
         (lambda d: _yaml(d, "spec:\n  model: {preset: huge}\n"), ["huge", "tiny"]),
         # 3 processes cannot split a global batch of 16 into microbatches of 8 per rank
-        (lambda d: QUICKSTART, ["globalBatchSize", "16"]),
+        (lambda d: QUICKSTART, ["--nproc 3", "globalBatchSize", "16"]),
+        # tensor 2 cannot split 3 processes: the only thing about the world kiln run refuses, naming the flag
+        (lambda d: _cluster_spec(d), ["--nproc 3", "parallelism.tensor × parallelism.pipeline = 2 must divide"]),
     ],
-    ids=["missing-file", "bad-value", "unknown-field", "unknown-preset", "batch-vs-world"],
+    ids=["missing-file", "bad-value", "unknown-field", "unknown-preset", "batch-vs-world", "tensor-vs-nproc"],
 )
 def test_bad_input_is_a_clear_error(tmp_path, make_spec, expected):
     proc = kiln("run", str(make_spec(tmp_path)), "--nproc", "3", "--output", str(tmp_path / "out"))
@@ -87,3 +89,26 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
     # The ranks agreed on a step, saved it and committed it before exiting.
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
     assert saved >= 1 and saved == read_metrics(out)[-1]["step"]
+
+
+def _cluster_spec(folder: Path) -> Path:
+    """A spec written for Kubernetes: 4 nodes x 8 GPUs, tensor 2 inside a node, HSDP over 4 replica groups,
+    a global batch of 48 (data-parallel 16 x microbatch 3)."""
+    return write_spec(folder / "cluster.yaml", model={"preset": "tiny", "layers": 2, "seqLen": 32},
+                      training={"steps": 2, "globalBatchSize": 48, "microBatchSize": 3},
+                      parallelism={"tensor": 2, "replicate": 4},
+                      resources={"nodes": 4, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
+                      elastic={"minNodes": 2, "maxNodes": 8})
+
+
+@pytest.mark.distributed
+def test_a_cluster_spec_runs_on_two_local_processes_with_its_global_batch(tmp_path):
+    spec, out = _cluster_spec(tmp_path), tmp_path / "out"
+    assert kiln("validate", str(spec)).returncode == 0  # as written, it is valid for the cluster
+    proc = kiln("run", str(spec), "--nproc", "2", "--output", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "kiln: note: --nproc 2: parallelism.replicate 4 → 1" in proc.stdout
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert {(r["world"], r["tp"], r["dp_replicate"], r["dp_shard"]) for r in records} == {(2, 2, 1, 1)}
+    assert records[-1]["tokens_seen"] == 2 * 48 * 32  # every step trained on the spec's 48 sequences

@@ -18,7 +18,7 @@ MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 
 
 def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | None = None,
                model: dict | None = None, checkpoint: dict | None = None, data: str = "builtin:pydoc",
-               nproc: int = 1) -> Path:
+               nproc: int = 1, resources: dict | None = None, elastic: dict | None = None) -> Path:
     doc = {
         "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "t"},
         "spec": {
@@ -28,7 +28,8 @@ def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | 
                          "precision": "fp32", "seed": 3, **(training or {})},
             "parallelism": {"compile": False, **(parallelism or {})},
             "checkpoint": {"intervalSteps": 1000, **(checkpoint or {})},
-            "resources": {"processesPerNode": nproc},
+            "resources": resources or {"processesPerNode": nproc},
+            **({"elastic": elastic} if elastic else {}),
         },
     }
     path.write_text(yaml.safe_dump(doc))

@@ -20,7 +20,7 @@ SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 
 def test_steps_shorter_than_warmup_caps_the_warmup_with_a_note(tmp_path):
     doc = load_file(SAMPLES / "gpu-single-node.yaml")[0]  # warmupSteps 1000, steps 20000
-    run, note = local_spec(doc, nproc=8, steps=5, output=tmp_path)
+    run, (note,) = local_spec(doc, nproc=8, steps=5, output=tmp_path)
     assert (run.spec.training.steps, run.spec.training.warmup_steps) == (5, 5)
     assert "--steps 5" in note and "warmupSteps 1000" in note
     # The warm-up now ends inside the run: the last step trains at the peak learning rate.
@@ -30,10 +30,21 @@ def test_steps_shorter_than_warmup_caps_the_warmup_with_a_note(tmp_path):
 
 def test_steps_longer_than_warmup_keeps_it_and_says_nothing(tmp_path):
     doc = load_file(SAMPLES / "quickstart.yaml")[0]  # warmupSteps 20
-    run, note = local_spec(doc, nproc=2, steps=50, output=tmp_path)
-    assert (run.spec.training.steps, run.spec.training.warmup_steps, note) == (50, 20, None)
-    run, note = local_spec(doc, nproc=2, steps=None, output=tmp_path)
-    assert (run.spec.training.steps, run.spec.training.warmup_steps, note) == (300, 20, None)
+    run, notes = local_spec(doc, nproc=2, steps=50, output=tmp_path)
+    assert (run.spec.training.steps, run.spec.training.warmup_steps, notes) == (50, 20, [])
+    run, notes = local_spec(doc, nproc=2, steps=None, output=tmp_path)
+    assert (run.spec.training.steps, run.spec.training.warmup_steps, notes) == (300, 20, [])
+
+
+def test_one_node_with_tensor_2_runs_on_two_local_processes_without_processes_per_node(tmp_path):
+    # nodes: 1 on CPU means one process per node on Kubernetes, where tensor 2 cannot run; kiln run --nproc 2
+    # is one node of 2 processes, where it can: the file loads, and the run spec is that world's.
+    spec = write_spec(tmp_path / "spec.yaml", parallelism={"tensor": 2}, resources={"nodes": 1})
+    (doc,) = load_file(spec)
+    run, notes = local_spec(doc, nproc=2, steps=None, output=tmp_path)
+    assert (run.spec.resources.nodes, run.spec.resources.processes_per_node, notes) == (1, 2, [])
+    with pytest.raises(KilnError, match="--nproc 1: parallelism.tensor × parallelism.pipeline = 2 must divide"):
+        local_spec(doc, nproc=1, steps=None, output=tmp_path)
 
 
 def test_the_spec_file_itself_still_must_keep_warmup_within_steps(tmp_path):

@@ -143,7 +143,8 @@ class ParallelismSpec(ApiModel):
     tensor: int = Field(1, ge=1, le=INT32_MAX, description="Tensor-parallel degree; divides processes per node and the head counts.")
     pipeline: int = Field(1, ge=1, le=INT32_MAX, description="Pipeline-parallel stages; must not exceed layers.")
     pipeline_microbatches: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Microbatches per pipeline step (default: max(2 x pipeline, gradient accumulation))."
+        None, ge=1, le=INT32_MAX, description="Microbatches per pipeline step: at least pipeline, dividing each data-parallel "
+        "rank's sequences (default: the fewest >= max(2 x pipeline, gradient accumulation) that divide them)."
     )
     fsdp: bool = Field(True, description="Shard parameters, gradients and optimizer state over data parallel (FSDP2).")
     replicate: int = Field(

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from kiln.api import TrainingSpec
+from kiln.api.layout import fit_local
 from kiln.api.load import load_file, parse
 from kiln.errors import KilnError
 
@@ -161,28 +162,36 @@ def shorten(training: dict, steps: int) -> str | None:
     return None
 
 
-def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path) -> tuple[TrainingSpec, str | None]:
+def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path) -> tuple[TrainingSpec, list[str]]:
     """The spec as this machine runs it: one node of nproc processes, checkpoints under OUTPUT by default;
-    `steps` overrides training.steps (see `shorten`, whose note comes back second)."""
+    `steps` overrides training.steps (see `shorten`). Also the notes to print about what changed.
+
+    A spec written for a cluster runs as it is wherever it can: the layout is fitted to this world, keeping
+    the global batch (kiln.api.layout.fit_local); a KilnError naming --nproc when it cannot run here."""
+    patch, fitted = fit_local(doc.spec, nproc)
+    notes = [f"kiln: note: --nproc {nproc}: {note}" for note in fitted]
     data = doc.model_dump(by_alias=True, exclude_none=True, mode="json")
     spec = data["spec"]
-    spec["resources"].update(nodes=1, processesPerNode=nproc)
+    for section, values in patch.items():
+        spec[section] = {k: v for k, v in {**spec.get(section, {}), **values}.items() if v is not None}
     spec["elastic"] = {}
-    note = shorten(spec["training"], steps) if steps is not None else None
+    if steps is not None:
+        note = shorten(spec["training"], steps)
+        notes += [note] if note else []
     if not doc.spec.checkpoint.uri:
         spec["checkpoint"]["uri"] = f"file://{(output / 'checkpoints').resolve()}"
-    return parse(data, "kiln run"), note
+    return parse(data, "kiln run"), notes
 
 
 def check_layout(doc: TrainingSpec, world: int) -> None:
     """Fail before starting any process when the model (a model folder's config.json against the spec's
-    fields), the tokenizer or the layout cannot work for `world` processes."""
+    fields), the tokenizer or the layout cannot work for `world` processes on this one machine."""
     from kiln.trainer import hf
     from kiln.trainer.parallel import plan_layout
 
     dims = hf.resolve_dims(doc.spec)
     hf.training_tokenizer(doc.spec, dims)
-    plan_layout(doc.spec, dims, world)
+    plan_layout(doc.spec, dims, world, processes_per_node=world)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -193,9 +202,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise KilnError(f"--steps must be at least 1, not {args.steps}")
     output = Path(args.output or f"runs/{doc.metadata.name}")
-    run_doc, note = local_spec(doc, nproc=nproc, steps=args.steps, output=output)
+    run_doc, notes = local_spec(doc, nproc=nproc, steps=args.steps, output=output)
     check_layout(run_doc, nproc)
-    if note:
+    for note in notes:
         print(note, flush=True)
     output.mkdir(parents=True, exist_ok=True)
     spec_path = output / "spec.yaml"
