@@ -30,6 +30,8 @@ INT32_MAX = 2**31 - 1
 JSON_INT_MAX = 2**53 - 1
 DEFAULT_DATA_URI = "builtin:pydoc"  # also what data.sources requires data.uri to be left at
 JSON_INT_MIN = -JSON_INT_MAX
+# A Kubernetes resource quantity as people write them: 32, 500m, 1.5, 512Gi, 100G (no exponents, no signs)
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class ApiModel(BaseModel):
@@ -187,8 +189,15 @@ class ResourcesSpec(ApiModel):
         description="GPU product as the nodes' nvidia.com/gpu.product label spells it (case-sensitive), e.g. "
                     "NVIDIA-H200; becomes that node selector.",
     )
-    cpu: str | None = Field(None, max_length=32, description="CPU request and limit per pod, e.g. '32'.")
-    memory: str | None = Field(None, max_length=32, description="Memory request and limit per pod, e.g. 512Gi.")
+    cpu: str | None = Field(None, max_length=32, pattern=QUANTITY, description="CPU request and limit per pod, e.g. '32'.")
+    memory: str | None = Field(None, max_length=32, pattern=QUANTITY,
+                               description="Memory request and limit per pod, e.g. 512Gi.")
+    ephemeral_storage: str | None = Field(
+        None, max_length=32, pattern=QUANTITY,
+        description="Local disk per pod, request and limit (the downloaded data shards, compile caches, scratch), "
+        "e.g. 500Gi. Default: the operator's (KILN_DEFAULT_EPHEMERAL_STORAGE, 50Gi). A data.uri whose shards do "
+        "not fit is refused at start, before anything is downloaded.",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node selector, passed through.")
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=64, description="Tolerations, passed through to every pod."

@@ -69,6 +69,8 @@ def render(args: argparse.Namespace) -> int:
     for doc in docs:
         doc.metadata.namespace = args.namespace or doc.metadata.namespace or "default"
         desired = plan(doc, None, config)
+        if desired.refused:  # the operator's policy (this shell's KILN_POLICY_*, else the defaults) forbids it
+            raise KilnError(f"{args.file}: {doc.metadata.name}: {desired.refused}")
         out.extend(desired.objects)
     sys.stdout.write(yaml.dump_all(out, Dumper=_RenderDumper, sort_keys=False, width=120))
     return 0

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kiln import __version__
+from kiln.control.policy import AdminPolicy
 
 DEFAULT_IMAGE = f"ghcr.io/kiln-dev/kiln-trainer:{__version__}"
 
@@ -30,11 +31,17 @@ class OperatorConfig:
     # the first to be evicted, and /dev/shm (memory-backed) is bounded by the memory limit.
     default_cpu: str = "1"
     default_memory: str = "4Gi"
+    # Local disk request = limit of a trainer pod whose spec sets no resources.ephemeralStorage: the node's disk
+    # is shared, and every pod downloads its own copy of the data shards.
+    default_ephemeral_storage: str = "50Gi"
     field_manager: str = "kiln-operator"
     health_port: int = 8080
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
     # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.exporter); 0: no trainer metrics.
     trainer_metrics_port: int = 9400
+
+    # What a namespace user may put into trainer pods (images, priority classes, nodes); kiln.control.policy
+    policy: AdminPolicy = AdminPolicy()  # frozen: one shared default is safe
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorConfig":
@@ -47,10 +54,11 @@ class OperatorConfig:
             ("termination_grace_seconds", "KILN_TERMINATION_GRACE_SECONDS", int),
             ("default_cpu", "KILN_DEFAULT_CPU", str),
             ("default_memory", "KILN_DEFAULT_MEMORY", str),
+            ("default_ephemeral_storage", "KILN_DEFAULT_EPHEMERAL_STORAGE", str),
             ("health_port", "KILN_HEALTH_PORT", int),
             ("metrics_port", "KILN_METRICS_PORT", int),
             ("trainer_metrics_port", "KILN_TRAINER_METRICS_PORT", int),
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])
-        return cls(**kwargs)
+        return cls(**kwargs, policy=AdminPolicy.from_env(env))

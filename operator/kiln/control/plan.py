@@ -23,6 +23,7 @@ from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import with_avoided_nodes
+from kiln.control.policy import violations
 from kiln.errors import KilnError
 
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
@@ -79,7 +80,18 @@ class Observed:
 @dataclass
 class Plan:
     objects: list[dict[str, Any]] = field(default_factory=list)
-    refused: str | None = None  # why nothing is applied (a spec change the running job cannot absorb)
+    refused: str | None = None  # why nothing is applied: a spec change the running job cannot absorb, or ...
+    refused_reason: str = "ImmutableFieldChanged"  # ... ForbiddenByPolicy (kiln.control.policy)
+
+
+_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "m": 1e-3}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A byte quantity as the API takes it (kiln.api.spec.QUANTITY: 50Gi, 100G, 1000000) in bytes."""
+    number = quantity.rstrip("kKMGTPEim")
+    return int(float(number) * _SUFFIX[quantity[len(number):]])
 
 
 def names(run: str) -> dict[str, str]:
@@ -137,6 +149,9 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     problems = check(doc.spec, scope="all")
     if problems:  # the apiserver's CEL refuses these too; reached by `kiln render` or a CRD without rules
         raise KilnError("\n".join(problems))
+    forbidden = violations(doc.spec, config.policy, config.image)
+    if forbidden:
+        return Plan(refused="; ".join(forbidden), refused_reason="ForbiddenByPolicy")
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
@@ -197,6 +212,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         limits["cpu"] = r.cpu
     memory = r.memory or config.default_memory
     limits["memory"] = memory
+    # the kubelet evicts a pod past this; the trainer refuses data that cannot fit first (KILN_DATA_CACHE_BYTES)
+    disk = r.ephemeral_storage or config.default_ephemeral_storage
+    limits["ephemeral-storage"] = disk
     requests = {**limits, "cpu": r.cpu or config.default_cpu}
     node_selector = dict(r.node_selector)
     if r.gpu_type:
@@ -225,6 +243,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name="KILN_DATA_CACHE", value=f"{config.scratch_dir}/data"))
+    env.append(k.V1EnvVar(name="KILN_DATA_CACHE_BYTES", value=str(quantity_bytes(disk))))
     ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]
     if config.trainer_metrics_port:  # rank 0's Prometheus /metrics, on a named port for a PodMonitor
         env.append(k.V1EnvVar(name="KILN_METRICS_PORT", value=str(config.trainer_metrics_port)))

@@ -77,7 +77,7 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
             problem = None
             secret = doc.spec.checkpoint.credentials_secret
             if desired.refused:
-                accepted = ("False", "ImmutableFieldChanged", desired.refused)
+                accepted = ("False", desired.refused_reason, desired.refused)
             elif secret and (problem := kube.secret_problem(namespace, secret)):
                 accepted = ("False", "SecretMissing", problem + "; create it, the run starts by itself then")
             else:

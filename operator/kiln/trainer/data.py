@@ -23,13 +23,16 @@ Sources:
 from __future__ import annotations
 
 import bisect
+import fcntl
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kiln.api import contract
 from kiln.errors import KilnError
 
 VALIDATION_FRACTION = 0.1
@@ -82,26 +85,50 @@ class SyntheticSamples:
 def fetch_shards(uri: str, *, endpoint: str | None = None, cache_root: str | None = None) -> Path:
     """Download the *.npy / *.bin shards under an s3:// uri into a local cache folder (once); its path.
 
-    Several ranks on a node may race: each shard is written to a unique temporary name and renamed into place
-    (atomic), so a reader never sees half a shard and a shard already present is not fetched again.
+    The ranks of a node share the cache: one downloads (a file lock) while the others wait; a shard already
+    present is not fetched again. Shards that cannot fit are refused before any download (check_cache_room).
     """
     from kiln.storage import open_store
 
     store = open_store(uri, endpoint=endpoint)
-    root = Path(cache_root or os.environ.get("KILN_DATA_CACHE") or Path.home() / ".cache" / "kiln" / "data")
+    root = Path(cache_root or os.environ.get(contract.DATA_CACHE) or Path.home() / ".cache" / "kiln" / "data")
     folder = root / hashlib.sha256(uri.encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    for info in store.list(""):
-        name = Path(info.key).name
-        if Path(name).suffix not in (".npy", ".bin") or "/" in info.key.strip("/"):
-            continue
-        target = folder / name
-        if target.exists() and target.stat().st_size == info.size:
-            continue
-        tmp = folder / f".{name}.{os.getpid()}.part"
-        store.get_file(info.key, tmp)
-        os.replace(tmp, target)
+    shards = [info for info in store.list("")
+              if Path(info.key).suffix in (".npy", ".bin") and "/" not in info.key.strip("/")]
+    # One downloader per node and cache: the other ranks wait on the lock, then find every shard in place
+    # (one copy on the disk, not one per rank).
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [info for info in shards
+                   if not ((folder / Path(info.key).name).exists()
+                           and (folder / Path(info.key).name).stat().st_size == info.size)]
+        check_cache_room(uri, root, sum(info.size for info in missing))
+        for info in missing:
+            name = Path(info.key).name
+            tmp = folder / f".{name}.{os.getpid()}.part"
+            store.get_file(info.key, tmp)
+            os.replace(tmp, folder / name)  # atomic: a reader never sees half a shard
     return folder
+
+
+def check_cache_room(uri: str, root: Path, needed: int) -> None:
+    """Refuse, before downloading anything, shards that cannot fit: in the pod's disk budget (the operator
+    sets KILN_DATA_CACHE_BYTES to its ephemeral-storage limit, past which the kubelet would evict the pod
+    mid-download and every restart would start over) or on the disk itself."""
+    if needed <= 0:
+        return
+    budget = os.environ.get("KILN_DATA_CACHE_BYTES")
+    if budget:
+        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        if used + needed > int(budget):
+            raise KilnError(f"data.uri {uri}: its shards need {needed / 2**30:.1f} GiB more in the pod's data cache, "
+                            f"which holds {used / 2**30:.1f} GiB of {int(budget) / 2**30:.1f} GiB "
+                            "(resources.ephemeralStorage); raise resources.ephemeralStorage")
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise KilnError(f"data.uri {uri}: its shards need {needed / 2**30:.1f} GiB in the data cache {root}, "
+                        f"which has {free / 2**30:.1f} GiB free")
 
 
 def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train",
