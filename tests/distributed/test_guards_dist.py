@@ -1,8 +1,11 @@
-"""Guards in real torch.distributed jobs (gloo, several processes): NaN skip, spike rollback, SDC detection."""
+"""Guards in real torch.distributed jobs (gloo, several processes): NaN skip, spike rollback, SDC detection
+(replica comparison, and the seal in kiln's training loop under every layout)."""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from kiln.trainer.guards import (Action, GuardConfig, SdcCheck, SilentDataCorruption, StepGuard,
                                  global_scalars)
 from tests.distributed.ranks import run_ranks
+from tests.distributed.trainer_helpers import read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -141,3 +145,57 @@ def test_flipped_bit_in_an_hsdp_shard_names_its_replica_pair(tmp_path):
     for r in res:
         assert r["raised"] and r["ranks"] == [1, 3]
         assert "0.weight" in r["msg"] and "[1, 3]" in r["msg"]
+
+
+FLIP_STEP = 3  # with sdc_every=3: sealed after step 2's update, verified before step 3's
+
+
+def _flip_in_training(rank, world, spec_path, out, bad_rank):
+    """kiln's training loop with the default guards (SDC every 3 steps); at reported step FLIP_STEP, after
+    backward, one bit of `bad_rank`'s shard of its first attention.wq flips, as a fault in memory would."""
+    from torch.distributed.tensor import DTensor
+
+    from kiln.api.load import load_file
+    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.loop import StepHooks, train
+
+    seen = {}
+
+    def flip(ctx):
+        seen.setdefault("sdc_line", guards.sdc.describe(ctx.model_parts))
+        if ctx.step == FLIP_STEP and rank == bad_rank:
+            p = next(p for n, p in ctx.model_parts[0].named_parameters() if n.endswith("attention.wq.weight"))
+            _flip_one_bit((p.to_local() if isinstance(p, DTensor) else p).detach(), 5, 30)
+        return True
+
+    hooks = StepHooks(before_update=[flip])  # before the guards' hooks: the flip lands after the seal
+    guards = GuardHooks(sdc_every=3, health_every=0)
+    guards.install(hooks)
+    try:
+        train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks)
+    except SilentDataCorruption as e:
+        return {"step": e.step, "ranks": e.ranks, "msg": str(e), "sdc": guards.sdc.metrics(), **seen}
+    return {"step": None}
+
+
+NO_COPIES = "no replicated copies to compare in this layout"
+
+
+@pytest.mark.parametrize("layout,world,bad_rank,replicas", [
+    ({}, 2, 1, NO_COPIES),  # plain FSDP: no rank holds a second copy of a shard
+    ({"tensor": 2}, 2, 0, "copies compared across tp"),  # wq is split by columns; only the norms are copies
+    ({"replicate": 2}, 4, 3, "copies compared across dp_replicate"),  # rank 1 holds a copy; the seal names 3
+    ({"pipeline": 2}, 2, 1, NO_COPIES),  # each stage's layers live on one rank
+], ids=["fsdp", "tp", "hsdp", "pp"])
+def test_a_flipped_bit_is_caught_in_every_layout_and_names_its_rank(tmp_path, layout, world, bad_rank, replicas):
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 5}, parallelism=layout, nproc=world)
+    out = tmp_path / "out"
+    results = run_ranks(_flip_in_training, world, out, str(spec), str(out), bad_rank, start="spawn", init=False)
+    for r in results:  # every rank stops at the flip's step, none goes on to commit it
+        assert r["step"] == FLIP_STEP and r["ranks"] == [bad_rank], r
+        assert re.search(rf"rank {bad_rank}: layers\.\d\.attention\.wq\.weight", r["msg"]), r["msg"]
+        assert r["sdc"] == {"sdc_checks": 1, "sdc_mismatches": 1}  # step 3's check is the run's first
+        assert f"against their seal from the previous step's update (held by all {world} rank(s)); {replicas}" \
+            in r["sdc_line"], r["sdc_line"]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))

@@ -1,8 +1,9 @@
 """Gradient compression on the replicated data-parallel dimension (`parallelism.gradientCompression`).
 
-- `bf16`: gradients are reduced in bf16 (half the bytes). With FSDP2 this is the MixedPrecisionPolicy's
-  `reduce_dtype` (it covers the reduce-scatter and, under HSDP, the replicate all-reduce); with plain
-  replication it is torch's `bf16_compress_hook`.
+- `bf16`: gradients are reduced in bf16 (half the bytes). The trainer does this through FSDP2's
+  MixedPrecisionPolicy `reduce_dtype` (it covers the reduce-scatter and, under HSDP, the replicate
+  all-reduce) in every layout: `fsdp: false` is FSDP2 with a shard size of 1. `register_comm_hook`'s bf16
+  (torch's `bf16_compress_hook`) serves DDP modules outside the trainer (tests, bench_compression).
 - `powersgd`: rank-r PowerSGD with error feedback (Vogels et al. 2019), torch's own `powerSGD_hook`. It
   compresses an all-reduce of whole gradient matrices, so it applies to plain replication (`fsdp: false`)
   through the composable `replicate` (DDP) API; FSDP2 reduce-scatters sharded gradients, which PowerSGD

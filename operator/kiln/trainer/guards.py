@@ -10,9 +10,14 @@ Two hooks the training loop calls, in this order, after backward and gradient cl
 
 `StepGuard` is pure Python (no torch): give it the *global* loss and grad norm (`global_scalars`
 all-reduces them, so a NaN on any rank becomes a NaN on every rank and all ranks decide alike).
-`SdcCheck` hashes the bits of every parameter on device and compares the hashes between the ranks
-that must hold identical copies: for DTensor parameters (FSDP2/HSDP, TP) the ranks along the mesh
-dimensions whose placement is `Replicate()`; for plain tensors (DDP) every rank of the given group.
+`SdcCheck` hashes the bits of every parameter on device and makes two comparisons:
+- replicas (`verify`): between the ranks that must hold identical copies: for DTensor parameters
+  (FSDP2/HSDP, TP) the ranks along the mesh dimensions whose placement is `Replicate()`; for plain tensors
+  (DDP) every rank of the given group. Plain FSDP has no such copy.
+- the seal (`seal` after one step's update, `verify_seal` before the next one's): every rank's own shards
+  and optimizer state against their fingerprint from the previous update, which every rank of the job
+  holds. Nothing may change them in between (forward and backward only read them), so this checks every
+  layout, plain FSDP included, and names the exact rank.
 """
 
 from __future__ import annotations
@@ -225,36 +230,88 @@ def _suspects(rows: list[tuple], group_ranks: list[int]) -> list[int]:
 
 @dataclass
 class SdcCheck:
-    """Every `every` steps: hash the weights and compare them across replicas; raise naming the rank(s)."""
+    """Every `every` steps: compare the weights with their replicas and with their seal; raise naming the
+    rank(s). The seal is taken after the update of the step before a due step and verified before the due
+    step's update, so each check covers one step's forward and backward."""
 
     every: int = 100
     group: Any = None  # for plain-tensor (DDP/replicated) params: the ranks that hold identical copies
-    checks: int = field(default=0, init=False)
+    checks: int = field(default=0, init=False)  # due steps at which weights were compared with something
     mismatches: int = field(default=0, init=False)
+    _sealed: tuple | None = field(default=None, init=False)  # (step, [ranks, 2] digests, {name: fingerprint})
+    _counted: int | None = field(default=None, init=False)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
+
+    def seal_due(self, step: int) -> bool:
+        return self.due(step + 1)
+
+    def _count(self, step: int) -> None:
+        if self._counted != step:
+            self._counted = step
+            self.checks += 1
+
+    def seal(self, model_parts, step: int, optimizers=()) -> None:
+        """After `step`'s update: fingerprint this rank's parameters and optimizer state; every rank keeps
+        every rank's digest (collective over the job)."""
+        fps = _state_fingerprints(model_parts, optimizers)
+        self._sealed = (step, _all_digests(fps), fps)
+
+    def verify_seal(self, model_parts, step: int, optimizers=()) -> bool:
+        """Before `step`'s update: raise SilentDataCorruption on every rank if any rank's parameters or
+        optimizer state changed since the seal of step - 1. False when there is no such seal (the first
+        check after a start or a rollback): nothing was compared. Collective over the job."""
+        import torch
+        import torch.distributed as dist
+
+        sealed, self._sealed = self._sealed, None
+        if sealed is None or sealed[0] != step - 1:
+            return False
+        _, then, mine_then = sealed
+        fps = _state_fingerprints(model_parts, optimizers)
+        now = _all_digests(fps)
+        self._count(step)
+        # Every rank compares every rank's digest with its own copy of the seal: the verdict does not rest
+        # on the corrupted rank's view of itself, and it is the same on every rank.
+        changed = (now != then).any(dim=1).nonzero().flatten().tolist()
+        if not changed:
+            return True
+        self.mismatches += 1
+        names = [n for n, fp in fps.items() if not torch.equal(fp, mine_then.get(n, fp))]
+        detail = f"{', '.join(names[:5])}{' …' if len(names) > 5 else ''}" if names else ""
+        details = [detail]
+        if dist.is_available() and dist.is_initialized():
+            details = [None] * dist.get_world_size()
+            dist.all_gather_object(details, detail)
+        where = "; ".join(f"rank {r}: {details[r]}" for r in changed if details[r])
+        raise SilentDataCorruption(step, changed, f"weights changed between the update of step {step - 1} and "
+                                   f"step {step}'s update, with no update in between" + (f" ({where})" if where else ""))
 
     def verify(self, model, step: int, loss=None, loss_group=None) -> None:
         """Collective over the replica groups of `model`'s parameters (and `loss_group` for the loss).
 
         Every rank of the job must call it at the same step. Raises SilentDataCorruption on *every* rank
         when any replica group disagrees, before the caller commits anything. Parameters without a
-        replicated mesh dimension (pure FSDP over one shard dim) have no second copy to compare.
+        replicated mesh dimension (plain FSDP over one shard dim) have no second copy here; `seal` and
+        `verify_seal` check those.
         """
         import torch
         import torch.distributed as dist
 
-        self.checks += 1
         # (group key) → (process group, [param names], [fingerprints]); DTensor params per replicated mesh dim.
         buckets: dict[tuple, tuple[Any, list[str], list]] = {}
         for name, p in model.named_parameters():
             local, dims = _local_and_replica_groups(p, self.group)
+            if not dims:
+                continue
             fp = tensor_fingerprint(local)
             for key, pg in dims:
                 buckets.setdefault(key, (pg, [], []))
                 buckets[key][1].append(name)
                 buckets[key][2].append(fp)
+        if buckets:
+            self._count(step)
 
         problems: list[tuple[list[int], str]] = []
         for key in sorted(buckets, key=repr):
@@ -301,8 +358,63 @@ class SdcCheck:
             ranks = flags[:world].nonzero().flatten().tolist()
             raise SilentDataCorruption(step, ranks, "; ".join(sorted({d for d in details if d})))
 
+    def describe(self, model_parts) -> str:
+        """What a check compares in this layout, for the start of a run."""
+        if self.every <= 0:
+            return "sdc: off (no weights are compared)"
+        import torch.distributed as dist
+
+        dims: set[str] = set()
+        for part in model_parts:
+            for _, p in part.named_parameters():
+                dims.update(key[0] for key, _ in _local_and_replica_groups(p, self.group)[1])
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        replicas = (f"copies compared across {', '.join(sorted(d.replace('plain', 'data parallel') for d in dims))}"
+                    if dims else "no replicated copies to compare in this layout")
+        return (f"sdc: every {self.every} steps: each rank's weights and optimizer state against their seal "
+                f"from the previous step's update (held by all {world} rank(s)); {replicas}")
+
     def metrics(self) -> dict[str, float]:
         return {"sdc_checks": self.checks, "sdc_mismatches": self.mismatches}
+
+
+def _state_fingerprints(model_parts, optimizers=()) -> dict:
+    """{name: fingerprint} of this rank's local parameters and their optimizer state tensors."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)  # noqa: E731
+    fps, names = {}, {}
+    for i, part in enumerate(model_parts):
+        prefix = f"{i}." if len(model_parts) > 1 else ""
+        for name, p in part.named_parameters():
+            names[id(p)] = prefix + name
+            fps[prefix + name] = tensor_fingerprint(local(p))
+    for opt in optimizers:
+        for p, state in opt.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    fps[f"{names.get(id(p), '?')}:{key}"] = tensor_fingerprint(local(value))
+    return fps
+
+
+def _all_digests(fps: dict):
+    """Every rank's digest of its fingerprints, [world, 2] int64 on CPU (a collective over the job)."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _comm_device(None) if dist.is_available() and dist.is_initialized() else torch.device("cpu")
+    if fps:
+        table = torch.stack([fp.to(dev) for fp in fps.values()])  # [n, 2]; optimizer steps may be on CPU
+        weights = torch.arange(1, table.shape[0] + 1, device=table.device, dtype=torch.int64)
+        mine = (table * weights[:, None]).sum(dim=0)  # order-sensitive: a change moves the sums
+    else:
+        mine = torch.zeros(2, dtype=torch.int64)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine.cpu()[None]
+    gathered = [torch.empty(2, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine.to(dev))
+    return torch.stack(gathered).cpu()
 
 
 def _local_and_replica_groups(p, default_group):
@@ -328,8 +440,9 @@ def _local_and_replica_groups(p, default_group):
 
 
 class GuardHooks:
-    """StepGuard before the optimizer step, SdcCheck and the GPU health probe after it; counters go into the
-    step's metrics record (the health report's GPUHealthy condition as `gpu_condition`).
+    """StepGuard before the optimizer step, SdcCheck around it (the seal before, the replicas after) and the
+    GPU health probe after it; counters go into the step's metrics record (the health report's GPUHealthy
+    condition as `gpu_condition`).
 
     A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
     data cursor, so the offending data window is skipped. The StepGuard's own state is not rolled back: its
@@ -344,9 +457,18 @@ class GuardHooks:
         self.sdc = SdcCheck(every=sdc_every)
         self.health_every = health_every
         self._gpus = None  # kiln.trainer.health.GpuMonitor, opened on first use
+        self._described = False  # the SDC check says once, at the first step, what it compares
         self.last: Decision | None = None
 
     def before_update(self, ctx) -> bool:
+        if not self._described:
+            self._described = True
+            if self.sdc.group is None and ctx.mesh is not None:  # plain-tensor params replicate over this
+                self.sdc.group = ctx.mesh["dp_replicate"].get_group()
+            if _is_rank_zero():
+                print(f"kiln: {self.sdc.describe(ctx.model_parts)}", flush=True)
+        if self.sdc.due(ctx.step):  # raises SilentDataCorruption (every rank) if any rank's state changed
+            self.sdc.verify_seal(ctx.model_parts, ctx.step, ctx.optimizers)
         d = self.guard.check(ctx.step, ctx.loss, ctx.grad_norm)
         self.last = d
         ctx.record.update(self.guard.metrics(), guard_action=d.action.value)
@@ -361,6 +483,8 @@ class GuardHooks:
             for part in ctx.model_parts:  # raises SilentDataCorruption (every rank) before anything is saved
                 self.sdc.verify(part, ctx.step, loss=ctx.loss)
             ctx.record.update(self.sdc.metrics())
+        if self.sdc.seal_due(ctx.step) and not ctx.rollback:  # a rollback reloads the weights: nothing to seal
+            self.sdc.seal(ctx.model_parts, ctx.step, ctx.optimizers)
         if self.health_every > 0 and ctx.step % self.health_every == 0:
             from kiln.trainer.health import GpuMonitor
 
