@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from kiln.api.contract import CONDITION_TYPES
 from kiln.api.presets import PRESETS
 
 GROUP = "kiln.dev"
@@ -391,7 +392,7 @@ class TrainingSpecStatus(ApiModel):
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="metav1.Conditions: SpecAccepted, PodsScheduled, PodsReady, Queued, Running, Suspended, Succeeded, Failed."
+        default_factory=list, description=f"metav1.Conditions: {', '.join(CONDITION_TYPES)}."
     )
     observed_generation: int | None = Field(
         None, ge=0, le=JSON_INT_MAX, description="The metadata.generation the operator acted on last."

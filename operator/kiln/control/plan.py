@@ -18,6 +18,8 @@ from kubeflow.training import ApiClient
 from kubeflow.training import models as k
 
 from kiln.api.presets import resolve_model
+from kiln.api import contract
+from kiln.api.contract import SPEC_FILE, SPEC_MOUNT, SPEC_PATH
 from kiln.api.layout import node_bounds, processes_per_node
 from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
@@ -29,8 +31,6 @@ from kiln.errors import KilnError
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
 SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
-SPEC_MOUNT = "/etc/kiln"
-SPEC_FILE = "spec.yaml"
 CONTAINER = "pytorch"  # the training-operator finds the container by this name
 GPU = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -39,7 +39,7 @@ KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClas
 RUN_LABEL = "kiln.dev/trainingspec"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.checkpoint)
+SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.shm_copy)
 # torchrun forwards SIGTERM to the ranks, then SIGKILLs them after PET_SHUTDOWN_TIMEOUT (its default: 30 s);
 # it must fit in the pod's grace period with this margin for torchrun's own exit.
 SHUTDOWN_MARGIN_S = 10
@@ -225,10 +225,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         tolerations.append(k.V1Toleration(key=GPU, operator="Exists", effect="NoSchedule"))
 
     env = [
-        k.V1EnvVar(name="KILN_RUN_NAME", value=run),
-        k.V1EnvVar(name="KILN_NAMESPACE", value_from=k.V1EnvVarSource(
+        k.V1EnvVar(name=contract.RUN_NAME, value=run),
+        k.V1EnvVar(name=contract.NAMESPACE, value_from=k.V1EnvVarSource(
             field_ref=k.V1ObjectFieldSelector(field_path="metadata.namespace"))),
-        k.V1EnvVar(name="KILN_SPEC", value=f"{SPEC_MOUNT}/{SPEC_FILE}"),
     ]
     if s.checkpoint.credentials_secret:  # by reference: the key never appears in any object kiln writes
         env += [k.V1EnvVar(name=key, value_from=k.V1EnvVarSource(
@@ -242,17 +241,17 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
                           value=str(max(1, config.termination_grace_seconds - SHUTDOWN_MARGIN_S))))
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
-    env.append(k.V1EnvVar(name="KILN_DATA_CACHE", value=f"{config.scratch_dir}/data"))
-    env.append(k.V1EnvVar(name="KILN_DATA_CACHE_BYTES", value=str(quantity_bytes(disk))))
+    env.append(k.V1EnvVar(name=contract.DATA_CACHE, value=f"{config.scratch_dir}/data"))
+    env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
     ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]
     if config.trainer_metrics_port:  # rank 0's Prometheus /metrics, on a named port for a PodMonitor
-        env.append(k.V1EnvVar(name="KILN_METRICS_PORT", value=str(config.trainer_metrics_port)))
+        env.append(k.V1EnvVar(name=contract.METRICS_PORT, value=str(config.trainer_metrics_port)))
         ports.append(k.V1ContainerPort(name="metrics", container_port=config.trainer_metrics_port))
     # A restarted container resumes from host memory instead of downloading (docs/checkpoints.md); not for
     # the scratch default, which is on this pod's disk already.
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
     if to_store:
-        env.append(k.V1EnvVar(name="KILN_SHM_DIR", value=SHM_DIR))
+        env.append(k.V1EnvVar(name=contract.SHM_DIR, value=SHM_DIR))
 
     container = k.V1Container(
         name=CONTAINER,
@@ -261,7 +260,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
         # that the training-operator sets from elasticPolicy and nprocPerNode.
         # `kiln torchrun`: torchrun, exiting 128+signal when the pod is stopped, so the ExitCode policy retries.
-        command=["kiln", "torchrun", "--no-python", "kiln", "train", "--config", f"{SPEC_MOUNT}/{SPEC_FILE}",
+        command=["kiln", "torchrun", "--no-python", "kiln", "train", "--config", SPEC_PATH,
                  "--output", f"{config.scratch_dir}/run"],
         env=env,
         ports=ports,

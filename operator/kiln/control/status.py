@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.api.contract import CONDITION_TYPES
 from kiln.control import goodput, kueue
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
@@ -119,6 +120,8 @@ def phase_of(spec: dict, job: dict | None, pods: list[dict]) -> str:
 def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, message: str,
                   now: str, generation: int | None) -> list[dict]:
     """metav1.Condition semantics: lastTransitionTime changes only when status does."""
+    if ctype not in CONDITION_TYPES:  # the types are a contract with users' tooling (kiln.api.contract)
+        raise ValueError(f"condition type {ctype!r} is not one of kiln.api.contract.CONDITION_TYPES")
     out = [c for c in conditions if c.get("type") != ctype]
     old = next((c for c in conditions if c.get("type") == ctype), None)
     when = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now

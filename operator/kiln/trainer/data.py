@@ -118,7 +118,7 @@ def check_cache_room(uri: str, root: Path, needed: int) -> None:
     mid-download and every restart would start over) or on the disk itself."""
     if needed <= 0:
         return
-    budget = os.environ.get("KILN_DATA_CACHE_BYTES")
+    budget = os.environ.get(contract.DATA_CACHE_BYTES)
     if budget:
         used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
         if used + needed > int(budget):

@@ -17,6 +17,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kiln.api import contract
+
 DEFAULT_PORT = 9400  # where the trainer pods' metrics live unless KILN_METRICS_PORT says otherwise
 
 # Record key -> gauge (name, help). One place to add a metric shown on the dashboard.
@@ -71,7 +73,7 @@ class TrainerExporter:
     def start(self, port: int | None = None, addr: str = "0.0.0.0") -> int:
         """Serve /metrics from a daemon thread; port 0 picks a free one. Returns the port served."""
         if port is None:
-            port = int(os.environ.get("KILN_METRICS_PORT", DEFAULT_PORT))
+            port = int(os.environ.get(contract.METRICS_PORT, DEFAULT_PORT))
         self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return self._server.server_port
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kiln.api import TrainingSpec
+from kiln.api import TrainingSpec, contract
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops,
@@ -301,7 +301,7 @@ class _NoCheckpoints:
 
 def _exporter(run: str):
     """Prometheus metrics on rank 0 when KILN_METRICS_PORT is set (the operator sets it in pods)."""
-    port = os.environ.get("KILN_METRICS_PORT")
+    port = os.environ.get(contract.METRICS_PORT)
     if not port:
         return None
     from kiln.trainer.exporter import TrainerExporter

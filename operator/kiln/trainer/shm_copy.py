@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from kiln.api import contract
 from kiln.storage.commit import Commit, sha256_file
 
 SHM_MANIFEST = "SHM.json"
@@ -19,7 +20,7 @@ def shm_dir(uri: str, rank: int) -> Path | None:
     """This rank's copy of the newest commit in host memory: <KILN_SHM_DIR>/<run>/rank-<r>, e.g. KILN_SHM_DIR=
     /dev/shm/kiln; None (off) when unset. Opt-in: a pod's /dev/shm is 64 MiB unless a memory-backed volume is
     mounted there. <run> hashes the checkpoint URI, so runs sharing a node never mix their copies."""
-    root = os.environ.get("KILN_SHM_DIR", "")
+    root = os.environ.get(contract.SHM_DIR, "")
     if root.strip().lower() in ("", "off", "0", "none", "false"):
         return None
     return Path(root) / hashlib.sha256(uri.encode()).hexdigest()[:16] / f"rank-{rank}"

@@ -23,6 +23,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
+from kiln.api import contract
 from kiln.api.spec import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kiln.status")
@@ -84,7 +85,7 @@ class StatusReporter:
     @classmethod
     def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None) -> StatusReporter:
         """Reports only on rank 0 and only when the pod's KILN_RUN_NAME and KILN_NAMESPACE are set."""
-        run, namespace = os.environ.get("KILN_RUN_NAME"), os.environ.get("KILN_NAMESPACE")
+        run, namespace = os.environ.get(contract.RUN_NAME), os.environ.get(contract.NAMESPACE)
         sender = StatusSender(run, namespace) if rank == 0 and run and namespace else None
         return cls(total_steps, sender=sender, restored=restored)
 

@@ -1,0 +1,36 @@
+"""The contract between the operator and the trainer pods, as names both sides import (DESIGN.md §4).
+
+The operator's plan (kiln.control.plan) sets the pod environment and mounts the spec; the trainer
+(kiln.trainer, through `kiln train`) reads them. The status subresource is written by both, each only
+its own fields (JSON merge patches): the operator's conditions come from CONDITION_TYPES. The layout
+arithmetic, the other half of the contract, is kiln.api.layout. Tests: tests/unit/test_contract.py.
+"""
+
+from __future__ import annotations
+
+# ---- the trainer pod: what the plan sets, what the trainer reads ----
+
+SPEC_MOUNT = "/etc/kiln"  # the ConfigMap `<run>-spec`, read-only
+SPEC_FILE = "spec.yaml"  # the resolved spec: `kiln train --config /etc/kiln/spec.yaml`
+SPEC_PATH = f"{SPEC_MOUNT}/{SPEC_FILE}"
+
+RUN_NAME = "KILN_RUN_NAME"  # the TrainingSpec whose status rank 0 patches (kiln.trainer.status_report)
+NAMESPACE = "KILN_NAMESPACE"  # its namespace (downward API)
+METRICS_PORT = "KILN_METRICS_PORT"  # rank 0 serves Prometheus /metrics on it (kiln.trainer.exporter); unset: none
+SHM_DIR = "KILN_SHM_DIR"  # each rank keeps a copy of the newest commit here (kiln.trainer.shm_copy); unset: none
+DATA_CACHE = "KILN_DATA_CACHE"  # where downloaded data shards are cached (kiln.trainer.data)
+DATA_CACHE_BYTES = "KILN_DATA_CACHE_BYTES"  # the pod's ephemeral-storage limit: data that cannot fit is refused
+
+# Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
+POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES)
+
+# ---- the status subresource: who writes which field ----
+
+OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput",
+                             "goodputDetail", "queue"})
+TRAINER_STATUS = frozenset({"step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
+                            "trainerTime"})
+
+# The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).
+CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",
+                   "Failed", "Elastic")
