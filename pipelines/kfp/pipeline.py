@@ -8,8 +8,13 @@
   publish   only when loss <= the parameter `max_eval_loss`: copies that checkpoint to a release location,
             COMMIT last, so readers see all of it or none
 
-validate, train and publish run in the kiln operator image (the kiln CLI and storage, without torch).
+A second pipeline, `kiln-prepare-train`, runs `kiln data prepare` first (raw .txt/.jsonl/.parquet under
+`inputs` → token shards at `data_uri`, which the spec's data.uri must name), then the same steps.
+
+validate, train and publish run in the kiln operator image (the kiln CLI and storage, without torch);
+prepare and evaluate in the trainer image (tokenizers, torch).
 Compile:  python pipelines/kfp/pipeline.py --out kiln-train.yaml   (then upload it to Kubeflow Pipelines)
+          python pipelines/kfp/pipeline.py --pipeline prepare-train --out kiln-prepare-train.yaml
 The pipeline's ServiceAccount needs RBAC to create and read TrainingSpecs; S3 credentials come from the
 Secret named by the parameter `credentials_secret` (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).
 """
@@ -30,6 +35,21 @@ def validate(spec: str):
         image=KILN_IMAGE,
         command=["sh", "-c", 'printf "%s" "$0" > /tmp/spec.yaml && kiln validate /tmp/spec.yaml'],
         args=[spec],
+    )
+
+
+@dsl.container_component
+def prepare(inputs: str, tokenizer: str, data_uri: str, endpoint: str, dedup: str):
+    """`kiln data prepare`: clean, deduplicate and tokenize `inputs` (space-separated files, folders, file:// or
+    s3:// prefixes) into token shards and a manifest at `data_uri`. A rerun skips the shards already written."""
+    return dsl.ContainerSpec(
+        image=TRAINER_IMAGE,
+        # set -f: the inputs are split on spaces, never expanded as globs
+        command=["sh", "-c", """
+set -euf
+kiln data prepare --input $0 --tokenizer "$1" --output "$2" --dedup "$4" ${3:+--endpoint "$3"}
+"""],
+        args=[inputs, tokenizer, data_uri, endpoint, dedup],
     )
 
 
@@ -90,11 +110,16 @@ def publish(checkpoint_uri: str, endpoint: str, step: int, release_uri: str) -> 
     return target.url(prefix + "/")
 
 
-@dsl.pipeline(name="kiln-train", description="Validate, train, evaluate and publish a kiln TrainingSpec.")
-def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, max_eval_loss: float, endpoint: str = "",
-               credentials_secret: str = "", timeout: str = "24h", eval_data: str = ""):
-    checked = validate(spec=spec)
-    trained = train(spec=spec, timeout=timeout).after(checked)
+def _use_s3_secret(task, credentials_secret: str) -> None:
+    kubernetes.use_secret_as_env(task, secret_name=credentials_secret, secret_key_to_env={
+        "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
+
+
+def _train_evaluate_publish(first, spec, checkpoint_uri, release_uri, max_eval_loss, endpoint, credentials_secret,
+                            timeout, eval_data) -> None:
+    """train → evaluate → publish behind the loss gate, after the task `first`; both pipelines end so.
+    Defined before them: @dsl.pipeline builds the graph when it decorates."""
+    trained = train(spec=spec, timeout=timeout).after(first)
     trained.set_caching_options(False)  # a training run is never "the same" as an earlier one
     scored = evaluate(spec=spec, checkpoint_uri=checkpoint_uri, endpoint=endpoint, eval_data=eval_data).after(trained)
     tasks = [scored]
@@ -105,15 +130,40 @@ def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, max_eval_loss: 
                              release_uri=release_uri))
     for task in tasks:
         task.set_caching_options(False)
-        kubernetes.use_secret_as_env(task, secret_name=credentials_secret, secret_key_to_env={
-            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
+        _use_s3_secret(task, credentials_secret)
+
+
+@dsl.pipeline(name="kiln-train", description="Validate, train, evaluate and publish a kiln TrainingSpec.")
+def kiln_train(spec: str, checkpoint_uri: str, release_uri: str, max_eval_loss: float, endpoint: str = "",
+               credentials_secret: str = "", timeout: str = "24h", eval_data: str = ""):
+    checked = validate(spec=spec)
+    _train_evaluate_publish(checked, spec, checkpoint_uri, release_uri, max_eval_loss, endpoint, credentials_secret,
+                            timeout, eval_data)
+
+
+@dsl.pipeline(name="kiln-prepare-train",
+              description="Prepare token shards from raw text, then validate, train, evaluate and publish.")
+def kiln_prepare_train(spec: str, inputs: str, tokenizer: str, data_uri: str, checkpoint_uri: str, release_uri: str,
+                       max_eval_loss: float, endpoint: str = "", credentials_secret: str = "", dedup: str = "exact",
+                       timeout: str = "24h", eval_data: str = ""):
+    checked = validate(spec=spec)  # a wrong spec fails in seconds, before hours of preparation
+    prepared = prepare(inputs=inputs, tokenizer=tokenizer, data_uri=data_uri, endpoint=endpoint,
+                       dedup=dedup).after(checked)
+    _use_s3_secret(prepared, credentials_secret)
+    _train_evaluate_publish(prepared, spec, checkpoint_uri, release_uri, max_eval_loss, endpoint, credentials_secret,
+                            timeout, eval_data)
+
+
+PIPELINES = {"train": kiln_train, "prepare-train": kiln_prepare_train}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Compile the kiln Kubeflow pipeline to its YAML IR.")
     parser.add_argument("--out", default="kiln-train.yaml", help="where to write the compiled pipeline")
+    parser.add_argument("--pipeline", choices=PIPELINES, default="train",
+                        help="train: validate → train → evaluate → publish; prepare-train: kiln data prepare first")
     args = parser.parse_args(argv)
-    compiler.Compiler().compile(kiln_train, package_path=args.out)
+    compiler.Compiler().compile(PIPELINES[args.pipeline], package_path=args.out)
 
 
 if __name__ == "__main__":

@@ -320,3 +320,39 @@ def test_github_workflow_finds_the_runs_name_in_the_spec():
                           env={**os.environ, "SPEC": str(REPO / "manifests" / "samples" / "quickstart.yaml")}, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "quickstart"
+
+
+@pytest.mark.slow  # cold: builds its tool once into $KILN_CACHE_DIR/tools
+def test_kfp_prepare_train_prepares_shards_before_training_with_the_real_kiln_data_prepare(kfp_python, tmp_path):
+    out = tmp_path / "kiln-prepare-train.yaml"
+    proc = run([kfp_python, KFP, "--pipeline", "prepare-train", "--out", out])
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(out.read_text()))
+    tasks = docs[0]["root"]["dag"]["tasks"]
+    after = {name: task.get("dependentTasks", []) for name, task in tasks.items()}
+    assert after == {"validate": [], "prepare": ["validate"], "train": ["prepare"], "evaluate": ["train"],
+                     "condition-1": ["evaluate"]}
+    assert {"exec-prepare", "exec-evaluate", "exec-publish"} <= set(
+        docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"])  # the S3 keys, by reference
+
+    # the compiled prepare container's own command, with its parameters filled in as the KFP launcher does
+    from tests.hf_models import make_tokenizer
+
+    tokenizer = tmp_path / "tokenizer.json"
+    make_tokenizer().save(str(tokenizer))
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text("The first document.")
+    (raw / "b.jsonl").write_text('{"text": "The second document."}\n{"text": "The second document."}\n')
+    (tmp_path / "c.txt").write_text("A third one, named on its own; its name has no glob in it *.")
+    container = docs[0]["deploymentSpec"]["executors"]["exec-prepare"]["container"]
+    assert container["image"].split("/")[-1].startswith("kiln-trainer:")  # tokenizers live in the trainer image
+    values = {"inputs": f"{raw} {tmp_path / 'c.txt'}", "tokenizer": f"file://{tokenizer}",
+              "data_uri": f"file://{tmp_path}/shards/", "endpoint": "", "dedup": "exact"}
+    args = [re.sub(r"\{\{\$\.inputs\.parameters\['(\w+)'\]\}\}", lambda m: values[m.group(1)], a)
+            for a in container["args"]]
+    proc = subprocess.run([*container["command"], *args], capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["documents_in"] == 4 and manifest["documents_out"] == 3  # one exact duplicate dropped

@@ -188,13 +188,13 @@ def open_store(
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise KilnError(f"checkpoint uri {uri!r}: file:// URIs need an absolute path, like file:///data/ckpt/")
+            raise KilnError(f"{uri!r}: file:// URIs need an absolute path, like file:///data/ckpt/")
         return FileStore(parsed.path)
     if parsed.scheme == "s3":
         from kiln.storage.s3 import S3Store  # the minio client only when S3 is used
 
         if not parsed.netloc:
-            raise KilnError(f"checkpoint uri {uri!r}: s3:// URIs name a bucket, like s3://checkpoints/run-1/")
+            raise KilnError(f"{uri!r}: s3:// URIs name a bucket, like s3://checkpoints/run-1/")
         return S3Store(
             bucket=parsed.netloc,
             prefix=parsed.path.lstrip("/"),
@@ -203,5 +203,5 @@ def open_store(
             **s3_options,
         )
     raise KilnError(
-        f"checkpoint uri {uri!r}: unknown scheme {parsed.scheme or '(none)'!r}; use s3://bucket/prefix/ or file:///path/"
+        f"{uri!r}: unknown scheme {parsed.scheme or '(none)'!r}; use s3://bucket/prefix/ or file:///path/"
     )
