@@ -12,7 +12,7 @@ def spec(**over) -> TrainingSpecSpec:
     doc = {"model": {"preset": "tiny"},
            "training": {"globalBatchSize": 3360, "microBatchSize": 1},  # whole for dp = 4 x (2..8)
            "parallelism": {"tensor": 2, "pipeline": 1},
-           "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "nvidia-h200"},
+           "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
            "elastic": {"minNodes": 2, "maxNodes": 8}}
     for path, value in over.items():
         d = doc
@@ -23,7 +23,7 @@ def spec(**over) -> TrainingSpecSpec:
     return TrainingSpecSpec.model_validate(doc)
 
 
-def gpu_nodes(n, free=8, gpu="nvidia-h200", **kw):
+def gpu_nodes(n, free=8, gpu="NVIDIA-H200", **kw):
     return [NodeView(f"n{i}", labels={el.GPU_PRODUCT_LABEL: gpu}, gpus_free=free, **kw) for i in range(n)]
 
 
@@ -46,10 +46,10 @@ def test_only_matching_nodes_with_enough_gpus_count():
     nodes = gpu_nodes(2) + gpu_nodes(3, gpu="nvidia-a100") + gpu_nodes(3, free=4)
     nodes = [NodeView(f"x{i}", labels=n.labels, gpus_free=n.gpus_free) for i, n in enumerate(nodes)]
     assert el.placeable_nodes(spec(), nodes) == ["x0", "x1"]
-    cordoned = [NodeView("c", labels={el.GPU_PRODUCT_LABEL: "nvidia-h200"}, gpus_free=8, unschedulable=True)]
+    cordoned = [NodeView("c", labels={el.GPU_PRODUCT_LABEL: "NVIDIA-H200"}, gpus_free=8, unschedulable=True)]
     assert el.placeable_nodes(spec(), cordoned) == []
     sel = spec(**{"resources.nodeSelector": {"pool": "a"}})
-    assert el.placeable_nodes(sel, [NodeView("p", labels={el.GPU_PRODUCT_LABEL: "nvidia-h200", "pool": "a"},
+    assert el.placeable_nodes(sel, [NodeView("p", labels={el.GPU_PRODUCT_LABEL: "NVIDIA-H200", "pool": "a"},
                                               gpus_free=8)] + gpu_nodes(2)) == ["p"]
 
 
@@ -172,7 +172,7 @@ def test_node_views_count_gpus_left_by_other_pods_and_readiness():
     from kiln.api.spec import TrainingSpec
 
     node = lambda name, ready, since=None: {  # noqa: E731
-        "metadata": {"name": name, "labels": {el.GPU_PRODUCT_LABEL: "nvidia-h200"}},
+        "metadata": {"name": name, "labels": {el.GPU_PRODUCT_LABEL: "NVIDIA-H200"}},
         "status": {"allocatable": {"nvidia.com/gpu": "8"},
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False",
                                    "lastTransitionTime": since or "2026-01-01T00:00:00Z"}]}}
