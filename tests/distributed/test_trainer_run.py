@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.trainer.exporter import GAUGES
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
 from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
 
@@ -112,3 +113,5 @@ def test_a_cluster_spec_runs_on_two_local_processes_with_its_global_batch(tmp_pa
     assert [r["step"] for r in records] == [1, 2]
     assert {(r["world"], r["tp"], r["dp_replicate"], r["dp_shard"]) for r in records} == {(2, 2, 1, 1)}
     assert records[-1]["tokens_seen"] == 2 * 48 * 32  # every step trained on the spec's 48 sequences
+    # every series the trainer's exporter offers is fed by these records (goodput and restarts never were)
+    assert set(GAUGES) <= set(records[-1])

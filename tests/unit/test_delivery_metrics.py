@@ -54,12 +54,12 @@ def test_a_reconcile_that_must_wait_is_a_retry_not_an_error():
 
 
 def test_trainingspecs_by_phase_follow_updates_and_deletes():
-    op.set_phase("t-ns", "a", "Pending")
-    op.set_phase("t-ns", "b", "Running")
-    op.set_phase("t-ns", "a", "Running")  # a phase change moves the run, it does not add one
+    op.observe_status("t-ns", "a", {"phase": "Pending"})
+    op.observe_status("t-ns", "b", {"phase": "Running"})
+    op.observe_status("t-ns", "a", {"phase": "Running"})  # a phase change moves the run, it does not add one
     assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Running") == 2
     assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Pending") == 0
-    op.set_phase("t-ns", "b", "Failed")
+    op.observe_status("t-ns", "b", {"phase": "Failed"})
     op.forget("t-ns", "a")
     assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Running") == 0
     assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Failed") == 1
@@ -67,8 +67,21 @@ def test_trainingspecs_by_phase_follow_updates_and_deletes():
     assert value("kiln_operator_trainingspecs", namespace="t-ns", phase="Failed") is None
 
 
+def test_each_runs_goodput_and_restarts_come_from_its_status_which_the_operator_writes():
+    op.observe_status("t-run", "a", {"phase": "Running", "goodput": 0.75, "restarts": 2})
+    op.observe_status("t-run", "b", {"phase": "Pending"})  # nothing accounted yet: no series, not a made-up 0
+    assert value("kiln_operator_run_goodput", namespace="t-run", run="a") == 0.75
+    assert value("kiln_operator_run_restarts", namespace="t-run", run="a") == 2
+    assert value("kiln_operator_run_goodput", namespace="t-run", run="b") is None
+    op.observe_status("t-run", "a", {"phase": "Restarting", "goodput": 0.7, "restarts": 3})
+    assert value("kiln_operator_run_restarts", namespace="t-run", run="a") == 3
+    op.forget("t-run", "a")
+    op.forget("t-run", "b")
+    assert value("kiln_operator_run_goodput", namespace="t-run", run="a") is None
+
+
 def test_operator_metrics_are_served_over_http():
-    op.set_phase("t-http", "run", "Succeeded")
+    op.observe_status("t-http", "run", {"phase": "Succeeded"})
     server, _ = op.serve(0, addr="127.0.0.1")
     try:
         samples = scrape(server.server_port)
@@ -85,7 +98,7 @@ def test_trainer_exporter_serves_each_steps_metrics():
     port = exporter.start(0, addr="127.0.0.1")
     try:
         exporter.observe({"step": 10, "loss": 3.25, "tokens_per_second": 1.5e5, "mfu": 0.41, "step_s": 0.3,
-                          "tokens_seen": 40960, "checkpoint_stall_s": 1.5, "goodput": 0.93, "restarts": 2})
+                          "tokens_seen": 40960, "checkpoint_stall_s": 1.5})
         exporter.observe({"step": 11, "loss": 3.0, "step_s": 0.5, "checkpoint_stall_s": 0.5,
                           "note": "text is ignored", "guard_skipped": True})
         samples = scrape(port)
@@ -95,8 +108,6 @@ def test_trainer_exporter_serves_each_steps_metrics():
     assert samples[("kiln_train_step", run)] == 11
     assert samples[("kiln_train_loss", run)] == 3.0
     assert samples[("kiln_train_mfu", run)] == pytest.approx(0.41)  # kept: the second record had none
-    assert samples[("kiln_train_goodput", run)] == pytest.approx(0.93)
-    assert samples[("kiln_train_restarts", run)] == 2
     assert samples[("kiln_train_checkpoint_stall_seconds_total", run)] == pytest.approx(2.0)  # summed
     assert samples[("kiln_train_step_seconds_count", run)] == 2
     assert samples[("kiln_train_step_seconds_sum", run)] == pytest.approx(0.8)
@@ -108,8 +119,8 @@ def test_two_exporters_do_not_share_state_and_unreported_metrics_are_absent():
     a.observe({"loss": 1.0})
     assert b.registry.get_sample_value("kiln_train_loss", {"run": "b"}) is None
     assert a.registry.get_sample_value("kiln_train_loss", {"run": "a"}) == 1.0
-    # goodput was never reported: no series rather than a made-up 0 on the dashboard
-    assert a.registry.get_sample_value("kiln_train_goodput", {"run": "a"}) is None
+    # mfu was never reported: no series rather than a made-up 0 on the dashboard
+    assert a.registry.get_sample_value("kiln_train_mfu", {"run": "a"}) is None
 
 
 def exported_names() -> set[str]:
@@ -117,7 +128,7 @@ def exported_names() -> set[str]:
     trainer = TrainerExporter("dash", registry=CollectorRegistry())
     trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0})
     with op.reconcile("t-dash"):
-        op.set_phase("t-dash", "x", "Running")
+        op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1})
     names = set()
     for registry in (op.REGISTRY, trainer.registry):
         names |= {s.name for family in registry.collect() for s in family.samples}

@@ -182,7 +182,7 @@ async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods
         sync.forget(_kube(), namespace, name)
         _due.pop((namespace, name), None)
     else:
-        metrics.set_phase(namespace, name, (body.get("status") or {}).get("phase") or "Pending")
+        metrics.observe_status(namespace, name, body.get("status") or {})
         _due.setdefault((namespace, name), time.monotonic() + TICK_S)
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the operator: reconciles, errors, reconcile latency and TrainingSpecs by phase.
+"""Prometheus metrics of the operator: reconciles, errors, reconcile latency, TrainingSpecs by phase, and each
+run's goodput and restarts (the status fields the operator owns: kiln.api.contract.OPERATOR_STATUS).
 
 Handlers call these functions; nothing here talks to Kubernetes. Metrics live in their own registry
 (`REGISTRY`), so a test can read them and a second operator in one process cannot collide with them;
@@ -44,27 +45,39 @@ DURATION = Histogram(
 
 
 class _Phases:
-    """The last phase seen of every TrainingSpec; collected as `kiln_operator_trainingspecs{namespace,phase}`.
+    """The last phase seen of every TrainingSpec; collected as `kiln_operator_trainingspecs{namespace,phase}`,
+    and its goodput and restarts as `kiln_operator_run_goodput` / `kiln_operator_run_restarts{namespace,run}`.
 
-    Keeping per-object phases (not counters) makes the gauge right after any sequence of updates, deletes
-    and operator restarts: a restarted operator re-learns every phase on its initial listing.
+    Keeping per-object values (not counters) makes the gauges right after any sequence of updates, deletes
+    and operator restarts: a restarted operator re-learns every run on its initial listing.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._phase: dict[tuple[str, str], str] = {}
+        self._run: dict[tuple[str, str], dict[str, float]] = {}  # goodput, restarts: only what status holds
 
-    def set(self, namespace: str, name: str, phase: str) -> None:
+    def set(self, namespace: str, name: str, phase: str, values: dict[str, float] | None = None) -> None:
         with self._lock:
             self._phase[(namespace, name)] = phase
+            if values is not None:
+                self._run[(namespace, name)] = values
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
             self._phase.pop((namespace, name), None)
+            self._run.pop((namespace, name), None)
 
     def collect(self):
         with self._lock:
             counts = Tally((ns, phase) for (ns, _), phase in self._phase.items())
+            runs = sorted(self._run.items())
+        for field, name, doc in RUN_GAUGES:
+            run_family = GaugeMetricFamily(name, doc, labels=["namespace", "run"])
+            for (ns, run), values in runs:
+                if field in values:
+                    run_family.add_metric([ns, run], values[field])
+            yield run_family
         family = GaugeMetricFamily(
             "kiln_operator_trainingspecs", "TrainingSpecs known to the operator, by namespace and phase.",
             labels=["namespace", "phase"],
@@ -75,6 +88,11 @@ class _Phases:
         yield family
 
 
+# status field -> (gauge, help): the run-level series of the dashboard that the operator, their writer, exports
+RUN_GAUGES = (
+    ("goodput", "kiln_operator_run_goodput", "Productive step time / wall time since the run was created (0..1)."),
+    ("restarts", "kiln_operator_run_restarts", "Times the run's PyTorchJob entered Restarting."),
+)
 _PHASES = _Phases()
 REGISTRY.register(_PHASES)
 
@@ -99,9 +117,11 @@ def reconcile(handler: str, retry: tuple[type[Exception], ...] = ()) -> Iterator
         DURATION.labels(handler).observe(time.perf_counter() - start)
 
 
-def set_phase(namespace: str, name: str, phase: str) -> None:
-    """Record the phase the operator last wrote (or read) for one TrainingSpec."""
-    _PHASES.set(namespace, name, phase)
+def observe_status(namespace: str, name: str, status: dict) -> None:
+    """Record a TrainingSpec's status as the apiserver holds it: its phase, goodput and restarts."""
+    values = {field: float(status[field]) for field, _, _ in RUN_GAUGES
+              if isinstance(status.get(field), (int, float)) and not isinstance(status.get(field), bool)}
+    _PHASES.set(namespace, name, status.get("phase") or "Pending", values)
 
 
 def forget(namespace: str, name: str) -> None:

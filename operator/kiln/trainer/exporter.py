@@ -5,8 +5,6 @@ exporter keeps the latest values. Keys it reads, all optional per record:
 
     step, loss, tokens_per_second, mfu, step_s, tokens_seen   every logged step
     checkpoint_stall_s   seconds this step blocked on a checkpoint (staging, or a synchronous save)
-    goodput              productive step time / wall time since the run started
-    restarts             restarts of the run so far (carried across restarts in trainer.json)
     data_mix             {source uri: realised share of the samples consumed} when data.sources mixes datasets
 """
 
@@ -28,9 +26,8 @@ GAUGES = {
     "tokens_per_second": ("kiln_train_tokens_per_second", "Training throughput over all ranks, tokens/s."),
     "mfu": ("kiln_train_mfu", "Model FLOPs utilisation of the last logged step (0..1)."),
     "tokens_seen": ("kiln_train_tokens_seen", "Tokens trained on since the start of the run."),
-    "goodput": ("kiln_train_goodput", "Productive step time / wall time since the run started (0..1)."),
-    "restarts": ("kiln_train_restarts", "Restarts of this run so far."),
 }
+# A run's goodput and restarts are the operator's (it sees the time no trainer runs): kiln.control.metrics.
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
