@@ -70,6 +70,8 @@ def apply_dry_run(kube: Kube, obj: dict) -> None:
         kube.core.create_namespaced_service_account(obj["metadata"]["namespace"], obj, dry_run="All")
     elif obj["kind"] == "Role":
         k8s.RbacAuthorizationV1Api(kube.api).create_namespaced_role(obj["metadata"]["namespace"], obj, dry_run="All")
+    elif obj["kind"] == "NetworkPolicy":
+        k8s.NetworkingV1Api(kube.api).create_namespaced_network_policy(obj["metadata"]["namespace"], obj, dry_run="All")
     elif obj["kind"] == "RoleBinding":
         k8s.RbacAuthorizationV1Api(kube.api).create_namespaced_role_binding(obj["metadata"]["namespace"], obj,
                                                                             dry_run="All")
@@ -283,7 +285,7 @@ def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
                  "metadata": {"name": "once", "namespace": namespace},
                  "spec": {"suspend": True, "resources": {"nodes": 1, "gpusPerNode": 1}}})
     objects = [without_owner(o) for o in plan(doc).objects]
-    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "PyTorchJob"]
     for obj in objects:
         stored = kube.apply(obj)
         assert (stored["kind"], stored["metadata"]["name"]) == (obj["kind"], obj["metadata"]["name"])

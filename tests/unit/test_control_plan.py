@@ -50,8 +50,9 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
     assert c["command"] == ["kiln", "torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml",
                             "--output", "/var/lib/kiln/run"]
     # no cpu/memory in the spec: the operator's defaults (a cpu request, memory request = limit)
-    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "4Gi"},
-                              "requests": {"nvidia.com/gpu": "8", "memory": "4Gi", "cpu": "1"}}
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "4Gi", "ephemeral-storage": "50Gi"},
+                              "requests": {"nvidia.com/gpu": "8", "memory": "4Gi", "ephemeral-storage": "50Gi",
+                                           "cpu": "1"}}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["serviceAccountName"] == "base-trainer"
@@ -101,7 +102,8 @@ def test_tolerations_affinity_and_node_selector_pass_through():
     assert pod["affinity"] == affinity
     assert pod["nodeSelector"] == {"pool": "h200", "nvidia.com/gpu.product": "NVIDIA-H200"}
     assert pod["tolerations"][0] == {"effect": "NoSchedule", "key": "dedicated", "operator": "Equal", "value": "ml"}
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi"}
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi",
+                                                          "ephemeral-storage": "50Gi"}
 
 
 def test_cpu_run_has_no_gpu_request_and_one_process_per_node():
@@ -128,7 +130,7 @@ def test_configmap_holds_the_resolved_spec_with_every_default():
 
 def test_owner_references_and_labels_on_every_object():
     objs = objects(BASE)
-    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"}
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "PyTorchJob"}
     for obj in objs.values():
         (owner,) = obj["metadata"]["ownerReferences"]
         assert owner == {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "name": "base", "uid": UID,
@@ -195,7 +197,7 @@ def test_render_cli_prints_applyable_yaml(capsys, tmp_path):
     path.write_text(yaml.safe_dump(BASE))
     assert main(["render", str(path), "-n", "team", "--image", "img:2"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "PyTorchJob"]
     assert all(d["metadata"]["namespace"] == "team" for d in docs)
     assert docs[-1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"] == "img:2"
 
@@ -278,3 +280,16 @@ def test_a_model_from_a_folder_renders_with_the_dimensions_left_to_the_trainer(t
     sample = tmp_path / "s.yaml"
     sample.write_text(yaml.safe_dump(raw))
     assert main(["render", str(sample)]) == 0
+
+
+def test_only_the_runs_own_pods_reach_its_pods_and_scrapers_reach_the_metrics_port():
+    policy = objects(BASE)["NetworkPolicy"]
+    run = BASE["metadata"]["name"]
+    mine = {"matchLabels": {"kiln.dev/trainingspec": run}}
+    assert policy["metadata"]["name"] == f"{run}-trainer" and policy["spec"]["podSelector"] == mine
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (S3, the apiserver) is left alone
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": mine}]},
+                                         {"ports": [{"protocol": "TCP", "port": OperatorConfig().trainer_metrics_port}]}]
+    # the pods it selects are the job's pods
+    labels = objects(BASE)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"]
+    assert labels["kiln.dev/trainingspec"] == run

@@ -18,7 +18,18 @@ SETTINGS = {
     "KILN_METRICS_PORT": ("metrics_port", 19090),
     "KILN_DEFAULT_CPU": ("default_cpu", "8"),
     "KILN_DEFAULT_MEMORY": ("default_memory", "64Gi"),
+    "KILN_DEFAULT_EPHEMERAL_STORAGE": ("default_ephemeral_storage", "2Ti"),
     "KILN_TRAINER_METRICS_PORT": ("trainer_metrics_port", 19400),
+}
+
+
+# The admin policy's variables -> (AdminPolicy field, a value to set, what the operator makes of it)
+POLICY_SETTINGS = {
+    "KILN_POLICY_IMAGE_PREFIXES": ("allowed_image_prefixes", "registry.corp/,ghcr.io/kiln-dev/",
+                                   ("registry.corp/", "ghcr.io/kiln-dev/")),
+    "KILN_POLICY_PRIORITY_CLASSES": ("allowed_priority_classes", "batch-low", ("batch-low",)),
+    "KILN_POLICY_FORBIDDEN_NODE_KEYS": ("forbidden_node_keys", "corp/reserved", ("corp/reserved",)),
+    "KILN_POLICY_ALLOW_TOLERATE_ALL": ("allow_tolerate_all", "true", True),
 }
 
 
@@ -30,7 +41,13 @@ def deployment_env() -> dict[str, str]:
 
 def test_every_deployment_variable_is_an_operator_setting():
     env = deployment_env()
-    assert set(env) == set(SETTINGS), "a variable the operator does not read, or a setting the chart lacks"
+    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS), \
+        "a variable the operator does not read, or a setting the chart lacks"
+    policy = OperatorConfig.from_env({name: raw for name, (_, raw, _) in POLICY_SETTINGS.items()}).policy
+    for name, (field, _, expected) in POLICY_SETTINGS.items():
+        assert getattr(policy, field) == expected, name
+    # the Deployment's policy is the operator's default policy
+    assert OperatorConfig.from_env(env).policy == OperatorConfig().policy
     config = OperatorConfig.from_env({name: str(value) for name, (_, value) in SETTINGS.items()})
     for name, (field, value) in SETTINGS.items():
         assert getattr(config, field) == value, name

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("render", help="print the objects the operator would create (YAML, offline)",
                        description="Print what the operator creates for a TrainingSpec: the trainer's "
-                       "ServiceAccount/Role/RoleBinding, the ConfigMap with the resolved spec and the PyTorchJob.")
+                       "ServiceAccount/Role/RoleBinding, the NetworkPolicy, the ConfigMap with the resolved spec and the PyTorchJob.")
     p.add_argument("file", metavar="FILE")
     p.add_argument("-n", "--namespace", help="namespace to render into (default: the file's, else 'default')")
     p.add_argument("--image", help="trainer image when spec.image is unset (default: the operator's)")

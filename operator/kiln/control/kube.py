@@ -28,6 +28,7 @@ PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
     (f"{GROUP}/{VERSION}", "TrainingSpec"): PLURAL,
 }

@@ -2,6 +2,7 @@
 
 One TrainingSpec becomes, all owned by it (deleting it deletes them):
   ServiceAccount/Role/RoleBinding `<name>-trainer`  rank 0 may get/patch this run's status, nothing else
+  NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: anyone)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
 Every object is a plain dict ready for server-side apply; reconciling twice applies the same dicts.
@@ -177,8 +178,22 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
 
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(n["configmap"]),
                  "data": {SPEC_FILE: yaml.dump(resolved_dict, Dumper=SafeDumper, sort_keys=False)}}
-    return Plan(objects=[*trainer_identity(meta.name, metadata), configmap,
+    return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
+                         configmap,
                          pytorchjob(resolved, observed, config, metadata)])
+
+
+def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
+    """Only this run's own pods may connect to its pods: the rendezvous store (torch's TCPStore has no
+    authentication) and the collectives' ports would otherwise take connections from any pod of any tenant.
+    Rank 0's metrics port stays open to scrapers. Enforced where the cluster's network plugin implements
+    NetworkPolicy; elsewhere the object is inert."""
+    pods = {"matchLabels": {RUN_LABEL: run}}
+    ingress: list[dict] = [{"from": [{"podSelector": pods}]}]
+    if config.trainer_metrics_port:
+        ingress.append({"ports": [{"protocol": "TCP", "port": config.trainer_metrics_port}]})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata(names(run)["trainer"]),
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
 def trainer_identity(run: str, metadata) -> list[dict]:
