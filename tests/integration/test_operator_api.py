@@ -286,33 +286,34 @@ def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
                  "spec": {"suspend": True, "resources": {"nodes": 1, "gpusPerNode": 1}}})
     objects = [without_owner(o) for o in plan(doc).objects]
     assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "PyTorchJob"]
+    cm_obj, job_obj = (next(o for o in objects if o["kind"] == kind) for kind in ("ConfigMap", "PyTorchJob"))
     for obj in objects:
         stored = kube.apply(obj)
         assert (stored["kind"], stored["metadata"]["name"]) == (obj["kind"], obj["metadata"]["name"])
         assert {(m["manager"], m["operation"]) for m in stored["metadata"]["managedFields"]} == {
             ("kiln-operator", "Apply")}
-    cm = objects[3]["metadata"]["name"]
-    spec_yaml = objects[3]["data"]["spec.yaml"]
+    cm = cm_obj["metadata"]["name"]
+    spec_yaml = cm_obj["data"]["spec.yaml"]
     kube.core.patch_namespaced_config_map(cm, namespace, {"data": {"spec.yaml": "edited"}})
 
     assert all(kube.apply(o) is None for o in objects)  # nothing sent: the edit stays
     assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == "edited"
 
-    bigger = copy.deepcopy(objects[4])
+    bigger = copy.deepcopy(job_obj)
     bigger["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 2
     assert kube.apply(bigger)["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2  # changed: sent
 
     kube.forget_applied(namespace, "once")
-    assert kube.apply(objects[3]) is not None
+    assert kube.apply(cm_obj) is not None
     assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == spec_yaml
 
     # Level-triggered after all: once resync_seconds have passed, an unchanged body is sent again, so an edit
     # (or a deletion) by someone else is repaired without an operator restart.
     kube.core.patch_namespaced_config_map(cm, namespace, {"data": {"spec.yaml": "edited again"}})
-    assert kube.apply(objects[3]) is None
+    assert kube.apply(cm_obj) is None
     resync, kube.resync_seconds = kube.resync_seconds, 0.0
     try:
-        assert kube.apply(objects[3]) is not None
+        assert kube.apply(cm_obj) is not None
     finally:
         kube.resync_seconds = resync
     assert kube.core.read_namespaced_config_map(cm, namespace).data["spec.yaml"] == spec_yaml
