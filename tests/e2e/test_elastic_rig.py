@@ -6,20 +6,18 @@ the node failure and shrinks the PyTorchJob to 1 worker; the node comes back →
 the reported step stops moving → the workers are restarted (hang detection). A phase plan switches the
 node count only once the boundary step is committed.
 
-The operator's part (reconcile, elastic_sync.tick) runs as the kiln-operator ServiceAccount with exactly the
-ClusterRole of manifests/rbac, so a verb missing there fails the test; the test itself observes, and plays
-the trainer's status reports, with the rig's admin credentials.
+The operator's part (reconcile, elastic_sync.tick) runs as an operator ServiceAccount with exactly the
+shipped RBAC (cluster-wide: manifests/rbac; namespaced: the chart with watchNamespaces), so a verb missing
+there fails the test; the test itself observes, and plays the trainer's status reports, with the rig's admin
+credentials.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.control import elastic_sync
@@ -30,29 +28,26 @@ from kiln.control.sync import reconcile
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_operator_api import install_crd
+from tests.integration.test_operator_lifecycle import shipped_rbac
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 
-RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac"
+
+@pytest.fixture(params=["cluster"])
+def scope(request) -> str:
+    return request.param
 
 
 @pytest.fixture
-def operator_kube(rig, namespace):
-    """A Kube client authenticated as the kiln-operator ServiceAccount (in `namespace`), bound to the
-    ClusterRole of manifests/rbac as shipped."""
-    binding = f"kiln-operator-{namespace}-{uuid.uuid4().hex[:4]}"
-    for path in sorted(RBAC.glob("operator-*.yaml")):
-        for obj in yaml.safe_load_all(path.read_text()):
-            if obj["kind"] == "ServiceAccount":
-                obj["metadata"]["namespace"] = namespace
-            elif obj["kind"] == "ClusterRoleBinding":
-                obj["metadata"]["name"] = binding
-                obj["subjects"] = [{"kind": "ServiceAccount", "name": "kiln-operator", "namespace": namespace}]
-            rig.apply(obj)
-    try:
-        yield Kube(api_client(str(rig.kubeconfig_for_service_account(namespace, "kiln-operator"))))
-    finally:
-        rig.kubectl("delete", "clusterrolebinding", binding, check=False)
+def operator_kube(rig, namespace, scope):
+    """A Kube client authenticated as an operator ServiceAccount (in `namespace`) with a shipped RBAC."""
+    with shipped_rbac(rig, namespace, scope) as (sa, _lease):
+        yield Kube(api_client(str(rig.kubeconfig_for_service_account(namespace, sa))))
+
+
+def watched(scope: str, namespace: str) -> list[str] | None:
+    """The namespaces the operator would watch under this install (None: all)."""
+    return None if scope == "cluster" else [namespace]
 
 
 def _spec(rig, namespace: str) -> dict:
@@ -91,13 +86,16 @@ def _wait_gpu_nodes_free(rig, kube: Kube, namespace: str) -> None:
     rig.wait_for("free kwok GPU nodes", free, timeout=SAFETY_TIMEOUT_S)
 
 
-def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, operator_kube):
+@pytest.mark.parametrize("scope", ["cluster", "namespaced"], indirect=True)
+def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, scope, operator_kube):
     install_crd(rig)
     kube = Kube(api_client(str(rig.kubeconfig)))  # the test's eyes (admin); the operator acts as operator_kube
     events: list = []
     post = lambda body, event: events.append(event)  # noqa: E731 - the handler posts Events via kopf
     config = OperatorConfig(image="kiln-trainer:rig")
     tuning = elastic_sync.Tuning(grace_s=0.0, grow_cooldown_s=0.0)
+    tick = lambda now_s: elastic_sync.tick(operator_kube, namespace, "elastic", config, post, now_s, tuning,  # noqa: E731
+                                           watched=watched(scope, namespace))
     bad = rig.gpu_nodes[1]
     with rig.exclusive_gpus():
         _wait_gpu_nodes_free(rig, kube, namespace)
@@ -107,7 +105,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             reconcile(operator_kube, body, config, post)
             rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2,
                          timeout=SAFETY_TIMEOUT_S)
-            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
+            summary = tick(time.time())
             assert "steady at 2" in summary and _workers(kube, namespace) == 2
             assert _condition(kube, namespace)["reason"] == "Steady"
 
@@ -117,7 +115,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
                               if p["metadata"]["name"] == victim)
             rig.set_node_ready(bad, False)
             rig.wait_for(f"{bad} NotReady", lambda: not rig.node_ready(bad), timeout=SAFETY_TIMEOUT_S)
-            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+            summary = tick(time.time() + 1)
             assert "shrink 2 → 1" in summary
             assert _workers(kube, namespace) == 1
             rig.wait_for(f"{victim} on {bad} gone", lambda: victim_uid not in {p["metadata"]["uid"]
@@ -135,7 +133,7 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
 
             rig.set_node_ready(bad, True)
             rig.wait_for(f"{bad} Ready", lambda: rig.node_ready(bad), timeout=SAFETY_TIMEOUT_S)
-            summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 2, tuning)
+            summary = tick(time.time() + 2)
             assert "grow 1 → 2" in summary and _workers(kube, namespace) == 2
             rig.wait_for("2 running workers again", lambda: len(_running_pods(kube, namespace)) == 2,
                          timeout=SAFETY_TIMEOUT_S)
@@ -146,10 +144,10 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
             t0 = time.time() + 10
             for i, step in enumerate((10, 20, 30)):
                 kube.patch_status(namespace, "elastic", {"step": step})
-                elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 10 * i, tuning)
-            elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 20 + 59, tuning)
+                tick(t0 + 10 * i)
+            tick(t0 + 20 + 59)
             assert not any(e.reason == "HangDetected" for e in events)
-            elastic_sync.tick(operator_kube, namespace, "elastic", config, post, t0 + 20 + 61, tuning)
+            tick(t0 + 20 + 61)
             hang = next(e for e in events if e.reason == "HangDetected")
             assert "no training step completed for 61s" in hang.message and "restart 1/10" in hang.message
             assert elastic_sync.state_of(kube.trainingspec(namespace, "elastic"))["restarts"] == 1

@@ -1,4 +1,5 @@
-"""The kiln operator on the rig, running as its own least-privilege ServiceAccount (manifests/rbac).
+"""The kiln operator on the rig, running as each shipped least-privilege ServiceAccount: cluster-wide
+(manifests/rbac, as `kubectl apply -k` installs it) and namespaced (the Helm chart with watchNamespaces).
 
 Real kube-apiserver, kube-scheduler, kube-controller-manager (garbage collection), the Kubeflow
 training-operator (PyTorchJob → pods) and kwok GPU nodes (pods run, fail or succeed on demand).
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,22 +34,27 @@ IMAGE = "kiln-trainer:rig"
 
 
 class Operator:
-    """`kiln operator` as a child process, authenticated as the kiln-operator ServiceAccount."""
+    """`kiln operator` as a child process, authenticated as an operator ServiceAccount (its kubeconfig).
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path):
-        self.kubeconfig, self.namespace, self.log = kubeconfig, namespace, log
+    lease: the leader election Lease ([NAMESPACE/]NAME) the ServiceAccount may use; env: extra settings
+    (POD_ID names the operator in the Lease)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, lease: str = "kiln-operator",
+                 env: dict[str, str] | None = None):
+        self.kubeconfig, self.namespace, self.log, self.lease = kubeconfig, namespace, log, lease
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.port = free_port()
 
     def start(self) -> None:
         self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1",
-               "KILN_METRICS_PORT": str(free_port())}  # several operators may run on this machine
+               "KILN_METRICS_PORT": str(free_port()), **self.env}  # several operators may run on this machine
         env.pop("KUBECONFIG", None)
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kiln.cli.main", "operator", "--kubeconfig", str(self.kubeconfig),
-                 "-n", self.namespace, "--health-port", str(self.port)],
+                 "-n", self.namespace, "--health-port", str(self.port), "--leader-lease", self.lease],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
         wait_until("the operator's /healthz", self.healthy, alive=lambda: self.proc.poll() is None, context=self.tail)
 
@@ -58,9 +65,9 @@ class Operator:
         except OSError:
             return False
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -74,34 +81,69 @@ class Operator:
         return "\n".join(self.log.read_text().splitlines()[-n:]) if self.log.exists() else ""
 
 
+@contextmanager
+def shipped_rbac(rig, ns: str, scope: str):
+    """The operator's shipped RBAC, bound to a ServiceAccount in `ns`; yields (ServiceAccount, Lease name).
+
+    cluster: manifests/rbac as `kubectl apply -k` installs it (a ClusterRoleBinding; the leader Role in
+    `ns` instead of kiln-system). namespaced: the Helm chart rendered with watchNamespaces=[ns] (the
+    ClusterRole bound in `ns` only, its cluster-scoped rules cluster-wide, the leader Role in `ns`)."""
+    from tests.integration.test_helm import render
+
+    cluster_scoped: list[tuple[str, str]] = []
+    if scope == "cluster":
+        sa, lease = "kiln-operator", "kiln-operator"
+        objs = [o for path in sorted(RBAC.glob("operator-*.yaml")) for o in yaml.safe_load_all(path.read_text())]
+        for obj in objs:
+            if obj["kind"] == "ClusterRoleBinding":
+                obj["metadata"]["name"] = f"kiln-operator-{ns}"
+            if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+                obj["metadata"]["namespace"] = ns
+            for subject in obj.get("subjects") or []:
+                subject["namespace"] = ns
+    else:
+        release = f"kiln-{ns[-6:]}"
+        objs = [o for o in render(rig, "--set", f"watchNamespaces={{{ns}}}", release=release, namespace=ns)
+                if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+                and not o["metadata"]["name"].endswith("-trainer")]
+        sa = lease = f"{release}-operator"
+    for obj in objs:
+        if obj["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            cluster_scoped.append((obj["kind"].lower(), obj["metadata"]["name"]))
+        rig.apply(obj)
+    try:
+        yield sa, lease
+    finally:
+        for kind, name in cluster_scoped:
+            if name != "kiln-operator":  # the ClusterRole shared by every cluster-wide test install
+                rig.kubectl("delete", kind, name, check=False)
+
+
+@pytest.fixture(scope="module", params=["cluster", "namespaced"])
+def scope(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def ns(rig):
-    name = f"kiln-op-{uuid.uuid4().hex[:6]}"
+def ns(rig, scope):
+    name = f"kiln-op-{scope[:2]}-{uuid.uuid4().hex[:6]}"
     rig.kubectl("create", "namespace", name)
     yield name
     rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
-def operator(rig, ns, tmp_path_factory):
-    """The operator with exactly the RBAC of manifests/rbac, bound to a ServiceAccount in `ns`."""
+def operator(rig, ns, scope, tmp_path_factory):
+    """The operator with exactly a shipped RBAC (shipped_rbac), as its ServiceAccount in `ns`."""
     install_crd(rig)
-    binding = f"kiln-operator-{ns}"
-    for path in sorted(RBAC.glob("*.yaml")):
-        for obj in yaml.safe_load_all(path.read_text()):
-            if obj["kind"] == "ServiceAccount":
-                obj["metadata"]["namespace"] = ns
-            elif obj["kind"] == "ClusterRoleBinding":
-                obj["metadata"]["name"] = binding
-                obj["subjects"] = [{"kind": "ServiceAccount", "name": "kiln-operator", "namespace": ns}]
-            rig.apply(obj)
-    kubeconfig = rig.kubeconfig_for_service_account(ns, "kiln-operator")
-    op = Operator(kubeconfig, ns, tmp_path_factory.mktemp("operator") / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    rig.kubectl("delete", "clusterrolebinding", binding, check=False)
-    print(f"--- operator log (tail) ---\n{op.tail()}")
+    with shipped_rbac(rig, ns, scope) as (sa, lease):
+        kubeconfig = rig.kubeconfig_for_service_account(ns, sa)
+        op = Operator(kubeconfig, ns, tmp_path_factory.mktemp("operator") / "operator.log", lease=f"{ns}/{lease}")
+        op.service_account = sa
+        op.start()
+        yield op
+        op.stop()
+        print(f"--- operator log (tail) ---\n{op.tail()}")
 
 
 def get(rig, ns: str, kind: str, name: str) -> dict | None:
@@ -305,7 +347,16 @@ def test_change_the_job_cannot_absorb_is_refused_not_half_applied(rig, ns, opera
 
 
 def test_missing_secret_is_reported_and_the_run_starts_once_it_exists(rig, ns, operator):
+    # The shipped RBAC reads no Secrets (the pod reports a missing one: ContainerConfigError). An admin who
+    # wants the run held back before any pod grants `get` on the named Secret, and only that one.
     name = "needs-secret"
+    grant = {"apiVersion": "rbac.authorization.k8s.io/v1", "metadata": {"name": "kiln-reads-late-secret",
+                                                                       "namespace": ns}}
+    rig.apply({**grant, "kind": "Role", "rules": [{"apiGroups": [""], "resources": ["secrets"],
+                                                   "resourceNames": ["late-secret"], "verbs": ["get"]}]})
+    rig.apply({**grant, "kind": "RoleBinding",
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "kiln-reads-late-secret"},
+               "subjects": [{"kind": "ServiceAccount", "name": operator.service_account, "namespace": ns}]})
     submit(rig, ns, small_run(name, checkpoint={"uri": "s3://kiln/needs-secret/", "endpoint": rig.s3_endpoint,
                                                 "credentialsSecret": "late-secret"}))
     cond = rig.wait_for("SecretMissing", lambda: (c := condition(rig, ns, name, "SpecAccepted")).get(
@@ -365,3 +416,18 @@ def test_invalid_spec_is_refused_by_kiln_submit_and_the_apiserver(rig, ns, opera
     proc = rig.kubectl("apply", "-n", ns, "-f", str(path), check=False)
     assert proc.returncode != 0 and "spec.parallelism.tensor" in proc.stderr
     assert "must divide the processes per node" in proc.stderr
+
+
+def test_the_elastic_loop_acts_under_this_service_account(rig, ns, operator):
+    # The operator's own periodic tick (no test calls it): a 1-node run that may grow to 2 grows once two
+    # matching nodes have a free GPU. Namespaced, the loop reads pods only in its namespaces and nodes
+    # cluster-wide; before, it listed every namespace's pods and got 403 on each tick.
+    name = "grows"
+    submit(rig, ns, small_run(name, elastic={"minNodes": 1, "maxNodes": 2}))
+    cond = rig.wait_for("Elastic Grow", lambda: (c := condition(rig, ns, name, "Elastic")).get("reason") == "Grow"
+                        and c, timeout=SAFETY_TIMEOUT_S)
+    assert "grow 1 → 2" in cond["message"]
+    rig.wait_for("2 workers", lambda: get(rig, ns, "pytorchjob", name)["spec"]["pytorchReplicaSpecs"]["Worker"]
+                 ["replicas"] == 2, timeout=SAFETY_TIMEOUT_S)
+    assert any(e["reason"] == "Scaling" for e in events(rig, ns, name))
+    assert "periodic tick failed" not in operator.log_since_start()

@@ -20,6 +20,7 @@ SETTINGS = {
     "KILN_DEFAULT_MEMORY": ("default_memory", "64Gi"),
     "KILN_DEFAULT_EPHEMERAL_STORAGE": ("default_ephemeral_storage", "2Ti"),
     "KILN_TRAINER_METRICS_PORT": ("trainer_metrics_port", 19400),
+    "KILN_LEADER_LEASE": ("leader_lease", "team-a/kiln-operator-a"),
 }
 
 

@@ -168,7 +168,8 @@ def test_decision_is_always_within_bounds_and_whole_groups(ppn, tp_i, pp, lo, sp
 
 
 def test_node_views_count_gpus_left_by_other_pods_and_readiness():
-    from kiln.control.elastic_sync import carried_nodes, node_views
+    from kiln.control.elastic_state import carried_nodes
+    from kiln.control.elastic_sync import node_views
     from kiln.api.spec import TrainingSpec
 
     node = lambda name, ready, since=None: {  # noqa: E731

@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--health-port", type=int, default=None,
                    help="serve GET /healthz on this port (default: $KILN_HEALTH_PORT or 8080; 0 disables)")
     p.add_argument("--image", help="default trainer image (default: $KILN_TRAINER_IMAGE or kiln's release image)")
+    p.add_argument("--leader-lease", metavar="[NAMESPACE/]NAME",
+                   help="the Lease that decides which operator acts (default: $KILN_LEADER_LEASE, else "
+                        "kiln-operator in the pod's namespace, the first --namespace, or kiln-system)")
     p.set_defaults(func=operator)
 
 
@@ -319,5 +322,5 @@ def operator(args) -> int:
     health = f"http://0.0.0.0:{port}/healthz" if port else None
     print(f"kiln operator: watching {', '.join(args.namespaces) if args.namespaces else 'all namespaces'}"
           + (f"; health on :{port}/healthz" if health else ""), file=sys.stderr)
-    run(namespaces=args.namespaces, kubeconfig=args.kubeconfig, config=config, health=health)
+    run(namespaces=args.namespaces, kubeconfig=args.kubeconfig, config=config, health=health, lease=args.leader_lease)
     return 0

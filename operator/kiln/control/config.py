@@ -39,6 +39,12 @@ class OperatorConfig:
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
     # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.exporter); 0: no trainer metrics.
     trainer_metrics_port: int = 9400
+    # Every run's objects are applied again this often (periodic resync): what someone else deleted or
+    # changed in the fields kiln sets comes back. A deleted PyTorchJob is re-created at once (its watch).
+    resync_seconds: float = 300.0
+    # `[NAMESPACE/]NAME` of the Lease that decides which operator acts (kiln.control.leader.location);
+    # empty: kiln-operator in the operator's namespace.
+    leader_lease: str = ""
 
     # What a namespace user may put into trainer pods (images, priority classes, nodes); kiln.control.policy
     policy: AdminPolicy = AdminPolicy()  # frozen: one shared default is safe
@@ -58,6 +64,8 @@ class OperatorConfig:
             ("health_port", "KILN_HEALTH_PORT", int),
             ("metrics_port", "KILN_METRICS_PORT", int),
             ("trainer_metrics_port", "KILN_TRAINER_METRICS_PORT", int),
+            ("resync_seconds", "KILN_RESYNC_SECONDS", float),
+            ("leader_lease", "KILN_LEADER_LEASE", str),
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])

@@ -1,27 +1,27 @@
 """The elastic loop's I/O: read nodes and pods → kiln.control.elastic (pure) → apply, patch, post Events.
 
-Called by a kopf timer (kiln.control.handlers) every few seconds per TrainingSpec, and by tests directly.
-The operator's own elastic state (the node count it chose, when, and which nodes failed the job) lives in
-the annotation `kiln.dev/elastic-state` of the TrainingSpec, so an operator restart continues where it was; the
-decision and its reason are the `Elastic` condition in status and an Event.
+Called by the operator's periodic tick (kiln.control.handlers) every 15 s per TrainingSpec, and by tests
+directly. The operator's own elastic state (the node count it chose, when, and which nodes failed the job)
+lives in the annotation `kiln.dev/elastic-state` of the TrainingSpec (kiln.control.elastic_state), so an
+operator restart continues where it was; the decision and its reason are the `Elastic` condition in status
+and an Event. Every request goes through kiln.control.kube.Kube.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from kiln.api.spec import TrainingSpec
 from kiln.control import elastic
 from kiln.control.config import OperatorConfig
-from kiln.control.kube import Kube
+from kiln.control.elastic_state import ANNOTATION, encode, state_of  # noqa: F401 (state_of: for tests)
+from kiln.control.kube import Kube, now
 from kiln.control.plan import GPU, RUN_LABEL, Observed, plan
 from kiln.control.status import Event, job_condition, set_condition
-
-ANNOTATION = "kiln.dev/elastic-state"  # not kiln.dev/<handler-id>: kopf keeps its progress there
 
 
 @dataclass(frozen=True)
@@ -30,26 +30,6 @@ class Tuning:
     grow_cooldown_s: float = 300.0  # between a change and the next growth
     hang_factor: float = 10.0  # no step for this many x p99 step time → restart
     hang_floor_s: float = 60.0
-
-
-def state_of(body: dict) -> dict:
-    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
-    try:
-        return json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return {}
-
-
-def carried_nodes(body: dict, doc: TrainingSpec) -> int | None:
-    """The node count the elastic loop chose, if it still fits the (possibly edited) spec; for plan()."""
-    n = state_of(body).get("nodes")
-    lo, hi = elastic.bounds(doc.spec)
-    return n if isinstance(n, int) and lo <= n <= hi and elastic.valid_node_count(doc.spec, n) else None
-
-
-def carried_avoid(body: dict) -> tuple[str, ...]:
-    """Nodes the elastic loop avoids for this run; for plan()."""
-    return tuple(elastic.nodes_to_avoid(state_of(body).get("nodeFailures") or {}))
 
 
 def _time(ts: str | None) -> float | None:
@@ -80,16 +60,15 @@ def node_views(nodes: list[dict], pods: list[dict], run: tuple[str, str]) -> lis
     return out
 
 
-def _list(call, **kw) -> list[dict]:
-    return json.loads(call(_preload_content=False, **kw).data)["items"]
-
-
 def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float,
-         tuning: Tuning = Tuning()) -> str:
-    """One pass of the elastic loop for one run; returns a one-line summary."""
-    from kiln.control.sync import _locks, now  # one lock per run, shared with reconcile
+         tuning: Tuning = Tuning(), watched: list[str] | None = None) -> str:
+    """One pass of the elastic loop for one run; returns a one-line summary.
 
-    with _locks[(namespace, name)]:
+    watched: the namespaces the operator serves (None: all). GPUs in use are counted from the pods it may
+    list: all of them cluster-wide; under a namespaced install only the watched namespaces' pods, so GPUs
+    that other namespaces' pods hold look free (docs/security.md, item 2).
+    """
+    with kube.runs[(namespace, name)].lock:
         body = kube.trainingspec(namespace, name)
         if body is None:
             return f"{namespace}/{name}: gone"
@@ -101,8 +80,8 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         if doc.spec.suspend or job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
             return f"{namespace}/{name}: not running"
         state = state_of(body)
-        all_pods = _list(kube.core.list_pod_for_all_namespaces)
-        views = node_views(_list(kube.core.list_node), all_pods, (namespace, name))
+        all_pods = kube.pods_in(watched)
+        views = node_views(kube.nodes(), all_pods, (namespace, name))
         ours = [p for p in all_pods if (p["metadata"].get("namespace"), (p["metadata"].get("labels") or {})
                                          .get(RUN_LABEL)) == (namespace, name)]
 
@@ -113,7 +92,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         failed_nodes = []
         for pod, reason in stuck:
             node = next(p["spec"].get("nodeName") for p in ours if p["metadata"]["name"] == pod)
-            kube.core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+            kube.delete_pod(namespace, pod, grace_period_seconds=0)
             post(body, Event("Warning", "PodForceDeleted", f"pod {pod}: {reason}; force-deleted"))
             failed_nodes.append(node)
         failures = elastic.record_node_failures(state.get("nodeFailures") or {}, failed_nodes)
@@ -131,23 +110,25 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         new_state = {**state, "nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
                      "lastChange": now_s if decision.changed else state.get("lastChange")}
         new_state.update(_hang_check(kube, body, doc, state, ours, now_s, tuning, post))
+        cond = ("True", ("Shrink" if decision.nodes < current else "Grow") if decision.changed else
+                ("WaitingForCapacity" if decision.reason.startswith("waiting") else "Steady"), decision.reason)
         if decision.changed or avoid != elastic.nodes_to_avoid(state.get("nodeFailures") or {}):
-            applied = kube.applied_spec(namespace, name)
-            desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
-                                            avoid_nodes=tuple(avoid)), config)
-            if desired.refused is None:
-                for obj in desired.objects:
+            try:
+                applied = kube.applied_spec(namespace, name)
+                desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
+                                             avoid_nodes=tuple(avoid)), config)
+                for obj in desired.objects if desired.refused is None else ():
                     kube.apply(obj)
-            if decision.changed:
-                post(body, Event("Normal", "Scaling", decision.reason))
+            except ApiException as err:  # not recorded as done: the next tick decides (and tries) again
+                cond = ("False", "ApplyFailed", f"{decision.reason}; not applied: {err.status} {err.reason}")
+                new_state = {**new_state, "nodes": state.get("nodes"), "lastChange": state.get("lastChange")}
+            else:
+                if decision.changed:
+                    post(body, Event("Normal", "Scaling", decision.reason))
         if new_state != state:
-            kube.custom.patch_namespaced_custom_object(
-                "kiln.dev", "v1alpha1", namespace, "trainingspecs", name,
-                {"metadata": {"annotations": {ANNOTATION: json.dumps(new_state, sort_keys=True)}}})
-        reason = ("Shrink" if decision.nodes < current else "Grow") if decision.changed else \
-            ("WaitingForCapacity" if decision.reason.startswith("waiting") else "Steady")
+            kube.patch_annotations(namespace, name, {ANNOTATION: encode(new_state)})
         old = body.get("status") or {}
-        conditions = set_condition(list(old.get("conditions") or []), "Elastic", "True", reason, decision.reason,
+        conditions = set_condition(list(old.get("conditions") or []), "Elastic", *cond,
                                    now(), old.get("observedGeneration"))
         if conditions != (old.get("conditions") or []):
             kube.patch_status(namespace, name, {"conditions": conditions})
@@ -176,7 +157,7 @@ def _hang_check(kube: Kube, body: dict, doc: TrainingSpec, state: dict, pods: li
                                        why)
     if verdict.action == "restart":
         for p in pods:  # the training-operator recreates them; the trainers resume from the last commit
-            kube.core.delete_namespaced_pod(p["metadata"]["name"], namespace)
+            kube.delete_pod(namespace, p["metadata"]["name"])
         post(body, Event("Warning", "HangDetected", verdict.reason))
         return {"restarts": restarts + 1, "lastRestart": now_s,
                 "progress": {**prog, "time": now_s}}  # the restarted job gets a fresh window

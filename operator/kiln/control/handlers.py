@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control import elastic_sync, metrics, sync
+from kiln.control import elastic_sync, leader, metrics, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import RUN_LABEL
 from kiln.control.status import Event
 
+# The process's singletons: config, the Kube client (which holds every run's state, kube.runs), kopf's
+# indexes for the ticks, the watched namespaces (None: all) and the tick task.
 _state: dict = {}
 # Threads running the handlers (kopf's executor). A reconcile spends most of its time waiting for the
 # apiserver, so a burst of new runs drains faster with many in flight; each thread keeps its connection.
@@ -31,7 +34,7 @@ def _kube() -> Kube:
     if "kube" not in _state:
         config: OperatorConfig = _state.setdefault("config", OperatorConfig.from_env())
         _state["kube"] = Kube(api_client(_state.get("kubeconfig"), connections=WORKERS + TICK_WORKERS),
-                              field_manager=config.field_manager)
+                              field_manager=config.field_manager, resync_seconds=config.resync_seconds)
     return _state["kube"]
 
 
@@ -95,24 +98,48 @@ def _pods(index: kopf.Index, key: tuple[str, str]) -> list[dict]:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body, namespace, name, logger, run_pods: kopf.Index, **_) -> None:
+def reconcile(body, namespace, name, logger, retry: int, run_pods: kopf.Index, **_) -> None:
     # kopf's body is the TrainingSpec as this event delivered it: nothing to read again
     try:
         with metrics.reconcile("spec", retry=(sync.Wait,)):
             logger.info(sync.reconcile(_kube(), dict(body), _state["config"], _post,
                                        pods=_pods(run_pods, (namespace, name))))
     except sync.Wait as wait:
-        raise kopf.TemporaryError(str(wait), delay=10) from None
+        delay = sync.backoff_s(retry)
+        raise kopf.TemporaryError(f"{namespace}/{name}: {wait}; retry {retry + 1} in {delay:.0f}s",
+                                  delay=delay) from None
+    except Exception as err:  # a bug or a broken connection: kopf's own retry would wait a fixed 60 s
+        delay = sync.backoff_s(retry)
+        logger.exception("reconcile failed")
+        raise kopf.TemporaryError(f"{namespace}/{name}: {type(err).__name__}: {err}; retry {retry + 1} in "
+                                  f"{delay:.0f}s", delay=delay) from None
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
-def job_changed(type, body, namespace, labels, run_pods: kopf.Index, **_) -> None:
+def job_changed(type, body, namespace, labels, run_pods: kopf.Index, logger, **_) -> None:
     key = (namespace, labels[RUN_LABEL])
-    job = None if type == "DELETED" else dict(body)
-    if job is not None and not sync.job_unseen(*key, job):
+    if type == "DELETED":
+        _job_deleted(*key, logger)
+        return
+    job = dict(body)
+    if not sync.job_unseen(_kube(), *key, job):
         return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
         sync.refresh_status(_kube(), *key, _post, job=job, pods=_pods(run_pods, key))
+
+
+def _job_deleted(namespace: str, name: str, logger) -> None:
+    """Someone deleted a run's PyTorchJob: make it again at once (a TrainingSpec being deleted, or gone,
+    takes its job with it: then nothing is made)."""
+    kube = _kube()
+    body = kube.trainingspec(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        with metrics.reconcile("job", retry=(sync.Wait,)):
+            logger.info(sync.reconcile(kube, body, _state["config"], _post, resync=True))
+    except sync.Wait as wait:  # SpecAccepted says why; the periodic resync tries again
+        logger.warning(f"re-creating the PyTorchJob: {wait}")
 
 
 @kopf.on.event("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
@@ -122,42 +149,49 @@ def pod_changed(namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, *
         sync.refresh_status(_kube(), *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
 
 
-# Every run's periodic tick: the elastic loop and a status refresh (goodput counts on while nothing else
-# changes: pending, suspended). Not a kopf.timer: kopf puts a finalizer on every object that has one, which
-# costs each new run a PATCH and a watch round trip before its reconcile, and leaves deleting a run waiting
-# for the operator. One asyncio task hands due runs to a few threads instead, TICK_S after each run was
-# first seen and then every TICK_S (as the timer did).
+# Every run's periodic tick: the elastic loop, the periodic resync (every resync_seconds each object of the
+# run is applied again, which puts back what someone else deleted or changed), and a status refresh (goodput
+# counts on while nothing else changes: pending, suspended). Not a kopf.timer: kopf puts a finalizer on every
+# object that has one, which costs each new run a PATCH and a watch round trip before its reconcile, and
+# leaves deleting a run waiting for the operator. One asyncio task hands due runs to a few threads instead,
+# TICK_S after each run was first seen and then every TICK_S (as the timer did).
 TICK_S = 15.0
-_due: dict[tuple[str, str], float] = {}  # run → when its next tick is due (time.monotonic)
-_ticking: set[tuple[str, str]] = set()  # never two ticks of one run at once
 _log = logging.getLogger("kiln.operator")
 
 
 def tick(namespace: str, name: str) -> None:
     key = (namespace, name)
+    kube, config = _kube(), _state["config"]
     run_jobs, run_pods = _state["indexes"]
     try:
         # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
         with metrics.reconcile("elastic"):
-            elastic_sync.tick(_kube(), namespace, name, _state["config"], _post, time.time())
+            elastic_sync.tick(kube, namespace, name, config, _post, time.time(), watched=_state.get("namespaces"))
+        body = kube.last_spec(namespace, name)  # as the elastic tick just read it
+        if body is not None and time.monotonic() - kube.runs[key].reconciled_at >= kube.resync_seconds:
+            with metrics.reconcile("resync", retry=(sync.Wait,)):
+                try:
+                    sync.reconcile(kube, body, config, _post, pods=_pods(run_pods, key), resync=True)
+                except sync.Wait as wait:  # SpecAccepted says why; the next resync tries again
+                    _log.warning("%s/%s: resync: %s", namespace, name, wait)
         with metrics.reconcile("status"):
-            sync.refresh_status(_kube(), *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
+            sync.refresh_status(kube, *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
     except Exception:  # counted by metrics.reconcile; the next tick tries again
         _log.exception("%s/%s: periodic tick failed", namespace, name)
     finally:
-        _ticking.discard(key)
+        kube.runs[key].ticking = False
 
 
 async def _tick_due_runs() -> None:
     loop = asyncio.get_running_loop()
+    runs = _kube().runs
     with ThreadPoolExecutor(max_workers=TICK_WORKERS, thread_name_prefix="kiln-tick") as pool:
         while True:
             await asyncio.sleep(1)
             now = time.monotonic()
-            for key, due in list(_due.items()):
-                if due <= now and key not in _ticking and "indexes" in _state:
-                    _due[key] = now + TICK_S
-                    _ticking.add(key)
+            for key, run in runs.items():
+                if run.due is not None and run.due <= now and not run.ticking and "indexes" in _state:
+                    run.due, run.ticking = now + TICK_S, True
                     loop.run_in_executor(pool, tick, *key)
 
 
@@ -179,25 +213,71 @@ async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods
     _state.setdefault("indexes", (run_jobs, run_pods))  # kopf's live indexes, for the ticks
     if type == "DELETED":
         metrics.forget(namespace, name)
-        sync.forget(_kube(), namespace, name)
-        _due.pop((namespace, name), None)
+        _kube().runs.forget((namespace, name))
     else:
         metrics.observe_status(namespace, name, body.get("status") or {})
-        _due.setdefault((namespace, name), time.monotonic() + TICK_S)
+        run = _kube().runs[(namespace, name)]
+        if run.due is None:
+            run.due = time.monotonic() + TICK_S
+            run.reconciled_at = run.reconciled_at or time.monotonic()  # the resume/create handler reconciles now
 
 
 def run(namespaces: list[str] | None = None, kubeconfig: str | None = None,
-        config: OperatorConfig | None = None, health: str | None = None) -> None:
-    """Run the operator until interrupted. health: e.g. http://0.0.0.0:8080/healthz (None: no endpoint)."""
+        config: OperatorConfig | None = None, health: str | None = None, lease: str | None = None) -> None:
+    """Run the operator until interrupted. health: e.g. http://0.0.0.0:8080/healthz (None: no endpoint).
+    lease: `[NAMESPACE/]NAME` of the leader election Lease (kiln.control.leader.location)."""
     _state["config"] = config or OperatorConfig.from_env()
     _state["kubeconfig"] = kubeconfig
-    _kube()  # fail early, with a message, on missing credentials
+    _state["namespaces"] = list(namespaces) if namespaces else None
+    kube = _kube()  # fail early, with a message, on missing credentials
     kopf.configure(verbose=False)  # INFO: one line per handled spec change, resume and retry
     if _state["config"].metrics_port:
         metrics.serve(_state["config"].metrics_port)
-    asyncio.run(kopf.operator(
-        standalone=True,  # no peering objects; run one replica (leader election is the Deployment's job)
-        clusterwide=not namespaces,
-        namespaces=namespaces or [],
-        liveness_endpoint=health,
-    ))
+    env = dict(os.environ)
+    where = leader.location(lease or _state["config"].leader_lease, env, leader.sa_namespace(), namespaces)
+    elector = leader.Elector(kube, *where, leader.identity(env))
+    asyncio.run(_lead_then_operate(elector, namespaces, health))
+    if elector.lost:
+        raise SystemExit(f"kiln operator: lost {elector.where}; exiting so that a restart waits as a standby")
+
+
+async def _lead_then_operate(elector: leader.Elector, namespaces: list[str] | None, health: str | None) -> None:
+    # A standby answers /healthz (it is alive) but starts no watch until it holds the Lease.
+    standby = await _serve_health(health) if health else None
+    try:
+        await elector.acquire()
+    finally:
+        if standby is not None:
+            await standby.cleanup()  # kopf serves /healthz on the same port from here on
+    stop = asyncio.Event()
+    keeper = asyncio.create_task(elector.keep(on_lost=stop.set))
+    try:
+        await kopf.operator(
+            standalone=True,  # no kopf peering objects: the Lease above decides who acts
+            clusterwide=not namespaces,
+            namespaces=namespaces or [],
+            liveness_endpoint=health,
+            stop_flag=stop,
+        )
+    finally:
+        keeper.cancel()
+        if not elector.lost:
+            await elector.release()
+
+
+async def _serve_health(url: str):
+    from urllib.parse import urlparse
+
+    from aiohttp import web
+
+    parsed = urlparse(url)
+
+    async def ok(_request):
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get(parsed.path or "/", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, parsed.hostname, parsed.port, reuse_address=True).start()
+    return runner

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -17,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.control.plan import RUN_LABEL, S3_KEYS, SPEC_FILE, names
+from kiln.control.runs import Runs
 from kiln.errors import KilnError
 
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when present (same result)
@@ -44,6 +46,11 @@ def object_path(obj: dict) -> str:
     return f"{prefix}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
 
 
+def now() -> str:
+    """The time stamped on conditions (metav1.Time, whole seconds, UTC)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def api_client(kubeconfig: str | None = None, context: str | None = None,
                connections: int | None = None) -> client.ApiClient:
     """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config).
@@ -68,17 +75,22 @@ def api_client(kubeconfig: str | None = None, context: str | None = None,
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, field_manager: str = "kiln-operator", resync_seconds: float = 300.0):
+    def __init__(self, api: client.ApiClient, field_manager: str = "kiln-operator", resync_seconds: float = 300.0,
+                 runs: Runs | None = None):
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
         self.field_manager = field_manager
-        # (namespace, name) → the TrainingSpec as this client last read it or its status patch returned it
-        self.last_spec: dict[tuple[str, str], dict] = {}
-        # (namespace, run) → {REST path: (digest of the body this client last applied there, when)}. An unchanged
-        # body is sent again after resync_seconds, so an edit or deletion by someone else is repaired in minutes.
-        self._applied: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
+        # What this client remembers per run (kiln.control.runs): the TrainingSpec as last read or patched,
+        # and the digest of each body it applied. An unchanged body is sent again after resync_seconds, so an
+        # edit or deletion by someone else is repaired then (the periodic resync, kiln.control.handlers).
+        self.runs = runs if runs is not None else Runs()
         self.resync_seconds = resync_seconds
+
+    def last_spec(self, namespace: str, name: str) -> dict | None:
+        run = self.runs.get((namespace, name))
+        return run.spec if run is not None else None
 
     # ---- writes ----
 
@@ -90,7 +102,8 @@ class Kube:
     def applied_before(self, obj: dict) -> bool:
         """Whether this client applied this object since the run was last forgotten (so it is the run's own:
         sync checks an object's owner before its first apply)."""
-        return object_path(obj) in self._applied.get(self._run_of(obj), {})
+        run = self.runs.get(self._run_of(obj))
+        return run is not None and object_path(obj) in run.applied
 
     def apply(self, obj: dict) -> dict | None:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets): one
@@ -99,7 +112,8 @@ class Kube:
         forget_applied)."""
         path, run = object_path(obj), self._run_of(obj)
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-        digest_then, applied_at = self._applied.get(run, {}).get(path, ("", 0.0))
+        applied = self.runs[run].applied
+        digest_then, applied_at = applied.get(path, ("", 0.0))
         if digest_then == digest and time.monotonic() - applied_at < self.resync_seconds:
             return None
         response = self.api.call_api(
@@ -107,19 +121,51 @@ class Kube:
             query_params=[("fieldManager", self.field_manager), ("force", "true")],
             header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
             body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
-        self._applied.setdefault(run, {})[path] = (digest, time.monotonic())
+        applied[path] = (digest, time.monotonic())
         return json.loads(response.data)
 
     def forget_applied(self, namespace: str, run: str) -> None:
-        """Apply every object of a run again, even unchanged ones (one was found missing, or the run is gone)."""
-        self._applied.pop((namespace, run), None)
+        """Apply every object of a run again, even unchanged ones (one was found missing, or a resync is due)."""
+        found = self.runs.get((namespace, run))
+        if found is not None:
+            found.applied.clear()
 
     def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         """Merge-patch the TrainingSpec's status; returns the object as stored."""
         body = json.loads(self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False).data)
-        self.last_spec[(namespace, name)] = body
+        self.runs[(namespace, name)].spec = body
         return body
+
+    def patch_annotations(self, namespace: str, name: str, annotations: dict[str, str]) -> dict:
+        """Merge-patch annotations of a TrainingSpec (the elastic loop's state); returns the object as stored."""
+        return json.loads(self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, {"metadata": {"annotations": annotations}},
+            _preload_content=False).data)
+
+    def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> bool:
+        """Delete a pod (grace 0: at once, for a pod stuck on a dead node). False: it was gone already."""
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_period_seconds)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    # ---- leader election (kiln.control.leader): one coordination.k8s.io Lease ----
+
+    def lease(self, namespace: str, name: str) -> dict | None:
+        return self._get(self.coordination.read_namespaced_lease, name, namespace)
+
+    def create_lease(self, namespace: str, body: dict) -> dict:
+        """Create the Lease; ApiException 409 when someone else created it first."""
+        return json.loads(self.coordination.create_namespaced_lease(namespace, body, _preload_content=False).data)
+
+    def replace_lease(self, namespace: str, body: dict) -> dict:
+        """Replace the Lease at body's resourceVersion; ApiException 409 when someone else wrote it since."""
+        return json.loads(self.coordination.replace_namespaced_lease(
+            body["metadata"]["name"], namespace, body, _preload_content=False).data)
 
     # ---- reads ----
 
@@ -146,7 +192,7 @@ class Kube:
     def trainingspec(self, namespace: str, name: str) -> dict | None:
         body = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
         if body is not None:
-            self.last_spec[(namespace, name)] = body
+            self.runs[(namespace, name)].spec = body
         return body
 
     def trainingspecs(self, namespace: str | None) -> list[dict]:
@@ -166,6 +212,16 @@ class Kube:
         if not cm:
             return None
         return yaml.load((cm.get("data") or {}).get(SPEC_FILE) or "null", Loader=SafeLoader)
+
+    def nodes(self) -> list[dict]:
+        return json.loads(self.core.list_node(_preload_content=False).data)["items"]
+
+    def pods_in(self, namespaces: list[str] | None) -> list[dict]:
+        """Every pod of these namespaces (None: of every namespace, which needs a cluster-wide `list pods`)."""
+        if namespaces is None:
+            return json.loads(self.core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
+        return [p for ns in namespaces
+                for p in json.loads(self.core.list_namespaced_pod(ns, _preload_content=False).data)["items"]]
 
     def pods(self, namespace: str, name: str) -> list[dict]:
         data = self.core.list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={name}",

@@ -207,6 +207,11 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     return Derived(status=status, events=events)
 
 
+def same_condition(old_status: dict, ctype: str, status: str, reason: str, message: str) -> bool:
+    """Whether the status holds exactly this condition already (its Event was posted then)."""
+    return _same(old_status, ctype, status, reason, message)
+
+
 def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) -> bool:
     for c in old_status.get("conditions") or []:
         if c.get("type") == ctype:

@@ -1,17 +1,16 @@
 """What one reconcile does: read what exists → plan (pure) → apply → status (pure) → patch and Events.
 
-The kopf handlers call these two functions and nothing else. Each run is handled under its own lock,
-because pod, job and spec events for one run can arrive at once on different worker threads.
+The kopf handlers call these functions and nothing else. Each run is handled under its own lock
+(kiln.control.runs), because pod, job and spec events and the periodic tick of one run can arrive at once
+on different worker threads.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import defaultdict
+import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime, timezone
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -20,30 +19,27 @@ from kiln.api.load import format_validation_error
 from kiln.api.spec import TrainingSpec
 from kiln.control import kueue
 from kiln.control.config import OperatorConfig
-from kiln.control.elastic_sync import carried_avoid, carried_nodes
-from kiln.control.kube import Kube
+from kiln.control.elastic_state import carried_avoid, carried_nodes
+from kiln.control.kube import Kube, now
 from kiln.control.plan import Observed, plan
-from kiln.control.status import Event, changed, derive, job_condition, pods_to_stop
+from kiln.control.status import Event, changed, derive, job_condition, pods_to_stop, same_condition, set_condition
 from kiln.errors import KilnError
 
 PostEvent = Callable[[dict, Event], None]
-
-_locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
-# The resourceVersion of the PyTorchJob each run's status was last derived from: an event carrying that
-# version (the watch echoing the operator's own apply) changes nothing and needs no refresh.
-_derived_from: dict[tuple[str, str], str | None] = {}
 READ = object()  # refresh_status: read the job / list the pods (no cached copy at hand)
 
 
 class Wait(Exception):
-    """The reconcile must be retried later (kopf.TemporaryError in the handler)."""
+    """The reconcile must be retried later (kopf.TemporaryError in the handler, with a growing delay)."""
 
 
-def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def backoff_s(retry: int, base_s: float = 5.0, cap_s: float = 300.0) -> float:
+    """Delay before retry number `retry` (0 for the first) of a failed reconcile: 5 s doubling up to 5 min.
+    A Secret created a second later starts the run soon; an apiserver down for an hour is not hammered."""
+    return min(cap_s, base_s * 2 ** min(max(retry, 0), 16))
 
 
-def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, pods=READ) -> str:
+def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, pods=READ, resync: bool = False) -> str:
     """Make the cluster match one TrainingSpec; returns a one-line summary for the log.
 
     API calls: read the PyTorchJob; the ConfigMap only when that job runs (the spec it runs with decides
@@ -53,16 +49,25 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     content before, and at most one status patch. A new run costs 5 reads + 5 applies + 1 status patch;
     suspending a running one, 2 reads (job, ConfigMap) + 2 applies (ConfigMap, job) + 1 status patch.
     pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
+    resync: send every object again even if unchanged since this process applied it (the periodic resync:
+    server-side apply puts back what someone else deleted or changed in the fields kiln sets).
+    A read or apply the apiserver fails ends in SpecAccepted=False naming it, and raises Wait (retried).
     """
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    with _locks[(namespace, name)]:
-        job = kube.job(namespace, name)
-        if job is None:  # never made, or deleted by someone: the other objects may be gone too
-            kube.forget_applied(namespace, name)
-        state = job_condition(job)
-        job_active = job is not None and state not in ("Succeeded", "Failed")
-        observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
-                            job_active=job_active)
+    run = kube.runs[(namespace, name)]
+    with run.lock:
+        run.reconciled_at = time.monotonic()
+        try:
+            job = kube.job(namespace, name)
+            if job is None or resync:  # never made, or deleted by someone: the other objects may be gone too
+                kube.forget_applied(namespace, name)
+            state = job_condition(job)
+            job_active = job is not None and state not in ("Succeeded", "Failed")
+            observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
+                                job_active=job_active)
+        except ApiException as err:  # nothing is known, so nothing is derived: say why, retry
+            _report(kube, body, post, ("False", "ReadFailed", read_failure(namespace, name, err)))
+            raise Wait(f"{namespace}/{name}: reading the run's objects failed ({err.status})") from None
         accepted: tuple[str, str, str]
         try:
             doc = TrainingSpec.model_validate(body)
@@ -78,8 +83,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
             secret = doc.spec.checkpoint.credentials_secret
             if desired.refused:
                 accepted = ("False", desired.refused_reason, desired.refused)
-            elif secret and (problem := kube.secret_problem(namespace, secret)):
-                accepted = ("False", "SecretMissing", problem + "; create it, the run starts by itself then")
+            elif secret and (problem := _secret_problem(kube, namespace, secret)):
+                accepted = problem
             else:
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
@@ -111,7 +116,34 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
 # SpecAccepted reasons whose cause may pass without a spec change (a Secret created, a foreign object
 # removed, the apiserver back): the reconcile is retried. An apply the apiserver refuses as invalid
 # (ApplyRefused) is not, nor is an invalid spec: only a new spec can help, and it brings a new reconcile.
-RETRIED = ("SecretMissing", "NotOwner", "ApplyFailed")
+RETRIED = ("SecretMissing", "NotOwner", "ApplyFailed", "ReadFailed")
+
+
+def _secret_problem(kube: Kube, namespace: str, secret: str) -> tuple[str, str, str] | None:
+    """SpecAccepted=False when the credentials Secret is missing or lacks a key, as far as the operator may
+    see. The shipped RBAC grants no Secret access (the check is skipped; the kubelet reports it on the pod,
+    ContainerConfigError); an admin may grant `get` on named Secrets to have it checked before any pod."""
+    try:
+        problem = kube.secret_problem(namespace, secret)
+    except ApiException as err:
+        return "False", "ReadFailed", read_failure(namespace, secret, err, kind="Secret")
+    return ("False", "SecretMissing", problem + "; create it, the run starts by itself then") if problem else None
+
+
+def read_failure(namespace: str, name: str, err: ApiException, kind: str = "run's objects") -> str:
+    what = f"Secret {namespace}/{name}" if kind == "Secret" else f"the objects of {namespace}/{name}"
+    return f"reading {what} failed ({err.status}): {_message(err)}"[:2000]
+
+
+def _report(kube: Kube, body: dict, post: PostEvent, accepted: tuple[str, str, str]) -> None:
+    """Only SpecAccepted (and its Warning Event): what the run's objects look like could not be read."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    old = (kube.last_spec(namespace, name) or body).get("status") or {}
+    if not same_condition(old, "SpecAccepted", *accepted):
+        post(body, Event("Warning", accepted[1], accepted[2]))
+        kube.patch_status(namespace, name, {"conditions": set_condition(
+            list(old.get("conditions") or []), "SpecAccepted", *accepted, now(),
+            (body.get("metadata") or {}).get("generation"))})
 
 
 def foreign(existing: dict | None, owner_uid: str | None) -> str | None:
@@ -143,14 +175,17 @@ def _body(err: ApiException) -> str:
     return body.decode(errors="replace") if isinstance(body, bytes) else str(body)
 
 
+def _message(err: ApiException) -> str:
+    try:
+        return json.loads(_body(err) or "{}").get("message") or err.reason
+    except (ValueError, AttributeError):
+        return err.reason
+
+
 def apply_failure(obj: dict, err: ApiException) -> str:
     """The apiserver's reason for refusing an apply, naming the object, in one bounded line."""
-    try:
-        message = json.loads(_body(err) or "{}").get("message") or err.reason
-    except (ValueError, AttributeError):
-        message = err.reason
     meta = obj["metadata"]
-    return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {message}"[:2000]
+    return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {_message(err)}"[:2000]
 
 
 def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ) -> None:
@@ -164,22 +199,23 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
     status needs: the trainer's progress (goodput credits its counters on the next refresh) and a spec edit
     (whose reconcile follows, under the same lock, with the new spec).
     """
-    with _locks[(namespace, name)]:
-        body = kube.last_spec.get((namespace, name)) or kube.trainingspec(namespace, name)
+    with kube.runs[(namespace, name)].lock:
+        body = kube.last_spec(namespace, name) or kube.trainingspec(namespace, name)
         if body is not None:
             _write_status(kube, body, post, None, kube.job(namespace, name) if job is READ else job, pods)
 
 
-def job_unseen(namespace: str, name: str, job: dict) -> bool:
+def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
     """Whether the status may not reflect this version of the run's job yet (False for the watch's echo
     of what this operator applied or already refreshed from)."""
-    return _derived_from.get((namespace, name)) != (job.get("metadata") or {}).get("resourceVersion")
+    run = kube.runs.get((namespace, name))
+    return run is None or run.derived_from != (job.get("metadata") or {}).get("resourceVersion")
 
 
 def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ) -> None:
     """Derive and patch the status from the job (as just read or applied) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    known = kube.last_spec.get((namespace, name))
+    known = kube.last_spec(namespace, name)
     if known is not None and known is not body and known["metadata"].get("uid") == body["metadata"].get("uid"):
         # a kopf event's copy may predate this operator's last status write: derive from that write
         body = {**body, "status": known.get("status") or {}}
@@ -190,23 +226,12 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:
-        kube.last_spec[(namespace, name)] = body
+        kube.runs[(namespace, name)].spec = body
     for event in result.events:
         post(body, event)
     stop = pods_to_stop(job, pods)
     for pod in stop:
-        try:
-            kube.core.delete_namespaced_pod(pod, namespace)
-        except ApiException as err:
-            if err.status != 404:  # gone already is what was wanted
-                raise
+        kube.delete_pod(namespace, pod)  # gone already is what was wanted
     if stop:
         post(body, Event("Warning", "PodsStopped", f"the run failed; stopped its pods still running: {', '.join(stop)}"))
-    _derived_from[(namespace, name)] = ((job or {}).get("metadata") or {}).get("resourceVersion")
-
-
-def forget(kube: Kube, namespace: str, name: str) -> None:
-    """A TrainingSpec was deleted: drop what the operator remembers of it."""
-    _derived_from.pop((namespace, name), None)
-    kube.last_spec.pop((namespace, name), None)
-    kube.forget_applied(namespace, name)
+    kube.runs[(namespace, name)].derived_from = ((job or {}).get("metadata") or {}).get("resourceVersion")
