@@ -20,9 +20,9 @@ from kiln.trainer.model import count_params
 
 # Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
 # without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start
-# would measure the load of whatever else shares the cores (two runs of `kiln run` on a loaded 2-core
-# machine differ by more than 2x), so MFU on CPU would be noise presented as a number. Off this table
-# MFU is reported as absent (None), never against another device's peak.
+# would measure the load of whatever else shares the cores (on a shared 2-core machine the same benchmark's
+# median moved 38x between runs, docs/trainer.md), so MFU on CPU would be noise presented as a number.
+# Off this table MFU is reported as absent (None), never against another device's peak.
 PEAK_FLOPS = {
     ("h200", "bf16"): 989e12,
     ("h100", "bf16"): 989e12,
