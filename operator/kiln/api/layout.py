@@ -263,7 +263,7 @@ def plan(spec: "TrainingSpecSpec", nodes: int, ppn: int | None = None, shape: Sh
 
 # ---- one machine: `kiln run SPEC --nproc N` ----
 
-def fit_local(spec: "TrainingSpecSpec", nproc: int, shape: Shape | None = None) -> tuple[dict, list[str]]:
+def fit_local(spec: "TrainingSpecSpec", nproc: int) -> tuple[dict, list[str]]:
     """What changes when a spec written for any cluster runs here as one node x `nproc` processes.
 
     Returns (a camelCase patch of the spec, notes to print). The global batch is kept: the micro-batch
@@ -288,7 +288,10 @@ def fit_local(spec: "TrainingSpecSpec", nproc: int, shape: Shape | None = None) 
                           f"{par.pipeline} pipeline stages; use fewer processes or a larger training.globalBatchSize")
     patch: dict = {"resources": {"nodes": 1, "processesPerNode": nproc}, "training": {}, "parallelism": {}}
     notes: list[str] = []
-    micro = max(d for d in range(1, min(tr.micro_batch_size, per_rank) + 1) if per_rank % d == 0)
+    micro = tr.micro_batch_size
+    if per_rank % micro:  # the largest divisor below it (a bounded scan: 1 always divides)
+        top = min(micro, per_rank)
+        micro = next((d for d in range(top, max(1, top - 10**6), -1) if per_rank % d == 0), 1)
     if micro != tr.micro_batch_size:
         patch["training"]["microBatchSize"] = micro
         notes.append(f"training.microBatchSize {tr.micro_batch_size} → {micro}: with {dp} data-parallel rank(s) "
