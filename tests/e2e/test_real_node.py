@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kiln.control.config import OperatorConfig
+
 from tests.rig import images as rig_images
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
@@ -256,6 +258,22 @@ def test_a_deleted_worker_and_a_suspend_resume_lose_nothing_committed(rig, real_
     body = cpu_run(rig, real_node, runs_ns, name, steps=100000, interval=5)
     apply(rig, body)
     first = wait_status(rig, runs_ns, name, "a first commit", committed(5))["lastCheckpoint"]["step"]
+
+    # rank 0 serves its Prometheus metrics on its pod's metrics port (the plan sets KILN_METRICS_PORT); rank 0
+    # is whichever pod the rendezvous made it, so each pod is asked, through the apiserver's pod proxy
+    port = OperatorConfig().trainer_metrics_port
+
+    def rank0_metrics() -> str | None:
+        for p in pods(rig, runs_ns, name):
+            got = rig.kubectl("get", "--raw", f"/api/v1/namespaces/{runs_ns}/pods/{p['metadata']['name']}:{port}"
+                              "/proxy/metrics", check=False)
+            if got.returncode == 0 and "kiln_train_step{" in got.stdout:
+                return got.stdout
+        return None
+
+    wait_status(rig, runs_ns, name, "rank 0's /metrics", lambda s: rank0_metrics() is not None)
+    metrics = rank0_metrics()
+    assert f'kiln_train_tokens_per_second{{run="{name}"}}' in metrics and "kiln_train_step_seconds_bucket" in metrics
 
     # 1. the worker pod is deleted: the training-operator replaces it, torchrun re-forms the group, and the
     #    run goes on from its newest commit
