@@ -81,6 +81,8 @@ INVALID = [
      "spec.data.sources:", "every data.sources uri"),
     ({"data": {"uri": "s3://data/web/", "sources": [{"uri": "synthetic", "weight": 1}]}}, "spec.data.sources:",
      "leave data.uri unset"),
+    ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 4}}, "spec.elastic.faultTolerance.groups:",
+     "must divide the data-parallel size"),
 ]
 
 

@@ -100,6 +100,23 @@ def data_parallel(spec: "TrainingSpecSpec", world: int) -> int | None:
     return world // mp if world % mp == 0 else None
 
 
+def replica_groups(spec: "TrainingSpecSpec") -> int:
+    """elastic.faultTolerance: how many replica groups the data-parallel dimension splits into (1: mode off)."""
+    ft = spec.elastic.fault_tolerance
+    return ft.groups if ft is not None and ft.mode == "replicaGroups" else 1
+
+
+def replica_group_spec(spec: "TrainingSpecSpec") -> "TrainingSpecSpec":
+    """The spec one replica group runs as its own job: globalBatchSize / groups sequences per step, no
+    faultTolerance; its layout is `plan` at the group's world (world / groups)."""
+    groups = replica_groups(spec)
+    if groups == 1:
+        return spec
+    training = spec.training.model_copy(update={"global_batch_size": spec.training.global_batch_size // groups})
+    elastic = spec.elastic.model_copy(update={"fault_tolerance": None})
+    return spec.model_copy(update={"training": training, "elastic": elastic})
+
+
 def default_pipeline_microbatches(per_rank: int, pipeline: int, accum: int) -> int:
     """The fewest microbatches >= min(per_rank, max(2 x pipeline, accumulation)) that split the per_rank
     sequences evenly: always a divisor of per_rank, so the default fits whenever per_rank >= pipeline."""
@@ -193,6 +210,13 @@ def _pipeline_microbatches(s, shape, nodes, ppn):
     return None
 
 
+def _ft_groups(s, shape, nodes, ppn):
+    g, dp = replica_groups(s), data_parallel(s, nodes * ppn)
+    if dp is not None and dp % g:
+        return f"got groups={g}, data-parallel size={dp} at {_at(nodes, ppn)}; valid groups: {divisors(dp)}"
+    return None
+
+
 LAYOUT_RULES: list[LayoutRule] = [
     LayoutRule("tensor-divides-heads", "parallelism.tensor",
                "parallelism.tensor must divide model.heads and model.kvHeads", _tensor_heads, False),
@@ -215,6 +239,10 @@ LAYOUT_RULES: list[LayoutRule] = [
                "size) must split evenly into parallelism.pipelineMicrobatches, at least one per pipeline stage "
                "(unset: chosen to split evenly, which needs at least as many sequences as stages)",
                _pipeline_microbatches, True),
+    LayoutRule("ft-groups-divide-dp", "elastic.faultTolerance.groups",
+               "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide the "
+               "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
+               _ft_groups, True),
 ]
 
 

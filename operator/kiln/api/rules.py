@@ -246,6 +246,9 @@ LAYOUT_CEL = {
         f"({_PER_RANK} % self.parallelism.pipelineMicrobatches == 0 && "
         f"self.parallelism.pipelineMicrobatches >= self.parallelism.pipeline) : "
         f"{_PER_RANK} >= self.parallelism.pipeline))",
+    "ft-groups-divide-dp":
+        "!has(self.elastic.faultTolerance) || self.elastic.faultTolerance.mode != 'replicaGroups' || "
+        f"{_AT_EACH}{_DP} % self.elastic.faultTolerance.groups == 0)",
 }
 # Rules that hold whatever the world are checked by every run; those about the world the spec names
 # (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own

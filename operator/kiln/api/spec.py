@@ -215,6 +215,25 @@ class PhasePlanEntry(ApiModel):
     nodes: int = Field(..., ge=1, le=INT32_MAX, description="Nodes to use during this phase; within [minNodes, maxNodes].")
 
 
+class FaultToleranceSpec(ApiModel):
+    """Per-step fault tolerance across replica groups (torchft): the healthy groups keep stepping while a
+    failed one restarts and heals from a live peer (docs/resilience.md "Replica groups")."""
+
+    mode: Literal["off", "replicaGroups"] = Field(
+        "off",
+        description="off: a fault restarts the whole job from the last commit (as without this field). "
+        "replicaGroups: the data-parallel dimension is split into `groups` replica groups, each its own "
+        "torchrun job (FSDP/TP/PP inside it as usual); gradients are averaged across the live groups every step "
+        "through torchft's fault-tolerant process group, a group that fails restarts alone and copies weights "
+        "and optimizer state from a live peer, not from the checkpoint.",
+    )
+    groups: int = Field(
+        2, ge=1, le=INT32_MAX,
+        description="Replica groups; must divide the data-parallel size (world / (tensor × pipeline)). Each "
+        "group reads globalBatchSize / groups sequences per step.",
+    )
+
+
 class ElasticSpec(ApiModel):
     """Elastic scaling: the job may run with any node count in [minNodes, maxNodes]."""
 
@@ -224,6 +243,9 @@ class ElasticSpec(ApiModel):
     plan: list[PhasePlanEntry] = Field(
         default_factory=list, max_length=16,
         description="Optional phase plan by training step, in order: every entry but the last has untilStep.",
+    )
+    fault_tolerance: FaultToleranceSpec | None = Field(
+        None, description="Per-step fault tolerance across replica groups (torchft); unset or mode off: none.",
     )
 
 
