@@ -114,6 +114,19 @@ def test_trainer_exporter_serves_each_steps_metrics():
     assert samples[("kiln_train_step_seconds_bucket", (("le", "0.5"),) + run)] == 2
 
 
+def test_guard_counters_checkpoint_freshness_and_the_data_mix_are_exported():
+    exporter = TrainerExporter("run-2")
+    exporter.observe({"step": 40, "guard_rollbacks": 1, "guard_skipped_spike": 3, "guard_skipped_nonfinite": 0,
+                      "steps_since_commit": 15, "checkpoint_interval_steps": 10,
+                      "data_mix": {"s3://d/web/": 0.75, "s3://d/code/": 0.25}})
+    value = exporter.registry.get_sample_value
+    assert value("kiln_train_guard_rollbacks", {"run": "run-2"}) == 1
+    assert value("kiln_train_guard_skipped_spike_steps", {"run": "run-2"}) == 3
+    assert value("kiln_train_steps_since_commit", {"run": "run-2"}) == 15
+    assert value("kiln_train_checkpoint_interval_steps", {"run": "run-2"}) == 10
+    assert value("kiln_data_source_share", {"run": "run-2", "source": "s3://d/code/"}) == 0.25
+
+
 def test_two_exporters_do_not_share_state_and_unreported_metrics_are_absent():
     a, b = TrainerExporter("a"), TrainerExporter("b")
     a.observe({"loss": 1.0})
@@ -126,7 +139,8 @@ def test_two_exporters_do_not_share_state_and_unreported_metrics_are_absent():
 def exported_names() -> set[str]:
     """Every sample name the operator and a trainer export (after one observation of each kind)."""
     trainer = TrainerExporter("dash", registry=CollectorRegistry())
-    trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0})
+    trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0,
+                                                    "data_mix": {"s3://d/web/": 0.7, "s3://d/code/": 0.3}})
     with op.reconcile("t-dash"):
         op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1})
     names = set()

@@ -6,6 +6,8 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     step, loss, tokens_per_second, mfu, step_s, tokens_seen   every logged step
     checkpoint_stall_s   seconds this step blocked on a checkpoint (staging, or a synchronous save)
     data_mix             {source uri: realised share of the samples consumed} when data.sources mixes datasets
+    guard_rollbacks, guard_skipped_spike, guard_skipped_nonfinite   the stability guards' counters so far
+    steps_since_commit, checkpoint_interval_steps   how stale the newest commit is, in steps
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ GAUGES = {
     "tokens_per_second": ("kiln_train_tokens_per_second", "Training throughput over all ranks, tokens/s."),
     "mfu": ("kiln_train_mfu", "Model FLOPs utilisation of the last logged step (0..1)."),
     "tokens_seen": ("kiln_train_tokens_seen", "Tokens trained on since the start of the run."),
+    "guard_rollbacks": ("kiln_train_guard_rollbacks", "Loss-spike rollbacks to the last good commit so far."),
+    "guard_skipped_spike": ("kiln_train_guard_skipped_spike_steps", "Updates skipped as loss spikes so far."),
+    "guard_skipped_nonfinite": ("kiln_train_guard_skipped_nonfinite_steps", "Updates skipped for a NaN/Inf loss "
+                                "or gradient so far."),
+    "steps_since_commit": ("kiln_train_steps_since_commit", "Steps trained since the newest committed checkpoint."),
+    "checkpoint_interval_steps": ("kiln_train_checkpoint_interval_steps", "The checkpoint interval in steps (for "
+                                  "intervalSteps: auto, its current choice)."),
 }
 # A run's goodput and restarts are the operator's (it sees the time no trainer runs): kiln.control.metrics.
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)

@@ -247,6 +247,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
                     reporter.stalled(record["checkpoint_stall_s"])
+                ckpt = checkpointer.status()
+                if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
+                    record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
+                    record["steps_since_commit"] = step - (ckpt.get("lastCheckpoint") or {}).get("step", start_step)
                 if step == tr.steps and val_loader is not None:
                     record["val_loss"] = _evaluate(model, schedule, val_loader, tr.global_batch_size, layout,
                                                    device, is_first, is_last, reports_loss)
