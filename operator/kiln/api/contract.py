@@ -21,6 +21,10 @@ SHM_DIR = "KILN_SHM_DIR"  # each rank keeps a copy of the newest commit here (ki
 DATA_CACHE = "KILN_DATA_CACHE"  # where downloaded data shards are cached (kiln.trainer.data)
 DATA_CACHE_BYTES = "KILN_DATA_CACHE_BYTES"  # the pod's ephemeral-storage limit: data that cannot fit is refused
 
+# elastic.faultTolerance replicaGroups (kiln.trainer.ft): the torchft lighthouse, and which group this job is
+FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
+FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
+
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES)
 

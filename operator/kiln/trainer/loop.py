@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.api import TrainingSpec, contract
+from kiln.api.layout import replica_group_spec
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops,
@@ -126,7 +127,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     try:
         dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
         tokenizer = hf.training_tokenizer(spec, dims)
-        layout = plan_layout(spec, dims, world, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+        # elastic.faultTolerance replicaGroups: this job is one replica group, with its share of the batch
+        layout = plan_layout(replica_group_spec(spec), dims, world, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
         kernels.set_mode(par.kernels)
         torch.manual_seed(tr.seed)
 
@@ -173,16 +175,24 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world) \
             if checkpointing else _NoCheckpoints()
         start_step, tokens_seen = 0, 0
-        state = checkpointer.restore(model_parts, optimizers)
-        if state is None and spec.model.from_:  # a new run starts from the model folder; a resumed one from its commit
+        ft = None
+        if ft_enabled(spec):  # replica groups: a group that joins live peers heals from one, not from a commit
+            from kiln.trainer.ft import ReplicaGroups
+
+            ft = ReplicaGroups(spec, rank=rank, world=world, device=device, model_parts=model_parts,
+                               optimizers=optimizers, snapshot=lambda: trainer_state_now())
+            if spec.model.from_:  # overwritten below by a peer's or a commit's weights, if there are any
+                hf.load_weights(model, spec.model.from_, dims, endpoint=hf.storage_endpoint(spec))
+        state = ft.join() if ft is not None else None
+        from_checkpoint = state is None
+        if state is None:
+            state = checkpointer.restore(model_parts, optimizers)
+        if state is None and spec.model.from_ and ft is None:  # a new run starts from the model folder; a resumed one from its commit
             hf.load_weights(model, spec.model.from_, dims, endpoint=hf.storage_endpoint(spec))
         if state is not None:
-            start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
-            loader.load_state_dict(state["data"])
-            _set_rng_state(state["rng"], device)
-            saved_hooks = state.get("hooks", {})
-            for name, obj in hooks.state.items():
-                obj.load_state_dict(saved_hooks.get(name))
+            start_step, tokens_seen = _resume(state, loader, device, hooks)
+        if ft is not None:
+            ft.restored(start_step, from_checkpoint=from_checkpoint and state is not None)
         reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state)  # rank 0 → status
 
         global_tokens = tr.global_batch_size * dims.seq_len
@@ -193,12 +203,26 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         timer = StepTimer(device)
         losses: list[float] = []
         plan_steps = {p.until_step for p in spec.elastic.plan if p.until_step is not None}
+
+        def trainer_state_now() -> dict:  # replica groups: what a healing peer receives, as a commit carries it
+            return {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
+                    "rng": _rng_state(device), "lr": lr_at(step, tr), "layout": layout.as_dict(),
+                    "model": dims.model_dump(), "goodput": reporter.state_dict(),
+                    "hooks": {name: obj.state_dict() for name, obj in hooks.state.items()}}
+
         try:
             step = start_step
             while step < tr.steps:
+                if ft is not None and (healed := ft.begin_step(step)) is not None:  # fell behind: a peer's state
+                    step, tokens_seen = _resume(healed, loader, device, hooks)
+                    if step >= tr.steps:
+                        break
                 step += 1
                 timer.start()
-                inputs, targets = (t.to(device) for t in loader.next_batch(tr.global_batch_size))
+                if ft is not None:  # this group's slot in the quorum's share of the batch
+                    inputs, targets = (t.to(device) for t in ft.next_batch(loader, dp_rank, dp_size))
+                else:
+                    inputs, targets = (t.to(device) for t in loader.next_batch(tr.global_batch_size))
                 timer.mark("data_s")
                 lr = lr_at(step, tr)
                 set_lr(optimizer, lr)
@@ -207,11 +231,21 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 else:
                     local_loss = _accumulate_step(model, inputs, targets, layout)
                 timer.mark("fwd_bwd_s")
+                if ft is not None:  # average with the live groups before clipping: every group clips alike
+                    ft.average_gradients(model_parts)
                 params = [p for part in model_parts for p in part.parameters()]
                 grad_norm = clip_grad_norm_(params, tr.grad_clip, pp_group=pp_group)
                 loss = _global_loss(local_loss if reports_loss else None, layout, device)
-                tokens_seen += global_tokens
+                if ft is not None:
+                    loss = ft.average_loss(loss)
+                    if not ft.commit(loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
+                        optimizer.zero_grad(set_to_none=True)
+                        step -= 1
+                        continue
+                tokens_seen += global_tokens if ft is None else ft.step_tokens(dims.seq_len)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+                if ft is not None:
+                    record.update(ft.metrics())
                 ctx = StepContext(step, loss, float(grad_norm), model_parts, optimizers, mesh, record)
                 if all(hook(ctx) for hook in hooks.before_update):
                     optimizer.step()
@@ -227,6 +261,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                     record["rolled_back_to"] = step
                 timer.mark("optim_s")
                 losses.append(loss)
+                if ft is not None and step == tr.steps:  # every group must end with the same weights
+                    record["ft_weights_digest"] = ft.weights_digest()
 
                 step_s = sum(timer.times.values())
                 record.update(timer.times, step_s=step_s, tokens_per_second=global_tokens / step_s,
@@ -239,7 +275,9 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
                 # elastic.plan switches the node count once its untilStep is committed: always commit it
-                if final or step in plan_steps or checkpointer.should_save(step):
+                # replica groups: one writer, the group at replica rank 0 of this step's quorum
+                if (final or step in plan_steps or checkpointer.should_save(step)) and \
+                        (ft is None or ft.writes_checkpoints):
                     trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": loader.state_dict(),
                                      "rng": _rng_state(device), "lr": lr, "layout": layout.as_dict(),
                                      "model": dims.model_dump(), "goodput": reporter.state_dict(),
@@ -265,6 +303,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             checkpointer.close()
             reporter.close(checkpointer.status())
             logger.close()
+            if ft is not None:
+                ft.close()
         if dist.is_initialized():
             # Every rank leaves together, after rank 0's last commit, status report and log lines: on a
             # cluster, the first worker pod to exit 0 ends the elastic job, and a pod still running then
@@ -274,6 +314,23 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def ft_enabled(spec) -> bool:
+    ft = spec.elastic.fault_tolerance
+    return ft is not None and ft.mode == "replicaGroups"
+
+
+def _resume(state: dict, loader: GlobalBatchLoader, device: torch.device, hooks: StepHooks) -> tuple[int, int]:
+    """Continue from a trainer state (a commit's, or a live peer's): data cursor, RNG, hook state.
+    Returns (step, tokens_seen)."""
+    step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+    loader.load_state_dict(state["data"])
+    _set_rng_state(state["rng"], device)
+    saved_hooks = state.get("hooks", {})
+    for name, obj in hooks.state.items():
+        obj.load_state_dict(saved_hooks.get(name))
+    return step, tokens_seen
 
 
 class _NoCheckpoints:

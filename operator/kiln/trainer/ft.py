@@ -1,0 +1,239 @@
+"""Per-step fault tolerance across replica groups (`elastic.faultTolerance: {mode: replicaGroups}`), on torchft.
+
+The data-parallel dimension is split into N replica groups. Each group is its own torchrun job with its own
+world: FSDP/TP/PP inside it exactly as without fault tolerance (the group's layout is kiln.api.layout's
+`plan` of `replica_group_spec`: globalBatchSize / N sequences per step). Across groups, torchft does the rest:
+
+- the lighthouse (address in KILN_FT_LIGHTHOUSE) forms a quorum of the live groups every step; each group's
+  rank 0 runs a torchft ManagerServer that heartbeats to it;
+- after backward, each rank averages its gradient shard with the same shard of every live group through
+  torchft's fault-tolerant process group (gloo on CPU, NCCL on GPU; reconfigured when the quorum changes), so
+  the clipping, the guards and the optimizer see the same gradient in every group;
+- `Manager.should_commit` is the step's vote: when a collective failed (a peer died mid-step) no group of
+  this quorum steps its optimizer and the step is redone with the next quorum;
+- a group that joins behind the others (restarted after a fault, or fallen behind) receives the weights,
+  optimizer state and trainer state (step, data cursor, RNG, guard state, goodput counters) of a live peer
+  through torchft's checkpoint transport (HTTP) inside the quorum, and reads no checkpoint;
+- when nobody has stepped yet (a fresh start or a whole-job restart) every group restores the newest commit,
+  as without fault tolerance; only the group at replica rank 0 of the current quorum writes commits.
+
+The data cursor (samples consumed by the whole job) advances only on a committed step, by the samples of the
+groups that took part: participant r of k reads samples [cursor + r·b, cursor + (r+1)·b) of the seeded order
+(b = globalBatchSize / N), and the cursor moves by k·b. No sample is skipped or read twice across a
+membership change; while fewer than N groups are live, a step averages k·b sequences instead of N·b (a smaller
+batch at the same learning rate), and the run still takes training.steps optimizer steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from kiln.api import contract
+from kiln.api.layout import replica_groups
+from kiln.errors import KilnError
+from kiln.trainer.checkpoint import STATE_OPTIONS, _pairs, collect_state
+
+TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
+# At a fresh start (or a whole-job restart) wait this long for every group before stepping with fewer: a group
+# that comes later still joins, but heals from a peer and the first steps average a smaller batch.
+START_WAIT_ENV = "KILN_FT_START_WAIT_SECONDS"  # default 120
+
+
+def _local(t: Any) -> Any:
+    if isinstance(t, DTensor):
+        return t.to_local().detach()
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+class ReplicaGroups:
+    """One replica group's side of the job: its torchft Manager and the few calls the loop makes.
+
+    `snapshot()` returns the trainer state a healing peer receives (the loop's, as in a checkpoint)."""
+
+    def __init__(self, spec, *, rank: int, world: int, device: torch.device, model_parts, optimizers,
+                 snapshot: Callable[[], dict]):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        lighthouse = os.environ.get(contract.FT_LIGHTHOUSE)
+        if not lighthouse:
+            raise KilnError(f"elastic.faultTolerance.mode replicaGroups needs the lighthouse address in "
+                            f"{contract.FT_LIGHTHOUSE} (e.g. http://kiln-lighthouse:29510)")
+        self.groups = replica_groups(spec)
+        self.group = int(os.environ.get(contract.FT_GROUP, "0"))
+        if not 0 <= self.group < self.groups:
+            raise KilnError(f"{contract.FT_GROUP}={self.group}: replica groups are numbered 0..{self.groups - 1} "
+                            f"(elastic.faultTolerance.groups)")
+        self.per_group = spec.training.global_batch_size // self.groups
+        self.rank, self.device = rank, device
+        self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
+        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
+        pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None,
+            min_replica_size=1,  # one live group keeps training
+            use_async_quorum=False,  # heal before the forward pass: the joining group takes part in this step
+            init_sync=False,  # every group initialises the same weights from training.seed
+            replica_id=f"kiln_group_{self.group}", lighthouse_addr=lighthouse, rank=rank, world_size=world,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        )
+        self.manager.register_state_dict_fn("kiln", self._load, self._state)
+        self._healed: dict | None = None
+        self._joined = False
+        self.replica_rank, self.participants, self.quorum_id = 0, 1, -1
+        self.heals = self.quorum_changes = self.redone = 0
+        self.restore_source = "none"  # how this process got its state: peer | checkpoint | none (fresh)
+
+    # ---- state a healing peer receives --------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        state, _ = collect_state(self.model_parts, self.optimizers)
+        return {"model": {k: _local(v) for k, v in state["model"].items()},
+                "optim": {k: _local(v) for k, v in state["optim"].items()},
+                "trainer": self.snapshot()}
+
+    def _load(self, sent: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state, keys = collect_state(self.model_parts, self.optimizers)
+        with torch.no_grad():
+            for part in ("model", "optim"):
+                mine = state[part]
+                for key, value in sent[part].items():
+                    if isinstance(mine.get(key), torch.Tensor):
+                        target = mine[key].to_local() if isinstance(mine[key], DTensor) else mine[key]
+                        target.copy_(value)
+                    else:
+                        mine[key] = value
+        for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
+            set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
+                           optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
+        self._healed = sent["trainer"]
+
+    # ---- the loop's calls ---------------------------------------------------------------------------------
+
+    def _quorum(self) -> dict | None:
+        self._healed = None
+        self.manager.start_quorum()  # synchronous: a heal is applied before it returns
+        rank, k = self.manager.participating_rank(), self.manager.num_participants()
+        quorum_id = self.manager._quorum_id
+        if quorum_id != self.quorum_id:
+            if self.quorum_id != -1:
+                self.quorum_changes += 1
+            if self.rank == 0:
+                print(f"kiln: ft: group {self.group}: quorum {quorum_id}: {k} of {self.groups} group(s) live, "
+                      f"this group is replica rank {rank}", flush=True)
+        self.quorum_id, self.replica_rank, self.participants = quorum_id, rank if rank is not None else 0, k
+        if self._healed is not None:
+            self.heals += 1
+            self.restore_source = "peer"
+            if self.rank == 0:
+                print(f"kiln: ft: group {self.group} healed from a live peer at step {self._healed['step']} "
+                      f"(no checkpoint read)", flush=True)
+        return self._healed
+
+    def join(self) -> dict | None:
+        """The first quorum, before any restore: the trainer state of a live peer when this group healed from
+        one (its weights and optimizer state are loaded already), else None: nobody has stepped, restore the
+        newest commit (every group does, so all start from the same step)."""
+        self._joined = True
+        healed = self._quorum()
+        deadline = time.monotonic() + float(os.environ.get(START_WAIT_ENV, "120"))
+        while healed is None and self.manager.current_step() == 0 and self.participants < self.groups \
+                and time.monotonic() < deadline:  # nobody has stepped: wait for the groups still starting
+            time.sleep(0.05)  # a new quorum request, not a wait for an event: the lighthouse answers at once
+            healed = self._quorum()
+        return healed
+
+    def restored(self, step: int, from_checkpoint: bool) -> None:
+        """After the restore that join() left to the caller: the Manager counts steps from there."""
+        if from_checkpoint:
+            self.restore_source = "checkpoint"
+        self._sync_step(step)
+
+    def _sync_step(self, step: int) -> None:
+        if self.manager.current_step() != step:  # a restore from a commit (start, guard rollback) moved it
+            self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def begin_step(self, step: int) -> dict | None:
+        """Before each step: this step's quorum (the first one is join's). Returns a peer's trainer state when
+        this group healed (the loop resumes from it), else None."""
+        self._sync_step(step)
+        if self._joined:
+            self._joined = False
+            return None
+        return self._quorum()
+
+    def next_batch(self, loader, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of this group's share of the step: its slot is its replica rank in the quorum."""
+        per_rank = self.per_group // dp_size
+        first = loader.samples_seen + self.replica_rank * self.per_group + dp_rank * per_rank
+        rows = torch.stack([loader.source.get(loader._sample_id(first + i)) for i in range(per_rank)])
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def step_tokens(self, seq_len: int) -> int:
+        return self.participants * self.per_group * seq_len
+
+    def _allreduce_mean(self, flat: torch.Tensor) -> None:
+        try:
+            self.manager.allreduce(flat).wait()
+        except Exception as err:  # noqa: BLE001  the vote below turns it into a redone step
+            self.manager.report_error(err)
+
+    def average_gradients(self, model_parts) -> None:
+        """Average every local gradient (shard) with the same shard of every live group, in one collective."""
+        grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in local])
+        self._allreduce_mean(flat)
+        offset = 0
+        with torch.no_grad():
+            for t in local:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+    def average_loss(self, loss: float) -> float:
+        value = torch.tensor([loss], dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
+                             device=self.device)
+        self._allreduce_mean(value)
+        return float(value)
+
+    def commit(self, loader) -> bool:
+        """The step's vote (every group of the quorum agrees): True → step the optimizer, and the data cursor
+        moves past the samples every participant read; False → the step is redone with the next quorum."""
+        if self.manager.should_commit():
+            loader.samples_seen += self.participants * self.per_group
+            return True
+        self.redone += 1
+        return False
+
+    def weights_digest(self) -> str:
+        """sha256 of this rank's parameter shards (bit-exact): equal across groups, rank by rank."""
+        digest = hashlib.sha256()
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                local = _local(p).contiguous().cpu()
+                digest.update(name.encode())
+                digest.update(local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+        return digest.hexdigest()[:16]
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.replica_rank == 0
+
+    def metrics(self) -> dict:
+        return {"ft_group": self.group, "ft_replica_rank": self.replica_rank, "ft_participants": self.participants,
+                "ft_quorum_id": self.quorum_id, "ft_quorum_changes": self.quorum_changes, "ft_heals": self.heals,
+                "ft_redone_steps": self.redone, "ft_restore": self.restore_source}
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
