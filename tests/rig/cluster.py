@@ -409,8 +409,11 @@ def _gpu_node(name: str) -> dict:
             },
         },
         "status": {
-            "capacity": {"cpu": "96", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(GPUS_PER_NODE)},
-            "allocatable": {"cpu": "96", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(GPUS_PER_NODE)},
+            # ephemeral-storage: every trainer pod requests some (its data cache, KILN_DEFAULT_EPHEMERAL_STORAGE)
+            "capacity": {"cpu": "96", "memory": "2Ti", "ephemeral-storage": "28Ti", "pods": "110",
+                         "nvidia.com/gpu": str(GPUS_PER_NODE)},
+            "allocatable": {"cpu": "96", "memory": "2Ti", "ephemeral-storage": "28Ti", "pods": "110",
+                            "nvidia.com/gpu": str(GPUS_PER_NODE)},
         },
     }
 
