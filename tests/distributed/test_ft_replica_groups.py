@@ -8,106 +8,25 @@ after its imports; the test releases a group when the run reports a given step, 
 
 from __future__ import annotations
 
-import errno
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kiln.control.plan import TORCHRUN_ENV
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, complete_lines, wait_until
-from tests.distributed.trainer_helpers import env, write_spec
+from tests.distributed.ft_helpers import Group, lighthouse_server, records
+from tests.distributed.ranks import wait_until
+from tests.distributed.trainer_helpers import write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ENTRY = Path(__file__).resolve().parent / "ft_group_entry.py"
 STEPS = 500  # room for the returning group: it needs a few seconds of the survivor's steps
 KILL_AT = 10  # group 1 is killed once it reports this step with both groups in the quorum
 ALONE = 5  # group 0 must report this many steps alone before group 1 comes back
 PER_GROUP, SEQ = 2, 32  # globalBatchSize 4 over 2 groups; the micro model's seqLen
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in complete_lines(out / "metrics.jsonl") if line.strip()]
-
-
-class Group:
-    """One replica group: torchrun --standalone with one worker, held at its gate until released."""
-
-    def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str):
-        self.index, self.out, self.name = index, out, name
-        self.gate = tmp / f"gate-{name}"
-        os.mkfifo(self.gate)
-        self.log_path = tmp / f"{name}.log"
-        self._log = self.log_path.open("w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ENTRY),
-               "--config", str(spec), "--output", str(out)]
-        self.proc = subprocess.Popen(
-            cmd, env=env(KILN_FT_LIGHTHOUSE=lighthouse, KILN_FT_GROUP=str(index), KILN_TEST_GATE=str(self.gate),
-                         TORCHFT_TIMEOUT_SEC="30", **TORCHRUN_ENV),
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text()[-6000:]
-
-    def _open_gate(self):
-        try:  # succeeds once the worker has opened its end: it is imported and waiting
-            return os.open(self.gate, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as err:
-            if err.errno == errno.ENXIO:
-                return None
-            raise
-
-    def ready(self) -> int:
-        return wait_until(f"{self.name} at its gate", self._open_gate, alive=self.alive, context=self.log)
-
-    @staticmethod
-    def release(*groups: "Group") -> None:
-        """Once every one is imported and waiting, let them all go at once."""
-        fds = [g.ready() for g in groups]
-        for fd in fds:
-            os.write(fd, b"go")
-            os.close(fd)
-
-    def _tree(self) -> list[int]:  # torchrun and its workers (which torchrun starts in sessions of their own)
-        pids, i = [self.proc.pid], 0
-        while i < len(pids):
-            pids += _children(pids[i])
-            i += 1
-        return pids
-
-    def kill(self) -> None:  # the whole group at once, as when its pod is lost
-        for pid in self._tree():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-
-    def finish(self) -> int:
-        try:
-            return self.proc.wait(timeout=SAFETY_TIMEOUT_S)
-        finally:
-            self._log.close()
-
-    def stop(self) -> None:
-        if self.alive():
-            self.kill()
-        self._log.close()
-
-
 @pytest.fixture
 def lighthouse():
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    server = lighthouse_server()
     yield server.address()
     server.shutdown()
 
@@ -191,3 +110,55 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
           f"group 1 back at step {first['step']}; validation loss {final:.5f} vs fault-free {want:.5f} "
           f"({(final - want) / want:+.3%})")
     assert final == pytest.approx(want, rel=0.05)
+
+
+def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path, lighthouse):
+    """Both groups lost at once: the restarted groups find nobody ahead of them, so each restores the newest
+    commit (written by the replica-rank-0 group) and the run ends bit-identical to a fault-free one."""
+    steps, interval = 30, 10
+    groups: list[Group] = []
+
+    def spec_for(name: str) -> Path:
+        return write_spec(tmp_path / f"{name}.yaml", training={"steps": steps},
+                          checkpoint={"uri": f"file://{tmp_path / name / 'ckpt'}", "intervalSteps": interval},
+                          resources={"processesPerNode": 2},
+                          elastic={"faultTolerance": {"mode": "replicaGroups", "groups": 2}})
+
+    def start(spec: Path, name: str, out: str) -> list[Group]:
+        started = [Group(i, spec, tmp_path / out / f"g{i}", lighthouse, tmp_path, f"{name}{i}") for i in range(2)]
+        groups.extend(started)
+        return started
+
+    try:
+        ref = start(spec_for("ref"), "ref", "ref")
+        Group.release(*ref)
+        assert [g.finish() for g in ref] == [0, 0], ref[0].log() + ref[1].log()
+
+        spec = spec_for("ft")
+        # the restarted pair starts now and waits at its gates; it logs where the killed pair did
+        first, again = start(spec, "ft", "ft"), start(spec, "again", "ft")
+        Group.release(*first)
+        wait_until(f"a commit past step {interval} and step {interval + 5}",
+                   lambda: (tmp_path / "ft" / "ckpt" / f"step-{interval:08d}" / "COMMIT").exists()
+                   and records(first[1].out)[-1:] and records(first[1].out)[-1]["step"] >= interval + 5,
+                   alive=first[1].alive, context=first[1].log)
+        for g in first:
+            g.kill()
+        latest = int((tmp_path / "ft" / "ckpt" / "latest").read_text().strip().removeprefix("step-"))
+        assert interval <= latest < steps
+        Group.release(*again)
+        assert [g.finish() for g in again] == [0, 0], again[0].log() + again[1].log()
+    finally:
+        for g in groups:
+            g.stop()
+
+    for i in range(2):
+        got = records(tmp_path / "ft" / f"g{i}")
+        resumed = [r for r in got if r["step"] > latest]
+        assert resumed[0]["ft_restore"] == "checkpoint" and resumed[0]["ft_heals"] == 0, resumed[0]
+        assert [r["step"] for r in got] == list(range(1, steps + 1))
+        want = records(tmp_path / "ref" / f"g{i}")
+        assert all(r["ft_participants"] == 2 for r in want + resumed)
+        # Exact resume: the same losses from the commit on, and the same final weights, as without the fault.
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in want if r["step"] > latest]
+        assert resumed[-1]["ft_weights_digest"] == want[-1]["ft_weights_digest"]

@@ -1,0 +1,103 @@
+"""Replica groups of `kiln train` for the fault-tolerance tests and benchmark: each its own torchrun job
+(`--standalone`, one worker per group here), held at a gate after its imports until released.
+
+The worker is tests/distributed/ft_group_entry.py: it imports torch, torchft and the trainer, then opens the
+FIFO named by KILN_TEST_GATE and blocks. `Group.release` waits until every named group's worker has opened
+its end (it is ready), then lets them all go at once; a restarted group then rejoins within a second or so.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from kiln.control.plan import TORCHRUN_ENV
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, complete_lines, wait_until
+from tests.distributed.trainer_helpers import env
+
+ENTRY = Path(__file__).resolve().parent / "ft_group_entry.py"
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in complete_lines(out / "metrics.jsonl") if line.strip()]
+
+
+class Group:
+    """One replica group: torchrun --standalone with one worker, held at its gate until released."""
+
+    def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str):
+        self.index, self.out, self.name = index, out, name
+        self.gate = tmp / f"gate-{name}"
+        os.mkfifo(self.gate)
+        self.log_path = tmp / f"{name}.log"
+        self._log = self.log_path.open("w")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ENTRY),
+               "--config", str(spec), "--output", str(out)]
+        self.proc = subprocess.Popen(
+            cmd, env=env(KILN_FT_LIGHTHOUSE=lighthouse, KILN_FT_GROUP=str(index), KILN_TEST_GATE=str(self.gate),
+                         TORCHFT_TIMEOUT_SEC="30", **TORCHRUN_ENV),
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def _open_gate(self):
+        try:  # succeeds once the worker has opened its end: it is imported and waiting
+            return os.open(self.gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as err:
+            if err.errno == errno.ENXIO:
+                return None
+            raise
+
+    def ready(self) -> int:
+        return wait_until(f"{self.name} at its gate", self._open_gate, alive=self.alive, context=self.log)
+
+    @staticmethod
+    def release(*groups: "Group") -> None:
+        """Once every one is imported and waiting, let them all go at once."""
+        fds = [g.ready() for g in groups]
+        for fd in fds:
+            os.write(fd, b"go")
+            os.close(fd)
+
+    def _tree(self) -> list[int]:  # torchrun and its workers (which torchrun starts in sessions of their own)
+        pids, i = [self.proc.pid], 0
+        while i < len(pids):
+            pids += _children(pids[i])
+            i += 1
+        return pids
+
+    def kill(self) -> None:  # the whole group at once, as when its pod is lost
+        for pid in self._tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=SAFETY_TIMEOUT_S)
+        finally:
+            self._log.close()
+
+    def stop(self) -> None:
+        if self.alive():
+            self.kill()
+        self._log.close()
+
+
+def lighthouse_server(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000):
+    """torchft's lighthouse in this process (min 1 replica: one live group keeps training)."""
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
+                            heartbeat_timeout_ms=heartbeat_timeout_ms)
