@@ -28,15 +28,19 @@ def records(out: Path) -> list[dict]:
 
 
 class Group:
-    """One replica group: torchrun --standalone with one worker, held at its gate until released."""
+    """One replica group: torchrun --standalone with one worker, held at its gate until released
+    (gated=False: plain `kiln train`, which starts at once, as a restarted pod does)."""
 
-    def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str):
+    def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str,
+                 gated: bool = True):
         self.index, self.out, self.name = index, out, name
         self.gate = tmp / f"gate-{name}"
-        os.mkfifo(self.gate)
+        if gated:
+            os.mkfifo(self.gate)
         self.log_path = tmp / f"{name}.log"
         self._log = self.log_path.open("w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(ENTRY),
+        entry = [str(ENTRY)] if gated else ["-m", "kiln.cli.main", "train"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *entry,
                "--config", str(spec), "--output", str(out)]
         self.proc = subprocess.Popen(
             cmd, env=env(KILN_FT_LIGHTHOUSE=lighthouse, KILN_FT_GROUP=str(index), KILN_TEST_GATE=str(self.gate),

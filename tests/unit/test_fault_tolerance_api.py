@@ -80,3 +80,15 @@ def test_crd_carries_the_field_and_the_rule():
     rules = [r for r in schema["x-kubernetes-validations"] if r.get("fieldPath") == ".elastic.faultTolerance.groups"
              or "faultTolerance" in r["rule"]]
     assert len(rules) == 1 and "self.elastic.faultTolerance.groups == 0" in rules[0]["rule"]
+
+
+def test_the_operator_refuses_replica_groups_whole_until_it_renders_them():
+    from kiln.control.plan import plan
+
+    refused = plan(parse(doc({"mode": "replicaGroups", "groups": 2})))
+    assert refused.objects == [] and refused.refused_reason == "NotSupported"
+    assert "elastic.faultTolerance.mode replicaGroups" in refused.refused
+    # mode off (or unset) renders as before
+    off, unset = plan(parse(doc({"mode": "off", "groups": 2}))), plan(parse(doc(None)))
+    assert off.refused is None and [o["kind"] for o in off.objects] == [o["kind"] for o in unset.objects]
+    assert any(o["kind"] == "PyTorchJob" for o in off.objects)

@@ -153,6 +153,12 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     forbidden = violations(doc.spec, config.policy, config.image)
     if forbidden:
         return Plan(refused="; ".join(forbidden), refused_reason="ForbiddenByPolicy")
+    ft = doc.spec.elastic.fault_tolerance
+    if ft is not None and ft.mode == "replicaGroups":  # refused whole: never a job that cannot start
+        return Plan(refused="elastic.faultTolerance.mode replicaGroups is not rendered by the operator yet (it needs "
+                            "one PyTorchJob per replica group and the torchft lighthouse); on Kubernetes use mode off, "
+                            "or run the groups with torchrun (docs/resilience.md, Replica groups)",
+                    refused_reason="NotSupported")
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
