@@ -34,6 +34,16 @@ def rig():
 
 
 @pytest.fixture(scope="session")
+def kueue(rig):
+    """Kueue on the rig (tests/rig/kueue.py): started here unless it runs already; it stops with the rig.
+    The module: `cluster_queue()`, `local_queue()`, QUEUE_LABEL, FLAVOR."""
+    from tests.rig import kueue
+
+    kueue.up(rig)
+    return kueue
+
+
+@pytest.fixture(scope="session")
 def real_node(rig):
     """The rig's real node (tests/rig/node.py): a kubelet with containerd that runs containers.
 

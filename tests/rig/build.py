@@ -35,22 +35,27 @@ def go_version() -> str:
     return subprocess.run(["go", "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
 
 
-# Two groups of components, each in its own cache folder: the control plane (what every rig
-# test needs) and the real node (built only when a node is asked for).
-CONTROL_PLANE, NODE = "control-plane", "node"
+# Groups of components, each in its own cache folder: the control plane (what every rig
+# test needs), Kueue (started on demand by the tests that use it) and the real node (built
+# only when a node is asked for).
+CONTROL_PLANE, KUEUE, NODE = "control-plane", "kueue", "node"
 
 
 def group_of(name: str) -> str:
-    return NODE if name in versions.NODE_BUILD_ORDER else CONTROL_PLANE
+    if name in versions.NODE_BUILD_ORDER:
+        return NODE
+    return KUEUE if name in versions.KUEUE_BUILD_ORDER else CONTROL_PLANE
 
 
 def group_members(group: str) -> list[str]:
-    return versions.NODE_BUILD_ORDER if group == NODE else versions.BUILD_ORDER
+    return {NODE: versions.NODE_BUILD_ORDER, KUEUE: versions.KUEUE_BUILD_ORDER}.get(group, versions.BUILD_ORDER)
 
 
 def cache_key(group: str = CONTROL_PLANE) -> str:
     pins = {name: versions.COMPONENTS[name]["require"] for name in group_members(group)}
     blob = json.dumps({"go": go_version(), "pins": pins}, sort_keys=True).encode()
+    if group == KUEUE:
+        return f"kueue-{versions.KUEUE}-{hashlib.sha256(blob).hexdigest()[:10]}"
     prefix = "node-k8s" if group == NODE else "k8s"
     return f"{prefix}-{versions.KUBERNETES}-{hashlib.sha256(blob).hexdigest()[:10]}"
 

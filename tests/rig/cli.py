@@ -1,10 +1,10 @@
-"""`python -m tests.rig build|up|down|status|env [--node]`."""
+"""`python -m tests.rig build|up|down|status|env [--node] [--kueue]`."""
 
 from __future__ import annotations
 
 import argparse
 
-from tests.rig import build
+from tests.rig import build, versions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,14 +13,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", action="store_true",
                         help="build: the real node's components; up: also start the real node; "
                              "down: stop only the real node")
+    parser.add_argument("--kueue", action="store_true", help="up: also start Kueue (tests/rig/kueue.py)")
     args = parser.parse_args(argv)
     if args.command == "build":
-        build.build_node() if args.node else build.build()
+        if args.node:
+            build.build_node()
+        else:  # the control plane, then Kueue (which the tests that use it start)
+            build.build()
+            build.build(versions.KUEUE_BUILD_ORDER)
         return 0
     from tests.rig import cluster
 
     if args.command == "up":
         rig = cluster.up_node()[0] if args.node else cluster.up()[0]
+        if args.kueue:
+            from tests.rig import kueue
+
+            kueue.up(rig)
         print(rig.exports())
     elif args.command == "down":
         if args.node:

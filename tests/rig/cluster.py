@@ -44,6 +44,10 @@ PORTS = {
     "operator-metrics": 18080,
     "operator-probe": 18081,
     "operator-webhook": 19443,
+    # Kueue (tests/rig/kueue.py), started on demand
+    "kueue-webhook": 19444,
+    "kueue-metrics": 18082,
+    "kueue-probe": 18083,
 }
 PORTS = {name: port + _PORT_OFFSET for name, port in PORTS.items()}
 
@@ -654,6 +658,9 @@ def _stop(state: dict) -> None:
     from tests.rig import node
 
     node.stop()  # the real node, if one runs, before the apiserver it reports to
+    from tests.rig import kueue
+
+    kueue.stop()
     _stop_procs(state.get("procs", {}))
     if state.get("bridge"):
         _remove_bridge()

@@ -13,6 +13,9 @@ KWOK = "v0.8.0"
 TRAINING_OPERATOR = "v1.9.3"  # release-1.9 line of github.com/kubeflow/training-operator
 HELM = "v3.19.5"
 VERSITYGW = "v1.8.0"
+# Kueue (queues, quotas, admission; tests/rig/kueue.py), in its own cache folder (`kueue-…`)
+# and started on demand, so pinning it never rebuilds or restarts the control plane.
+KUEUE = "v0.17.0"
 
 # The real node (tests/rig/node.py): kubelet and kube-proxy come from KUBERNETES above.
 CONTAINERD = "v2.4.2"
@@ -68,6 +71,11 @@ COMPONENTS: dict[str, dict] = {
     "versitygw": {
         "require": {"github.com/versity/versitygw": VERSITYGW},
         "packages": ["github.com/versity/versitygw/cmd/versitygw"],
+    },
+    "kueue": {
+        "require": {"sigs.k8s.io/kueue": KUEUE},
+        "packages": ["sigs.k8s.io/kueue/cmd/kueue"],
+        "version_vars": {"sigs.k8s.io/kueue/pkg/version.GitVersion": KUEUE},
     },
     # --- the real node: built only when a node is asked for (`build --node`, `up --node`) ---
     "kubernetes-node": {
@@ -125,4 +133,5 @@ COMPONENTS: dict[str, dict] = {
 BUILD_ORDER = ["versitygw", "etcd", "kubernetes", "kwok", "training-operator", "helm"]
 # The real node's components, in their own cache folder (`node-…`), so pinning them never
 # rebuilds or restarts the control plane.
+KUEUE_BUILD_ORDER = ["kueue"]
 NODE_BUILD_ORDER = ["node-tools", "cni-plugins", "coredns", "containerd", "cri-tools", "kubernetes-node"]
