@@ -134,7 +134,8 @@ def reconcile_sample(rig, namespace: str, metrics_url: str) -> dict:
 def test_helm_lint_passes_with_default_and_optional_values(rig):
     helm(rig, "lint", "--strict", str(CHART), *KUBE)
     helm(rig, "lint", "--strict", str(CHART), *KUBE, "--set", "watchNamespaces={ml,research}",
-         "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true")
+         "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true",
+         "--set", "metrics.prometheusRule.enabled=true")
 
 
 @pytest.mark.parametrize("setting,says", [
@@ -220,7 +221,17 @@ def test_optional_servicemonitor_and_dashboard(rig):
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["kiln.json"]) == json.loads((CHART / "dashboards" / "kiln.json").read_text())
     default_kinds = {o["kind"] for o in render(rig)}
-    assert not default_kinds & {"ServiceMonitor", "ConfigMap"}  # off by default: no CRD needed
+    assert not default_kinds & {"ServiceMonitor", "ConfigMap", "PrometheusRule"}  # off by default: no CRD needed
+
+
+def test_optional_prometheusrule_carries_the_tested_alert_rules(rig):
+    objs = render(rig, "--set", "metrics.prometheusRule.enabled=true", "--set", "metrics.prometheusRule.labels.release=prom")
+    rule = next(o for o in objs if o["kind"] == "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    # the groups promtool tests (tests/unit/test_alerts.py), with their templates left for Prometheus
+    rules_file = yaml.safe_load((REPO / "manifests" / "monitoring" / "kiln-alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == rules_file["groups"]
+    assert "{{ $labels.run }}" in json.dumps(rule["spec"])
 
 
 # --- install into the real apiserver ----------------------------------------------------------------

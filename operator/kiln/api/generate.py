@@ -4,6 +4,7 @@
     helm/kiln/crds/kiln.dev_trainingspecs.yaml    its copy in the chart (Helm reads only files inside the chart)
     helm/kiln/files/operator-clusterrole.yaml     copies of manifests/rbac/*-clusterrole.yaml (written by hand:
     helm/kiln/files/trainer-clusterrole.yaml      the verbs the code uses), which the chart renders verbatim
+    helm/kiln/files/kiln-alerts.yaml              copy of manifests/monitoring/kiln-alerts.yaml (the PrometheusRule)
     docs/api.md, between its markers              the field reference (kiln.api.reference)
 
 `python -m kiln.api.generate [--root DIR] [--check]`: --check writes nothing and exits 1 naming what is
@@ -22,6 +23,7 @@ COPIES = {  # copy -> source, both relative to the repository root
     "helm/kiln/crds/kiln.dev_trainingspecs.yaml": CRD,
     "helm/kiln/files/operator-clusterrole.yaml": "manifests/rbac/operator-clusterrole.yaml",
     "helm/kiln/files/trainer-clusterrole.yaml": "manifests/rbac/trainer-clusterrole.yaml",
+    "helm/kiln/files/kiln-alerts.yaml": "manifests/monitoring/kiln-alerts.yaml",
 }
 API_DOC = "docs/api.md"
 
