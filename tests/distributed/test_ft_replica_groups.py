@@ -8,13 +8,17 @@ after its imports; the test releases a group when the run reports a given step, 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.ft_helpers import Group, lighthouse_server, records
-from tests.distributed.ranks import wait_until
-from tests.distributed.trainer_helpers import write_spec
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, wait_until
+from tests.distributed.trainer_helpers import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -162,3 +166,55 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
         # Exact resume: the same losses from the commit on, and the same final weights, as without the fault.
         assert [r["loss"] for r in resumed] == [r["loss"] for r in want if r["step"] > latest]
         assert resumed[-1]["ft_weights_digest"] == want[-1]["ft_weights_digest"]
+
+
+def _group_worker(launcher: int, group: int) -> int | None:
+    """The training process (torchrun's worker, RANK=0) of replica `group` under `kiln run`."""
+    pids, i = [launcher], 0
+    while i < len(pids):
+        pids += _children(pids[i])
+        i += 1
+    for pid in pids[1:]:
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"KILN_FT_GROUP={group}".encode() in environ and b"RANK=0" in environ:
+            return pid
+    return None
+
+
+def test_kiln_run_restarts_a_failed_group_and_it_heals_from_the_live_one(tmp_path):
+    """`kiln run` with replica groups: its own lighthouse, a torchrun per group; a group whose worker dies is
+    started again at once (a full start: imports and all), and heals from the group that kept training."""
+    steps = 1000  # the survivor's steps must outlast one start of a group (about 7 s, ~200 steps, here)
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": steps}, checkpoint={"intervalSteps": 1000},
+                      elastic={"faultTolerance": {"mode": "replicaGroups", "groups": 2}})
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    with log.open("w") as sink:
+        launcher = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--nproc", "2",
+                                     "--output", str(out)], env=env(), stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        wait_until(f"group 1 at step {KILL_AT} with both groups",
+                   lambda: [r for r in records(out / "group-1") if r["step"] >= KILL_AT and r["ft_participants"] == 2],
+                   alive=lambda: launcher.poll() is None, context=lambda: log.read_text()[-4000:])
+        worker = _group_worker(launcher.pid, 1)
+        assert worker is not None
+        os.kill(worker, signal.SIGKILL)
+        killed_at = records(out / "group-1")[-1]["step"]
+        assert launcher.wait(timeout=SAFETY_TIMEOUT_S) == 0, log.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    text = log.read_text()
+    assert text.count("kiln: replica group 1 failed") == 1 and "kiln: replica group 0 failed" not in text
+    g0, g1 = records(out / "group-0"), records(out / "group-1")
+    assert [r["step"] for r in g0] == list(range(1, steps + 1))
+    healed = [r for r in g1 if r["ft_restore"] == "peer"]
+    assert healed and healed[0]["step"] > killed_at and healed[0]["ft_heals"] == 1, g1[killed_at - 1:killed_at + 2]
+    # group 1 logged up to the kill, then from the step it healed at: it never trained the steps between
+    assert [r["step"] for r in g1] == list(range(1, killed_at + 1)) + list(range(healed[0]["step"], steps + 1))
+    assert any(r["ft_participants"] == 1 for r in g0 if killed_at < r["step"] < healed[0]["step"])
+    assert g0[-1]["ft_weights_digest"] == g1[-1]["ft_weights_digest"]

@@ -92,3 +92,18 @@ def test_the_operator_refuses_replica_groups_whole_until_it_renders_them():
     off, unset = plan(parse(doc({"mode": "off", "groups": 2}))), plan(parse(doc(None)))
     assert off.refused is None and [o["kind"] for o in off.objects] == [o["kind"] for o in unset.objects]
     assert any(o["kind"] == "PyTorchJob" for o in off.objects)
+
+
+def test_kiln_run_keeps_replica_groups_and_checks_each_group_s_world(tmp_path):
+    from kiln.cli.train_cmds import check_layout, local_spec
+
+    d = doc({"mode": "replicaGroups", "groups": 2})
+    d["spec"]["model"] = {"preset": "tiny"}
+    d["spec"]["parallelism"] = {"tensor": 1}
+    run_doc, _ = local_spec(parse(d), nproc=4, steps=None, output=tmp_path)
+    assert replica_groups(run_doc.spec) == 2 and run_doc.spec.resources.processes_per_node == 4
+    check_layout(run_doc, 4)  # 2 groups of 2 processes
+    with pytest.raises(KilnError, match="--nproc 3: elastic.faultTolerance.groups = 2 must divide it"):
+        check_layout(run_doc, 3)
+    off, _ = local_spec(parse(doc(None)), nproc=4, steps=None, output=tmp_path)
+    assert off.spec.elastic.fault_tolerance is None

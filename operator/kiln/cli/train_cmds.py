@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from kiln.api import TrainingSpec
-from kiln.api.layout import fit_local
+from kiln.api import TrainingSpec, contract
+from kiln.api.layout import fit_local, replica_group_spec, replica_groups
 from kiln.api.load import load_file, parse
 from kiln.errors import KilnError
 
@@ -174,7 +174,9 @@ def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path
     spec = data["spec"]
     for section, values in patch.items():
         spec[section] = {k: v for k, v in {**spec.get(section, {}), **values}.items() if v is not None}
-    spec["elastic"] = {}
+    # elastic node counts are the operator's; replica groups (elastic.faultTolerance) run here too
+    ft = data["spec"].get("elastic", {}).get("faultTolerance")
+    spec["elastic"] = {"faultTolerance": ft} if ft_mode(doc) else {}
     if steps is not None:
         note = shorten(spec["training"], steps)
         notes += [note] if note else []
@@ -191,7 +193,19 @@ def check_layout(doc: TrainingSpec, world: int) -> None:
 
     dims = hf.resolve_dims(doc.spec)
     hf.training_tokenizer(doc.spec, dims)
+    if ft_mode(doc):  # each replica group is its own world of world / groups processes
+        groups = replica_groups(doc.spec)
+        if world % groups:
+            raise KilnError(f"--nproc {world}: elastic.faultTolerance.groups = {groups} must divide it (each replica "
+                            f"group runs --nproc / groups processes)")
+        plan_layout(replica_group_spec(doc.spec), dims, world // groups, processes_per_node=world // groups)
+        return
     plan_layout(doc.spec, dims, world, processes_per_node=world)
+
+
+def ft_mode(doc: TrainingSpec) -> bool:
+    ft = doc.spec.elastic.fault_tolerance
+    return ft is not None and ft.mode == "replicaGroups"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -210,6 +224,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec_path = output / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(run_doc.model_dump(by_alias=True, exclude_none=True, mode="json"),
                                         sort_keys=False))
+    if ft_mode(run_doc):
+        return run_replica_groups(run_doc, spec_path, nproc, output)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output)]
     env = dict(os.environ)
@@ -229,6 +245,64 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KilnError(f"training failed (torchrun exit code {rc}); see the messages above. Rerunning resumes "
                         f"from the last checkpoint in {output}/checkpoints")
     print(f"kiln: done; metrics in {output / 'metrics.jsonl'}", flush=True)
+    return 0
+
+
+def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: Path) -> int:
+    """elastic.faultTolerance replicaGroups on this machine: torchft's lighthouse in this process and one torchrun
+    per group (nproc / groups processes each, metrics in OUTPUT/group-<i>/). A group that fails is started again
+    at once (up to elastic.maxRestarts): it heals from a live group, or resumes from the newest commit when none
+    is live; the other groups keep training meanwhile."""
+    from torchft._torchft import LighthouseServer
+
+    groups = replica_groups(doc.spec)
+    per_group = nproc // groups
+    restarts = doc.spec.elastic.max_restarts
+    # processes on one machine: a group that stops heartbeating for 1 s is gone, and nobody waits longer for it
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+
+    def start(group: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={per_group}",
+               "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output / f"group-{group}")]
+        return subprocess.Popen(cmd, env={**env, contract.FT_LIGHTHOUSE: lighthouse.address(),
+                                          contract.FT_GROUP: str(group)}, start_new_session=True)
+
+    print(f"kiln: training {doc.metadata.name} as {groups} replica groups of {per_group} process(es) (torchft "
+          f"lighthouse {lighthouse.address()}); output in {output}", flush=True)
+    procs = {group: start(group) for group in range(groups)}
+    finished: set[int] = set()
+    try:
+        while len(finished) < groups:
+            pid, status = os.wait()  # the next group to exit
+            group = next((g for g, p in procs.items() if p.pid == pid), None)
+            if group is None:
+                continue
+            rc = procs[group].returncode = os.waitstatus_to_exitcode(status)
+            if rc == 0:
+                finished.add(group)
+                continue
+            if restarts == 0:
+                for p in procs.values():
+                    if p.poll() is None:
+                        _stop(p)
+                raise KilnError(f"replica group {group} failed (torchrun exit code {rc}) and elastic.maxRestarts is "
+                                f"spent; rerunning resumes from the last checkpoint in {output}/checkpoints")
+            restarts -= 1
+            print(f"kiln: replica group {group} failed (torchrun exit code {rc}); restarting it, the other groups "
+                  f"keep training ({restarts} restart(s) left)", flush=True)
+            procs[group] = start(group)
+    except KeyboardInterrupt:
+        for p in procs.values():
+            if p.poll() is None:
+                _stop(p)
+        print(f"kiln: interrupted; rerun the same command to resume from the last checkpoint in {output}",
+              file=sys.stderr)
+        return 130
+    finally:
+        lighthouse.shutdown()
+    print(f"kiln: done; metrics in {output}/group-*/metrics.jsonl", flush=True)
     return 0
 
 
