@@ -77,7 +77,10 @@ def operator_from_deployment(deployment: dict, kubeconfig: Path, log: Path, extr
     (ports moved to free ones), authenticated by `kubeconfig`. Yields (health_url, metrics_url)."""
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     health, metrics = free_port(), free_port()
-    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    # the downward API as the kubelet fills it in (the pod's name is the Deployment's here)
+    pod = {"metadata.namespace": deployment["metadata"]["namespace"], "metadata.name": deployment["metadata"]["name"]}
+    env = {e["name"]: e["value"] if "value" in e else pod.get(e["valueFrom"].get("fieldRef", {}).get("fieldPath"), "")
+           for e in container.get("env", [])}
     env.update(KILN_HEALTH_PORT=str(health), KILN_METRICS_PORT=str(metrics), PYTHONUNBUFFERED="1",
                KUBECONFIG=str(kubeconfig))
     program, *rest = entrypoint()
@@ -195,7 +198,8 @@ def test_watched_namespaces_get_namespaced_grants_only(rig):
     bindings = [o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
     assert sorted(ident(b) for b in bindings) == [
         ("ClusterRoleBinding", "kiln-operator-cluster", ""),
-        ("RoleBinding", "kiln-operator", "ml"), ("RoleBinding", "kiln-operator", "research")]
+        ("RoleBinding", "kiln-operator", "ml"), ("RoleBinding", "kiln-operator", "research"),
+        ("RoleBinding", "kiln-operator-leader", "kiln-system")]  # leader election, in the operator's namespace
     cluster_role = next(o for o in objs if ident(o) == ("ClusterRole", "kiln-operator-cluster", ""))
     # Cluster-wide, exactly the source's rules on cluster-scoped resources, as the apiserver scopes them.
     scoped = {n.split(".")[0] for n in rig.kubectl("api-resources", "--namespaced=false", "-o", "name").stdout.split()}

@@ -1,6 +1,6 @@
 """The operator keeps what it made, acts alone, and retries what fails, on the rig (issue 13, items 6-8).
 
-- Periodic resync: a run's ConfigMap, ServiceAccount, Role, RoleBinding and PyTorchJob, deleted or changed
+- Periodic resync: a run's ConfigMap, ServiceAccount, Role, RoleBinding, NetworkPolicy and PyTorchJob, deleted or changed
   by someone else, come back as kiln made them (the PyTorchJob at once, from its watch; the others at the
   next resync, every tick here: KILN_RESYNC_SECONDS=1).
 - Backoff: a reconcile that cannot proceed says why in SpecAccepted and is retried with a growing delay.
@@ -96,6 +96,8 @@ DRIFT = {
     "role-widened": ("role", "-trainer", lambda o: {"rules": o["rules"] + [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list"]}]}, lambda o: o["rules"]),
     "rolebinding-deleted": ("rolebinding", "-trainer", None, lambda o: (o["roleRef"], o["subjects"])),
+    "networkpolicy-opened": ("networkpolicy", "-trainer", lambda o: {"spec": {"ingress": [{}]}},
+                             lambda o: o["spec"]),
 }
 
 
@@ -123,6 +125,18 @@ def test_what_someone_else_deletes_or_changes_comes_back(rig, ns, drift_run, cas
     assert content(after) == content(before)
     assert after["metadata"]["ownerReferences"] == before["metadata"]["ownerReferences"]
     assert status(rig, ns, drift_run)["phase"] == "Suspended"
+
+
+def test_a_resync_with_nothing_to_repair_writes_nothing(rig, ns, drift_run, op_a):
+    # Every resync applies each object again; what matches what is stored is no write (no resourceVersion).
+    kinds = [("pytorchjob", ""), ("configmap", "-spec"), ("serviceaccount", "-trainer"), ("role", "-trainer"),
+             ("rolebinding", "-trainer"), ("networkpolicy", "-trainer")]
+    versions = {k: get(rig, ns, k, drift_run + s)["metadata"]["resourceVersion"] for k, s in kinds}
+    runs = len(json.loads(rig.kubectl("get", "trainingspecs", "-n", ns, "-o", "json").stdout)["items"])
+    done = op_a.reconciles("resync")  # counted over all runs; each one's tick comes every 15 s in turn
+    rig.wait_for("two more resyncs of every run", lambda: op_a.reconciles("resync") >= done + 2 * runs,
+                 timeout=SAFETY_TIMEOUT_S)
+    assert {k: get(rig, ns, k, drift_run + s)["metadata"]["resourceVersion"] for k, s in kinds} == versions
 
 
 # ---- backoff -------------------------------------------------------------------------------------------------

@@ -44,12 +44,12 @@ class Operator:
         self.kubeconfig, self.namespace, self.log, self.lease = kubeconfig, namespace, log, lease
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
 
     def start(self) -> None:
         self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         env = {**os.environ, "KILN_TRAINER_IMAGE": IMAGE, "PYTHONUNBUFFERED": "1",
-               "KILN_METRICS_PORT": str(free_port()), **self.env}  # several operators may run on this machine
+               "KILN_METRICS_PORT": str(self.metrics_port), **self.env}  # several operators may run here
         env.pop("KUBECONFIG", None)
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(
@@ -73,6 +73,13 @@ class Operator:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def reconciles(self, handler: str, outcome: str = "ok") -> float:
+        """kiln_operator_reconciles_total{handler, outcome} from the operator's /metrics (0 before any)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        line = f'kiln_operator_reconciles_total{{handler="{handler}",outcome="{outcome}"}} '
+        return next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(line)), 0.0)
 
     def log_since_start(self) -> str:
         return self.log.read_text()[self.log_offset:]

@@ -36,8 +36,9 @@ POLICY_SETTINGS = {
 
 def deployment_env() -> dict[str, str]:
     container = yaml.safe_load(DEPLOYMENT.read_text())["spec"]["template"]["spec"]["containers"][0]
-    # POD_ID (kopf's identity, from the downward API) is kopf's own setting, not kiln's
-    return {e["name"]: e.get("value") for e in container["env"] if e["name"] != "POD_ID"}
+    # POD_ID (kopf's and the Lease's identity) and POD_NAMESPACE (where the Lease is) come from the downward
+    # API: the pod's own, not settings
+    return {e["name"]: e.get("value") for e in container["env"] if e["name"] not in ("POD_ID", "POD_NAMESPACE")}
 
 
 def test_every_deployment_variable_is_an_operator_setting():
