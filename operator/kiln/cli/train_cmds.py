@@ -253,6 +253,7 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
     per group (nproc / groups processes each, metrics in OUTPUT/group-<i>/). A group that fails is started again
     at once (up to elastic.maxRestarts): it heals from a live group, or resumes from the newest commit when none
     is live; the other groups keep training meanwhile."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum and vote at info: RUST_LOG=info shows them
     from torchft._torchft import LighthouseServer
 
     groups = replica_groups(doc.spec)
