@@ -11,8 +11,9 @@ starting it changes nothing for the other rig tests. It is started by the tests 
 `kueue` in tests/conftest.py, or `up()` here) and stopped with the rig.
 
 Set up as an admin would: the ResourceFlavor `rig-h200` for the kwok GPU nodes (by their GPU product
-label) and the ClusterQueue `rig-gpus` whose quota is all of their GPUs. Tests make their own
-ClusterQueues (with smaller quotas) and LocalQueues: `cluster_queue()` and `local_queue()` build them.
+label), the topology-aware flavor `rig-h200-tas` of the same nodes (Topology `rig-hosts`, one level: the
+host) and the ClusterQueue `rig-gpus` whose quota is all of their GPUs. Tests make their own
+ClusterQueues (with smaller quotas, either flavor) and LocalQueues: `cluster_queue()` and `local_queue()`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from tests.rig import build, cluster, pki, versions
 NAMESPACE = "kueue-system"  # Kueue's own namespace (its config's `namespace`)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 FLAVOR = "rig-h200"
+# Topology-aware scheduling: the same nodes as a flavor with a Topology, one level (the host). Kueue then
+# admits a workload only where its pods fit on real nodes' free capacity (pods outside Kueue counted too).
+TOPOLOGY = "rig-hosts"
+TAS_FLAVOR = "rig-h200-tas"
+HOST_LABEL = "kubernetes.io/hostname"
 CLUSTER_QUEUE = "rig-gpus"
 GPU = "nvidia.com/gpu"
 # waitForPodsReady: an admitted workload whose pods are not all Ready within this time is evicted (its job
@@ -122,8 +128,23 @@ def resource_flavor() -> dict:
             "spec": {"nodeLabels": {cluster.GPU_PRODUCT_LABEL: cluster.GPU_PRODUCT}}}
 
 
-def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, preemption: dict | None = None) -> dict:
-    """A ClusterQueue with `gpus` nvidia.com/gpu of the rig's flavor (CPU and memory: what the nodes have).
+def topology() -> dict:
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": TOPOLOGY},
+            "spec": {"levels": [{"nodeLabel": HOST_LABEL}]}}
+
+
+def tas_flavor() -> dict:
+    flavor = resource_flavor()
+    flavor["metadata"]["name"] = TAS_FLAVOR
+    flavor["spec"]["topologyName"] = TOPOLOGY
+    return flavor
+
+
+def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, preemption: dict | None = None,
+                  flavor: str = FLAVOR) -> dict:
+    """A ClusterQueue with `gpus` nvidia.com/gpu of the rig's flavor (CPU, memory and local disk: what the
+    nodes have; Kueue admits nothing that requests a resource its ClusterQueue does not cover, and kiln's
+    pods request all four).
 
     namespaces: the namespaces whose LocalQueues may use it (None: any)."""
     nodes = len(cluster.GPU_NODES)
@@ -131,10 +152,11 @@ def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, pre
         "namespaceSelector": ({"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
                                                      "values": namespaces}]} if namespaces else {}),
         "resourceGroups": [{
-            "coveredResources": ["cpu", "memory", GPU],
-            "flavors": [{"name": FLAVOR, "resources": [
+            "coveredResources": ["cpu", "memory", "ephemeral-storage", GPU],
+            "flavors": [{"name": flavor, "resources": [
                 {"name": "cpu", "nominalQuota": str(96 * nodes)},
                 {"name": "memory", "nominalQuota": f"{2 * nodes}Ti"},
+                {"name": "ephemeral-storage", "nominalQuota": f"{28 * nodes}Ti"},
                 {"name": GPU, "nominalQuota": str(gpus)},
             ]}],
         }],
@@ -222,7 +244,8 @@ def _start(rig: cluster.Rig) -> None:
         # Registered once the webhook server listens, so no admission waits on a process still starting.
         rig.apply(webhook_configurations())
         # The webhooks check these objects: applying them proves the apiserver reaches Kueue.
-        _apply_retrying(rig, [resource_flavor(), cluster_queue(CLUSTER_QUEUE, cluster.GPUS_PER_NODE * len(cluster.GPU_NODES))])
+        _apply_retrying(rig, [resource_flavor(), topology(), tas_flavor(),
+                              cluster_queue(CLUSTER_QUEUE, cluster.GPUS_PER_NODE * len(cluster.GPU_NODES))])
     except BaseException:
         cluster._stop_procs(procs)
         raise

@@ -1,0 +1,209 @@
+"""kiln runs under Kueue on the rig: the real Kueue manager admits the PyTorchJobs the kiln operator renders.
+
+The operator runs as its ServiceAccount with manifests/rbac (fixtures from test_operator_lifecycle); Kueue
+is the rig's (tests/rig/kueue.py); each test gets its own ClusterQueue for the test's namespace and a
+LocalQueue pointing at it. Runs take 4 of a kwok node's 8 GPUs per node and queues are sized in those
+(QUOTA_GPUS): other sessions' tests place small pods on the shared nodes meanwhile.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from kiln.cli.main import main
+
+from tests.distributed.ranks import SAFETY_TIMEOUT_S
+from tests.integration.test_operator_api import install_crd
+from tests.integration.test_operator_lifecycle import (
+    Operator, condition, events, get, items, running_pods, shipped_rbac, small_run, status, submit, wait_phase,
+)
+
+pytestmark = pytest.mark.rig
+
+GPUS = 4  # per node of a run here; a queue of QUOTA_GPUS fits one 1-node run
+
+
+@pytest.fixture(scope="module")
+def ns(rig):
+    name = f"kiln-kueue-{uuid.uuid4().hex[:6]}"
+    rig.kubectl("create", "namespace", name)
+    yield name
+    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(rig, kueue, ns, tmp_path_factory):
+    """The operator as its cluster-wide ServiceAccount with the shipped RBAC (it may list Workloads)."""
+    install_crd(rig)
+    with shipped_rbac(rig, ns, "cluster") as (sa, lease):
+        op = Operator(rig.kubeconfig_for_service_account(ns, sa), ns,
+                      tmp_path_factory.mktemp("operator") / "operator.log", lease=f"{ns}/{lease}")
+        op.start()
+        yield op
+        op.stop()
+        print(f"--- operator log (tail) ---\n{op.tail()}")
+
+
+@pytest.fixture
+def team(rig, kueue, ns):
+    """LocalQueue `team` in `ns` → a fresh ClusterQueue of GPUS GPUs (one 1-node run); yields its name."""
+    name = f"cq-{uuid.uuid4().hex[:8]}"
+    rig.apply([kueue.cluster_queue(name, gpus=GPUS, namespaces=[ns]),
+               kueue.local_queue(ns, "team", name)])
+    yield name
+    rig.kubectl("delete", "localqueue", "team", "-n", ns, check=False)
+    rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def node_run(name: str, nodes: int = 1, **spec) -> dict:
+    """A run of `nodes` nodes × GPUS GPUs in the LocalQueue `team`."""
+    return small_run(name, resources={"nodes": nodes, "gpusPerNode": GPUS}, elastic={"minNodes": nodes, "maxNodes": nodes},
+                     scheduling={"queue": "team", **spec.pop("scheduling", {})}, **spec)
+
+
+def queued(rig, ns: str, name: str) -> dict:
+    return rig.wait_for(f"{name} Queued with Kueue's reason (now {status(rig, ns, name).get('phase')})",
+                        lambda: status(rig, ns, name).get("phase") == "Queued"
+                        and (c := condition(rig, ns, name, "Queued")).get("status") == "True"
+                        and c.get("reason") != "NoWorkload" and c, timeout=SAFETY_TIMEOUT_S)
+
+
+def test_second_run_waits_queued_with_kueues_reason_then_starts_when_the_first_finishes(
+        rig, ns, operator, team, capsys):
+    with rig.exclusive_gpus():
+        submit(rig, ns, node_run("first"))
+        first = wait_phase(rig, ns, "first", "Running")
+        assert first["queue"]["clusterQueue"] == team and first["queue"]["flavors"] == ["rig-h200"]
+        assert first["queue"]["admittedAt"]
+
+        submit(rig, ns, node_run("second"))
+        cond = queued(rig, ns, "second")
+        assert cond["reason"] == "Pending" and "insufficient unused quota for nvidia.com/gpu" in cond["message"], cond
+        assert not items(rig, ns, "pods", "kiln.dev/trainingspec=second")  # waits whole: no pod holds a node
+        assert any(e["reason"] == "Queued" for e in events(rig, ns, "second"))
+        assert main(["status", "second", "-n", ns, "--kubeconfig", str(rig.kubeconfig)]) == 0
+        out = capsys.readouterr().out
+        assert "Queued" in out and "insufficient unused quota" in out, out
+
+        rig.succeed_pod(ns, "first-worker-0")
+        wait_phase(rig, ns, "first", "Succeeded")
+        second = wait_phase(rig, ns, "second", "Running")
+        assert second["queue"]["admittedAt"] >= first["queue"]["admittedAt"]
+        assert condition(rig, ns, "second", "Queued")["reason"] == "Admitted"
+        assert len(running_pods(rig, ns, "second")) == 1
+        rig.succeed_pod(ns, "second-worker-0")
+        wait_phase(rig, ns, "second", "Succeeded")
+
+
+def test_a_run_larger_than_the_quota_starts_no_pod(rig, ns, operator, team):
+    """All or nothing: a 2-node run whose queue can give it 1 node's worth of GPUs starts no pod at all."""
+    with rig.exclusive_gpus():
+        submit(rig, ns, node_run("too-big", nodes=2))
+        cond = queued(rig, ns, "too-big")
+        assert "insufficient quota" in cond["message"], cond
+        assert get(rig, ns, "pytorchjob", "too-big")["spec"]["runPolicy"]["suspend"] is True
+        assert not items(rig, ns, "pods", "kiln.dev/trainingspec=too-big")
+        rig.kubectl("delete", "trainingspec", "too-big", "-n", ns)
+
+
+@pytest.fixture
+def priorities(rig, kueue):
+    """WorkloadPriorityClasses `low-…` (10) and `high-…` (1000); yields their names."""
+    suffix = uuid.uuid4().hex[:6]
+    names = {"low": f"low-{suffix}", "high": f"high-{suffix}"}
+    rig.apply([{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "metadata": {"name": n},
+                "value": value, "description": f"kiln rig test, {key}"}
+               for (key, n), value in zip(names.items(), (10, 1000))])
+    yield names
+    for n in names.values():
+        rig.kubectl("delete", "workloadpriorityclass", n, "--wait=false", check=False)
+
+
+@pytest.fixture
+def preempting_team(rig, kueue, ns):
+    """LocalQueue `urgent` → a ClusterQueue like `team`'s that preempts lower-priority workloads to admit a
+    higher one; yields the LocalQueue's name."""
+    name = f"cq-{uuid.uuid4().hex[:8]}"
+    rig.apply([kueue.cluster_queue(name, gpus=GPUS, namespaces=[ns],
+                                   preemption={"withinClusterQueue": "LowerPriority"}),
+               kueue.local_queue(ns, "urgent", name)])
+    yield "urgent"
+    rig.kubectl("delete", "localqueue", "urgent", "-n", ns, check=False)
+    rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def test_higher_priority_run_preempts_a_lower_one_which_resumes_later(rig, ns, operator, preempting_team, priorities):
+    with rig.exclusive_gpus():
+        submit(rig, ns, node_run("low", scheduling={"queue": preempting_team, "priority": priorities["low"]}))
+        wait_phase(rig, ns, "low", "Running")
+        (low_pod,) = running_pods(rig, ns, "low")
+        low_admitted = status(rig, ns, "low")["queue"]["admittedAt"]
+        pending_before = status(rig, ns, "low")["goodputDetail"]["lostSeconds"]["pending"]
+
+        submit(rig, ns, node_run("high", scheduling={"queue": preempting_team, "priority": priorities["high"]}))
+        cond = rig.wait_for("low preempted", lambda: (c := condition(rig, ns, "low", "Queued")).get("reason")
+                            == "Preempted" and c, timeout=SAFETY_TIMEOUT_S)
+        assert status(rig, ns, "low")["phase"] == "Queued" and cond["status"] == "True"
+        # Kueue suspended the job, kiln's spec did not change: the same path as spec.suspend, where the
+        # training-operator deletes the pods and each trainer gets SIGTERM to commit within the grace period.
+        assert get(rig, ns, "pytorchjob", "low")["spec"]["runPolicy"]["suspend"] is True
+        assert get(rig, ns, "trainingspec", "low")["spec"].get("suspend") in (None, False)
+        rig.wait_for("low's pod gone", lambda: get(rig, ns, "pod", low_pod["metadata"]["name"]) is None
+                     or get(rig, ns, "pod", low_pod["metadata"]["name"])["metadata"]["uid"] != low_pod["metadata"]["uid"],
+                     timeout=SAFETY_TIMEOUT_S)
+        wait_phase(rig, ns, "high", "Running")
+        assert any(e["reason"] == "Queued" and "Preempted" in e["message"] for e in events(rig, ns, "low"))
+
+        rig.succeed_pod(ns, "high-worker-0")
+        wait_phase(rig, ns, "high", "Succeeded")
+        resumed = wait_phase(rig, ns, "low", "Running")
+        assert resumed["queue"]["admittedAt"] > low_admitted
+        # the ledger counts the time it waited preempted as pending (no trainer ran)
+        assert resumed["goodputDetail"]["lostSeconds"]["pending"] > pending_before
+        rig.succeed_pod(ns, "low-worker-0")
+        wait_phase(rig, ns, "low", "Succeeded")
+
+
+@pytest.fixture
+def hosts(rig, kueue, ns):
+    """LocalQueue `hosts` → a ClusterQueue of 2 × GPUS GPUs in the topology-aware flavor."""
+    rig.apply([kueue.topology(), kueue.tas_flavor()])  # as the rig's Kueue makes them (idempotent)
+    name = f"cq-{uuid.uuid4().hex[:8]}"
+    rig.apply([kueue.cluster_queue(name, gpus=2 * GPUS, namespaces=[ns], flavor=kueue.TAS_FLAVOR),
+               kueue.local_queue(ns, "hosts", name)])
+    yield name
+    rig.kubectl("delete", "localqueue", "hosts", "-n", ns, check=False)
+    rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def test_a_run_within_quota_that_the_free_nodes_cannot_hold_starts_no_pod(rig, kueue, ns, operator, hosts):
+    """All or nothing against real capacity: the queue's quota fits a 2-node run (2 × 4 GPUs), but pods
+    outside Kueue hold 5 GPUs of one node and 3 of the other: 8 GPUs are free, yet only one pod of 4 fits.
+    Topology-aware admission counts those pods, so the run stays Queued with no pod (none holding GPUs
+    while the other cannot start) and starts whole once a node frees."""
+    held = dict(zip(rig.gpu_nodes, (rig.gpus_per_node - GPUS + 1, GPUS - 1)))
+    with rig.exclusive_gpus():
+        for i, (node, gpus) in enumerate(held.items()):
+            rig.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"holder-{i}", "namespace": ns},
+                       "spec": {"nodeName": node, "containers": [{"name": "main", "image": "busybox", "resources": {
+                           "limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"nvidia.com/gpu": str(gpus)}}}]}})
+        for i in range(len(held)):
+            rig.wait_for(f"holder-{i} Running", lambda i=i: (get(rig, ns, "pod", f"holder-{i}") or {}).get(
+                "status", {}).get("phase") == "Running", timeout=SAFETY_TIMEOUT_S)
+        submit(rig, ns, node_run("wide", nodes=2, scheduling={"queue": "hosts"}))
+        cond = queued(rig, ns, "wide")
+        assert cond["reason"] == "Pending" and "insufficient" not in cond["message"], cond  # quota is not why
+        assert not items(rig, ns, "pods", "kiln.dev/trainingspec=wide")
+        assert get(rig, ns, "pytorchjob", "wide")["spec"]["runPolicy"]["suspend"] is True
+
+        rig.kubectl("delete", "pod", "holder-0", "-n", ns, "--grace-period=0")
+        wide = wait_phase(rig, ns, "wide", "Running")
+        assert wide["queue"]["flavors"] == [kueue.TAS_FLAVOR]
+        pods = rig.wait_for("both pods running", lambda: len(p := running_pods(rig, ns, "wide")) == 2 and p,
+                            timeout=SAFETY_TIMEOUT_S)
+        for p in pods:
+            rig.succeed_pod(ns, p["metadata"]["name"])
+        wait_phase(rig, ns, "wide", "Succeeded")
+        rig.kubectl("delete", "pod", "holder-1", "-n", ns, "--grace-period=0")
