@@ -77,6 +77,9 @@ def test_preempted_run_is_queued_with_reason_preempted():
 def test_no_workload_yet_says_what_it_waits_for():
     state = kueue.queue_state(job(True), None)
     assert state.reason == "NoWorkload" and "LocalQueue team" in state.message
+    # a Workload Kueue has not judged yet: kiln's own reason, never mistaken for one of Kueue's
+    state = kueue.queue_state(job(True), workload())
+    assert state.reason == "WaitingForKueue" and not state.admitted
 
 
 def test_a_job_without_a_queue_is_not_kueues():

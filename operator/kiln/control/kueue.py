@@ -77,7 +77,8 @@ def queue_state(job: dict | None, workload: dict | None) -> QueueState | None:
     reserved = conds.get("QuotaReserved")
     if reserved and reserved.get("status") == "False":
         return QueueState(queue, False, reserved.get("reason") or "Pending", reserved.get("message") or "")
-    return QueueState(queue, False, "Pending", f"waiting for Kueue to admit it from LocalQueue {queue}")
+    # kiln's own reason (as NoWorkload): Kueue has made the Workload but said nothing about it yet
+    return QueueState(queue, False, "WaitingForKueue", f"waiting for Kueue to consider it in LocalQueue {queue}")
 
 
 def read_workload(kube, job: dict | None) -> dict | None:
