@@ -7,6 +7,7 @@ Importing this module registers the handlers with kopf's default registry; `run(
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -190,9 +191,12 @@ async def _tick_due_runs() -> None:
             await asyncio.sleep(1)
             now = time.monotonic()
             for key, run in runs.items():
-                if run.due is not None and run.due <= now and not run.ticking and "indexes" in _state:
+                if run.due is not None and run.due <= now and not run.ticking and "kopf_context" in _state:
                     run.due, run.ticking = now + TICK_S, True
-                    loop.run_in_executor(pool, tick, *key)
+                    # kopf.event needs kopf's context (its settings and event queue, set for its handlers),
+                    # which an executor thread does not inherit: without it a tick's Event raised LookupError,
+                    # which ended the tick after its apply and before it recorded the elastic state
+                    loop.run_in_executor(pool, _state["kopf_context"].copy().run, tick, *key)
 
 
 @kopf.on.startup()
@@ -211,6 +215,7 @@ async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods
     # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
     # In memory only, so it runs on kopf's event loop: no hop to a worker thread for every event.
     _state.setdefault("indexes", (run_jobs, run_pods))  # kopf's live indexes, for the ticks
+    _state.setdefault("kopf_context", contextvars.copy_context())  # what kopf.event needs, for the ticks
     if type == "DELETED":
         metrics.forget(namespace, name)
         _kube().runs.forget((namespace, name))
