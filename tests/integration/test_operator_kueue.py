@@ -23,8 +23,8 @@ from tests.integration.test_operator_lifecycle import (
 pytestmark = pytest.mark.rig
 
 GPUS = 4  # per node of a run here; a queue of GPUS GPUs fits one 1-node run
-# Not yet seen passing: while they ran, other sessions' pods held every kwok GPU of the shared rig. Run
-# them on a quiet rig, then drop this mark (docs/scheduling.md "Not done yet").
+# Not yet seen passing: while it ran, other sessions' pods held the kwok GPUs of the shared rig. Run it
+# on a quiet rig, then drop this mark (docs/scheduling.md "Not done yet").
 UNVERIFIED = pytest.mark.xfail(reason="not yet seen passing on a quiet rig", strict=False)
 
 
@@ -138,7 +138,6 @@ def preempting_team(rig, kueue, ns):
     rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
 
 
-@UNVERIFIED
 def test_higher_priority_run_preempts_a_lower_one_which_resumes_later(rig, ns, operator, preempting_team, priorities):
     with rig.exclusive_gpus():
         submit(rig, ns, node_run("low", scheduling={"queue": preempting_team, "priority": priorities["low"]}))
