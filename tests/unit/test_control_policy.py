@@ -102,3 +102,10 @@ def test_quantity_bytes(quantity, expected):
 def test_a_quantity_kubernetes_would_refuse_is_refused_at_validate():
     with pytest.raises(Exception, match="resources.memory"):
         parse(with_({"resources.memory": "4 GB"}))
+
+
+@pytest.mark.parametrize("affinity", [{"nodeAffinity": "not an object"}, {"nodeAffinity": {
+    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": ["x", {"matchExpressions": [1]}]},
+    "preferredDuringSchedulingIgnoredDuringExecution": [None, {"preference": []}]}}])
+def test_a_malformed_affinity_is_left_to_the_apiserver_to_refuse(affinity):
+    assert refused({"resources.affinity": affinity}) == []  # no crash: the apply's refusal names the problem

@@ -77,15 +77,22 @@ def violations(spec: Any, policy: AdminPolicy, default_image: str) -> list[str]:
     return out
 
 
-def _affinity_keys(affinity: dict | None) -> set[str]:
+def _affinity_keys(affinity: Any) -> set[str]:
     """Node label keys that a core/v1 Affinity's nodeAffinity asks for (In, Exists, Gt, Lt; NotIn and
-    DoesNotExist keep pods away from such nodes, which is always allowed)."""
-    node = (affinity or {}).get("nodeAffinity") or {}
-    terms = list(((node.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms")) or [])
-    terms += [p.get("preference") or {} for p in node.get("preferredDuringSchedulingIgnoredDuringExecution") or []]
+    DoesNotExist keep pods away from such nodes, which is always allowed). The affinity is passed through as
+    the user wrote it: a malformed one yields what it can, and the apiserver refuses the rest at apply."""
+    def obj(x: Any) -> dict:
+        return x if isinstance(x, dict) else {}
+
+    def items(x: Any) -> list:
+        return x if isinstance(x, list) else []
+
+    node = obj(obj(affinity).get("nodeAffinity"))
+    terms = items(obj(node.get("requiredDuringSchedulingIgnoredDuringExecution")).get("nodeSelectorTerms"))
+    terms += [obj(p).get("preference") for p in items(node.get("preferredDuringSchedulingIgnoredDuringExecution"))]
     keys = set()
     for term in terms:
-        for expr in (term or {}).get("matchExpressions") or []:
+        for expr in map(obj, items(obj(term).get("matchExpressions"))):
             if expr.get("operator") not in ("NotIn", "DoesNotExist") and isinstance(expr.get("key"), str):
                 keys.add(expr["key"])
     return keys
