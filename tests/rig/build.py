@@ -225,9 +225,17 @@ def build_node() -> dict[str, float]:
     return build(versions.NODE_BUILD_ORDER)
 
 
+def ensure_sbin_on_path() -> None:
+    """Put /usr/sbin and /sbin on PATH (for this process and what it starts): iptables, conntrack and runc
+    live there, and a non-login shell's or a CI runner's PATH may lack them even for root."""
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join(parts + [d for d in ("/usr/sbin", "/sbin") if d not in parts])
+
+
 def install_host_packages(packages: dict[str, str] | None = None, purpose: str = "the real node") -> None:
     """apt-get install the Debian packages whose program is missing; `packages` maps program → package
     (default: the node's runc, iptables, ...). CI starts on a fresh machine, so the rig installs them itself."""
+    ensure_sbin_on_path()
     packages = versions.NODE_HOST_PACKAGES if packages is None else packages
     missing = sorted({pkg for exe, pkg in packages.items() if shutil.which(exe) is None})
     if not missing:

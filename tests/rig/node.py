@@ -431,6 +431,7 @@ def up(rig: cluster.Rig) -> Node:
         raise NodeUnavailable(
             "the running rig has no bridge (it was started without root, or by code from before the real "
             "node): stop it with `python -m tests.rig down` and start it again as root")
+    build.ensure_sbin_on_path()  # the kubelet, kube-proxy and the cleanup below run iptables and conntrack
     with cluster._flock("node.lock"):
         node = running(rig)
         if node is not None:
