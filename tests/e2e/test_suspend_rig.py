@@ -34,6 +34,13 @@ from tests.integration.test_status_report import MICRO_MODEL
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 
+
+@pytest.fixture(scope="module")
+def scope() -> str:
+    """The RBAC of test_operator_lifecycle's `ns`/`operator` fixtures here: the cluster-wide install (the
+    lifecycle tests also run the namespaced one)."""
+    return "cluster"
+
 RUN = "suspend"
 
 

@@ -23,8 +23,6 @@ from tests.integration.test_operator_lifecycle import (
 pytestmark = pytest.mark.rig
 
 GPUS = 4  # per node of a run here; a queue of GPUS GPUs fits one 1-node run
-# Not yet seen passing: while it ran, other sessions' pods held the kwok GPUs of the shared rig. Run it
-# on a quiet rig, then drop this mark (docs/scheduling.md "Not done yet").
 @pytest.fixture(scope="module")
 def ns(rig):
     name = f"kiln-kueue-{uuid.uuid4().hex[:6]}"
