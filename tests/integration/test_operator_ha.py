@@ -17,7 +17,6 @@ import json
 import re
 import signal
 import time
-import uuid
 from datetime import datetime
 
 import pytest
@@ -26,7 +25,7 @@ import yaml
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_operator_api import install_crd
 from tests.integration.test_operator_lifecycle import (
-    Operator, condition, events, get, shipped_rbac, small_run, status, submit, wait_phase)
+    Operator, condition, events, get, scratch_namespace, shipped_rbac, small_run, status, submit, wait_phase)
 
 pytestmark = pytest.mark.rig
 
@@ -35,10 +34,8 @@ SETTINGS = {"KILN_RESYNC_SECONDS": "1"}
 
 @pytest.fixture(scope="module")
 def ns(rig):
-    name = f"kiln-ha-{uuid.uuid4().hex[:6]}"
-    rig.kubectl("create", "namespace", name)
-    yield name
-    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with scratch_namespace(rig, "kiln-ha") as name:
+        yield name
 
 
 @pytest.fixture(scope="module")

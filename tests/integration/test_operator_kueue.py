@@ -15,9 +15,9 @@ import pytest
 from kiln.cli.main import main
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_api import install_crd
 from tests.integration.test_operator_lifecycle import (
-    Operator, condition, events, get, items, running_pods, shipped_rbac, small_run, status, submit, wait_phase,
+    condition, events, get, items, running_operator, running_pods, scratch_namespace, small_run, status, submit,
+    wait_phase,
 )
 
 pytestmark = pytest.mark.rig
@@ -25,23 +25,15 @@ pytestmark = pytest.mark.rig
 GPUS = 4  # per node of a run here; a queue of GPUS GPUs fits one 1-node run
 @pytest.fixture(scope="module")
 def ns(rig):
-    name = f"kiln-kueue-{uuid.uuid4().hex[:6]}"
-    rig.kubectl("create", "namespace", name)
-    yield name
-    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with scratch_namespace(rig, "kiln-kueue") as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
 def operator(rig, kueue, ns, tmp_path_factory):
     """The operator as its cluster-wide ServiceAccount with the shipped RBAC (it may list Workloads)."""
-    install_crd(rig)
-    with shipped_rbac(rig, ns, "cluster") as (sa, lease):
-        op = Operator(rig.kubeconfig_for_service_account(ns, sa), ns,
-                      tmp_path_factory.mktemp("operator") / "operator.log", lease=f"{ns}/{lease}")
-        op.start()
+    with running_operator(rig, ns, "cluster", tmp_path_factory.mktemp("operator")) as op:
         yield op
-        op.stop()
-        print(f"--- operator log (tail) ---\n{op.tail()}")
 
 
 @pytest.fixture

@@ -131,26 +131,43 @@ def scope(request) -> str:
     return request.param
 
 
+@contextmanager
+def scratch_namespace(rig, prefix: str):
+    """A namespace of this test module's own, deleted (without waiting) afterwards."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    rig.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@contextmanager
+def running_operator(rig, ns: str, scope: str, log_dir: Path):
+    """The operator with exactly a shipped RBAC (shipped_rbac), as its ServiceAccount in `ns`."""
+    install_crd(rig)
+    with shipped_rbac(rig, ns, scope) as (sa, lease):
+        op = Operator(rig.kubeconfig_for_service_account(ns, sa), ns, log_dir / "operator.log",
+                      lease=f"{ns}/{lease}")
+        op.service_account = sa
+        op.start()
+        try:
+            yield op
+        finally:
+            op.stop()
+            print(f"--- operator log (tail) ---\n{op.tail()}")
+
+
 @pytest.fixture(scope="module")
 def ns(rig, scope):
-    name = f"kiln-op-{scope[:2]}-{uuid.uuid4().hex[:6]}"
-    rig.kubectl("create", "namespace", name)
-    yield name
-    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with scratch_namespace(rig, f"kiln-op-{scope[:2]}") as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
 def operator(rig, ns, scope, tmp_path_factory):
-    """The operator with exactly a shipped RBAC (shipped_rbac), as its ServiceAccount in `ns`."""
-    install_crd(rig)
-    with shipped_rbac(rig, ns, scope) as (sa, lease):
-        kubeconfig = rig.kubeconfig_for_service_account(ns, sa)
-        op = Operator(kubeconfig, ns, tmp_path_factory.mktemp("operator") / "operator.log", lease=f"{ns}/{lease}")
-        op.service_account = sa
-        op.start()
+    with running_operator(rig, ns, scope, tmp_path_factory.mktemp("operator")) as op:
         yield op
-        op.stop()
-        print(f"--- operator log (tail) ---\n{op.tail()}")
 
 
 def get(rig, ns: str, kind: str, name: str) -> dict | None:

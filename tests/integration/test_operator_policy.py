@@ -4,7 +4,6 @@ ForbiddenByPolicy naming the field, and nothing is created; once fixed, the run'
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 import yaml
@@ -15,16 +14,15 @@ from kiln.control.kube import Kube, api_client
 from kiln.control.policy import AdminPolicy
 
 from tests.integration.test_operator_api import install_crd
+from tests.integration.test_operator_lifecycle import scratch_namespace
 
 pytestmark = pytest.mark.rig
 
 
 @pytest.fixture
 def ns(rig):
-    name = f"kiln-policy-{uuid.uuid4().hex[:6]}"
-    rig.kubectl("create", "namespace", name)
-    yield name
-    rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with scratch_namespace(rig, "kiln-policy") as name:
+        yield name
 
 
 def spec(name: str, **resources) -> dict:
