@@ -13,7 +13,7 @@ import yaml
 from kiln.control import metrics as op
 
 from tests.unit.test_delivery_metrics import exported_names
-from tests.unit.test_delivery_pipelines import go_env, locked, run, tools_dir
+from tests.unit.test_delivery_pipelines import go_installed, run
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "manifests" / "monitoring" / "kiln-alerts.yaml"
@@ -23,13 +23,7 @@ PROMETHEUS = "v0.316.0"  # github.com/prometheus/prometheus: Prometheus 3.x's mo
 
 @pytest.fixture(scope="session")
 def promtool() -> Path:
-    exe = tools_dir() / f"promtool-{PROMETHEUS.lstrip('v')}" / "promtool"
-    with locked("promtool"):
-        if not exe.exists():
-            proc = run(["go", "install", f"github.com/prometheus/prometheus/cmd/promtool@{PROMETHEUS}"],
-                       env={**go_env(), "GOBIN": str(exe.parent)}, timeout=2400)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-    return exe
+    return go_installed("github.com/prometheus/prometheus/cmd/promtool", PROMETHEUS, timeout=2400)
 
 
 def alerts() -> list[dict]:
