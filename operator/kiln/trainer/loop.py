@@ -271,7 +271,11 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
                 if (mix := loader.mix()) is not None:
                     record["data_mix"] = mix
-                reporter.update(record, checkpointer.status())  # before the save: it carries the time counters
+                ckpt = checkpointer.status()  # before the save: it carries the time counters
+                if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
+                    record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
+                    record["steps_since_commit"] = step - (ckpt.get("lastCheckpoint") or {}).get("step", start_step)
+                reporter.update(record, ckpt)
                 stop = checkpointer.stop_requested(step)
                 final = step == tr.steps or stop
                 # elastic.plan switches the node count once its untilStep is committed: always commit it
@@ -285,10 +289,6 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                     checkpointer.save(step, model_parts, optimizers, trainer_state, final=final)
                     record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
                     reporter.stalled(record["checkpoint_stall_s"])
-                ckpt = checkpointer.status()
-                if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
-                    record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
-                    record["steps_since_commit"] = step - (ckpt.get("lastCheckpoint") or {}).get("step", start_step)
                 if step == tr.steps and val_loader is not None:
                     record["val_loss"] = _evaluate(model, schedule, val_loader, tr.global_batch_size, layout,
                                                    device, is_first, is_last, reports_loss)
