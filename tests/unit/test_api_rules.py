@@ -83,6 +83,8 @@ INVALID = [
      "leave data.uri unset"),
     ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 4}}, "spec.elastic.faultTolerance.groups:",
      "must divide the data-parallel size"),
+    ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
+     "needs scheduling.queue"),
 ]
 
 
@@ -124,6 +126,27 @@ def test_unknown_field_and_bad_enum_name_the_path():
     text = str(err.value)
     assert "f.yaml: spec.training.sheduel: unknown field" in text
     assert "f.yaml: spec.training.precision: Input should be 'bf16' or 'fp32', got 'fp16'" in text
+
+
+@pytest.mark.parametrize("topology,path,fragment", [
+    ({"level": "rack", "mode": "strict"}, "spec.scheduling.topology.mode:", "'required' or 'preferred'"),
+    ({"level": "my rack"}, "spec.scheduling.topology.level:", "should match pattern"),
+    ({"level": "Example.com/rack"}, "spec.scheduling.topology.level:", "should match pattern"),
+    ({"level": "example.com/" + "r" * 64}, "spec.scheduling.topology.level:", "should match pattern"),
+    ({"level": "a" * 254 + "/rack"}, "spec.scheduling.topology.level:", "at most 253 characters"),
+    ({"mode": "required"}, "spec.scheduling.topology.level:", "Field required"),
+])
+def test_topology_mode_and_level_key_are_checked_offline(topology, path, fragment):
+    with pytest.raises(KilnError) as err:
+        parse(with_({"scheduling": {"queue": "team-a", "topology": topology}}), "spec.yaml")
+    lines = str(err.value).splitlines()
+    assert any(line.startswith(f"spec.yaml: {path}") and fragment in line for line in lines), lines
+
+
+def test_topology_levels_are_label_keys_with_or_without_a_prefix():
+    for level in ("rack", "kubernetes.io/hostname", "cloud.provider.com/topology-block", "a" * 253 + "/r"):
+        doc = parse(with_({"scheduling": {"queue": "team-a", "topology": {"level": level}}}))
+        assert doc.spec.scheduling.topology.level == level and doc.spec.scheduling.topology.mode == "required"
 
 
 def test_metadata_name_must_fit_the_pytorchjob():

@@ -80,6 +80,16 @@ def test_kueue_priority_is_a_label_apart_from_the_pod_priority_class():
     assert KUEUE_PRIORITY_LABEL not in (objects(BASE)["PyTorchJob"]["metadata"].get("labels") or {})
 
 
+@pytest.mark.parametrize("mode,annotation", [("required", "kueue.x-k8s.io/podset-required-topology"),
+                                             ("preferred", "kueue.x-k8s.io/podset-preferred-topology")])
+def test_topology_renders_kueues_pod_set_annotation_on_the_worker_template(mode, annotation):
+    job = objects(with_({"scheduling": {"queue": "team-a", "topology": {"level": "example.com/rack", "mode": mode}}}))[
+        "PyTorchJob"]
+    assert worker(job)["template"]["metadata"]["annotations"] == {annotation: "example.com/rack"}
+    assert "annotations" not in worker(objects(with_({"scheduling": {"queue": "team-a"}}))["PyTorchJob"])[
+        "template"]["metadata"]
+
+
 def test_credentials_only_by_reference():
     objs = objects(BASE)
     env = worker(objs["PyTorchJob"])["template"]["spec"]["containers"][0]["env"]

@@ -128,6 +128,12 @@ def _check_gpu_type(s):
     return None
 
 
+def _check_topology_queue(s):
+    if s.scheduling.topology is not None and not s.scheduling.queue:
+        return f"got topology level {shown(s.scheduling.topology.level)} without a queue"
+    return None
+
+
 def _check_gpu_label(s):
     # Label values match exactly; NVIDIA's product labels always carry capitals (NVIDIA-H200, Tesla-T4), so an
     # all-lower-case gpuType (README once said nvidia-h200) would select no node and the run would wait forever.
@@ -306,6 +312,10 @@ RULES: list[Rule] = [
          "spells NVIDIA's products with capitals, e.g. NVIDIA-H200 (kubectl get nodes -L nvidia.com/gpu.product)",
          "!has(self.resources.gpuType) || self.resources.gpuType.matches('[A-Z]')",
          _check_gpu_label, scope="cluster"),
+    Rule("topology-needs-queue", "scheduling.topology",
+         "scheduling.topology needs scheduling.queue: Kueue places only the runs it admits from a queue",
+         "!has(self.scheduling.topology) || has(self.scheduling.queue)",
+         _check_topology_queue),
     Rule("min-nodes", "elastic.minNodes",
          "elastic.minNodes must be at most resources.nodes",
          "!has(self.elastic.minNodes) || self.elastic.minNodes <= self.resources.nodes",

@@ -36,6 +36,8 @@ CONTAINER = "pytorch"  # the training-operator finds the container by this name
 GPU = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_TOPOLOGY_ANNOTATION = {"required": "kueue.x-k8s.io/podset-required-topology",
+                             "preferred": "kueue.x-k8s.io/podset-preferred-topology"}
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass: Kueue's order and preemption
 RUN_LABEL = "kiln.dev/trainingspec"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
@@ -97,6 +99,12 @@ def quantity_bytes(quantity: str) -> int:
 
 def names(run: str) -> dict[str, str]:
     return {"job": run, "configmap": f"{run}-spec", "trainer": f"{run}-trainer"}
+
+
+def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:
+    """Kueue's pod-set topology request on the worker template (None: no scheduling.topology)."""
+    t = s.scheduling.topology
+    return {KUEUE_TOPOLOGY_ANNOTATION[t.mode]: t.level} if t else None
 
 
 def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
@@ -319,7 +327,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource()),
         ],
     )
-    template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run}), spec=pod)
+    template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run},
+                                                           annotations=topology_annotations(s)), spec=pod)
 
     scheduling = None
     if s.scheduling.gang or s.scheduling.queue or s.scheduling.priority_class_name:
