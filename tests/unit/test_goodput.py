@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kiln.api.spec import TrainingSpecStatus
-from kiln.control.goodput import CAUSES, Ledger, counters, observe
+from kiln.control.goodput import CAUSES, PREEMPTED, Ledger, counters, held, observe
 
 
 def trainer(productive: float = 0.0, stall: float = 0.0, rollback: float = 0.0) -> dict:
@@ -26,8 +26,29 @@ def test_a_run_split_by_phase_and_trainer_counters():
     assert g.wall_s == 370.0
     assert g.productive_s == pytest.approx(60.0 + 70.0)
     assert g.lost_s == {"pending": 50.0, "restart": 20.0 + 20.0, "checkpointStall": 5.0, "rollback": 10.0,
-                        "suspended": 100.0}
+                        "suspended": 100.0, "preempted": 0.0}
     assert g.goodput == pytest.approx(130.0 / 370.0)
+
+
+def queued(reason: str) -> dict:
+    return {"phase": "Queued", "conditions": [{"type": "Queued", "status": "True", "reason": reason}]}
+
+
+def test_time_queued_after_kueue_preempted_the_run_counts_as_preempted_not_pending():
+    assert held(queued("Preempted")) == PREEMPTED
+    assert held(queued("Pending")) == "Queued"  # waiting for quota, not preempted
+    assert held({"phase": "Running", "conditions": queued("Preempted")["conditions"]}) == "Running"
+    assert held(None) is None
+    g = observe(Ledger(observed_at=0.0), 100.0, "Running", trainer(90.0))
+    g = observe(g, 160.0, held(queued("Preempted")), trainer(90.0))
+    g = observe(g, 200.0, held(queued("Pending")), trainer(90.0))
+    assert (g.lost_s["preempted"], g.lost_s["pending"], g.productive_s) == (60.0, 40.0, 90.0)
+    status = g.as_status()
+    assert TrainingSpecStatus.model_validate(status).goodput_detail.lost_seconds.preempted == 60.0
+    assert Ledger.from_status(status, created=0.0) == g
+    # a ledger written before the cause existed reads on, with nothing preempted yet
+    del status["goodputDetail"]["lostSeconds"]["preempted"]
+    assert Ledger.from_status(status, created=0.0).lost_s["preempted"] == 0.0
 
 
 def test_counters_reported_late_are_credited_later_never_beyond_the_wall_time():
@@ -62,7 +83,7 @@ def test_trainer_counters_are_read_from_status_trainer_time():
 
 
 @given(st.lists(st.tuples(st.floats(0, 500), st.sampled_from(["Pending", "Running", "Scaling", "Restarting",
-                                                               "Suspended", None]),
+                                                               "Suspended", PREEMPTED, None]),
                           st.floats(0, 2000), st.floats(0, 100), st.floats(0, 100)), max_size=30))
 def test_never_invents_time(steps):
     g = Ledger(observed_at=0.0)

@@ -403,6 +403,7 @@ class LostSeconds(ApiModel):
     checkpoint_stall: float = Field(0.0, ge=0, description="Training blocked on checkpoints.")
     rollback: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
     suspended: float = Field(0.0, ge=0, description="spec.suspend was true.")
+    preempted: float = Field(0.0, ge=0, description="Queued after Kueue preempted the run, until it is admitted again.")
 
 
 class GoodputDetail(ApiModel):

@@ -10,7 +10,8 @@ Attribution of the wall time between two observations:
 - the growth of the trainer's counters (what was not credited yet) is productive, `checkpointStall`,
   `rollback` — each at most the time left in the interval, so no time is ever invented; the rest carries
   over to the next interval;
-- the remainder goes to the phase: Pending / Queued / Scaling → `pending`, Restarting → `restart`, Suspended →
+- the remainder goes to what held (`held(status)`): Pending / Queued / Scaling → `pending`, Queued after Kueue
+  preempted the run (condition Queued, reason Preempted) → `preempted`, Restarting → `restart`, Suspended →
   `suspended`, Running → counted as wall time only (start-up, restore, data waits, logging);
 - a productive counter that went *down* means a new trainer resumed from an older commit: that much
   productive time is moved to `restart` (it is done again);
@@ -22,10 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
-CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended")
+CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted")
+PREEMPTED = "Preempted"  # Kueue's eviction reason, kiln's condition Queued reason (kiln.control.kueue)
 COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
-REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart", "Suspended": "suspended"}
+REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart",
+             "Suspended": "suspended", PREEMPTED: "preempted"}
 FINAL = ("Succeeded", "Failed")
+
+
+def held(status: dict | None) -> str | None:
+    """What held since the status was written: its phase, or PREEMPTED while the run waits Queued because
+    Kueue preempted it (Kueue keeps its Workload's Evicted/Preempted condition until it admits it again)."""
+    s = status or {}
+    queued = next((c for c in s.get("conditions") or [] if c.get("type") == "Queued"), {})
+    if s.get("phase") == "Queued" and queued.get("status") == "True" and queued.get("reason") == PREEMPTED:
+        return PREEMPTED
+    return s.get("phase")
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)
-    status.update(goodput.observe(ledger, goodput.epoch(now), old_phase, goodput.counters(old)).as_status())
+    status.update(goodput.observe(ledger, goodput.epoch(now), goodput.held(old), goodput.counters(old)).as_status())
     return Derived(status=status, events=events)
 
 
