@@ -9,7 +9,8 @@ node count only once the boundary step is committed.
 The operator's part (reconcile, elastic_sync.tick) runs as an operator ServiceAccount with exactly the
 shipped RBAC (cluster-wide: manifests/rbac; namespaced: the chart with watchNamespaces), so a verb missing
 there fails the test; the test itself observes, and plays the trainer's status reports, with the rig's admin
-credentials.
+credentials. The tick gets the nodes and pods listed as that ServiceAccount (elastic_sync.listed); the running
+operator keeps the same from its watches (test_operator_lifecycle's elastic test).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def test_node_not_ready_shrinks_the_job_and_its_return_grows_it(rig, namespace, 
     post = lambda body, event: events.append(event)  # noqa: E731 - the handler posts Events via kopf
     config = OperatorConfig(image="kiln-trainer:rig")
     tuning = elastic_sync.Tuning(grace_s=0.0, grow_cooldown_s=0.0)
-    tick = lambda now_s: elastic_sync.tick(operator_kube, namespace, "elastic", config, post, now_s, tuning,  # noqa: E731
-                                           watched=watched(scope, namespace))
+    tick = lambda now_s: elastic_sync.tick(  # noqa: E731 - what the operator's watches hold, listed as the operator
+        operator_kube, namespace, "elastic", config, post, now_s,
+        elastic_sync.listed(operator_kube, namespace, "elastic", watched(scope, namespace)), tuning)
     bad = rig.gpu_nodes[1]
     with rig.exclusive_gpus():
         _wait_gpu_nodes_free(rig, kube, namespace)
@@ -174,10 +176,12 @@ def test_phase_plan_switches_after_the_boundary_is_committed(rig, namespace, ope
         rig.wait_for("1 running worker", lambda: len(_running_pods(kube, namespace)) == 1, timeout=SAFETY_TIMEOUT_S)
         # both GPU nodes are free, but the plan says 1 node until step 10 is committed
         kube.patch_status(namespace, "elastic", {"step": 12})
-        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(), tuning)
+        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time(),
+                                    elastic_sync.listed(operator_kube, namespace, "elastic"), tuning)
         assert "steady at 1" in summary and "phase plan asks for 1" in summary and _workers(kube, namespace) == 1
         kube.patch_status(namespace, "elastic", {"lastCheckpoint": {"step": 10, "uri": "file:///tmp/ckpt/step-00000010/"}})
-        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1, tuning)
+        summary = elastic_sync.tick(operator_kube, namespace, "elastic", config, post, time.time() + 1,
+                                    elastic_sync.listed(operator_kube, namespace, "elastic"), tuning)
         assert "grow 1 → 2" in summary and "phase plan asks for 2 at committed step 10" in summary
         assert _workers(kube, namespace) == 2
         rig.wait_for("2 running workers", lambda: len(_running_pods(kube, namespace)) == 2, timeout=SAFETY_TIMEOUT_S)

@@ -195,6 +195,52 @@ def test_node_views_count_gpus_left_by_other_pods_and_readiness():
     assert carried_nodes({}, doc) is None
 
 
+def test_the_ticks_view_follows_node_and_pod_events_without_listing():
+    # The operator's tick reads nodes and GPU-holding pods from kopf indexes (kiln.control.handlers); here kopf's
+    # own index store is fed what kiln's index functions return, event by event, as kopf's watch would.
+    from kopf._core.engines.indexing import OperatorIndexer
+
+    from kiln.control import handlers
+    from kiln.control.elastic_sync import free_gpus
+
+    nodes, gpus = OperatorIndexer(), OperatorIndexer()
+    node = lambda ready: {  # noqa: E731
+        "metadata": {"name": "a", "uid": "na", "labels": {el.GPU_PRODUCT_LABEL: "NVIDIA-H200"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8"},
+                   "conditions": [{"type": "Ready", "status": str(ready), "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    pod = lambda name, ns, run, gpus, phase="Running", node="a": {  # noqa: E731
+        "metadata": {"name": name, "uid": name, "namespace": ns,
+                     "labels": {"kiln.dev/trainingspec": run} if run else {}},
+        "spec": {"nodeName": node, "containers": [{"resources": {"requests": {"nvidia.com/gpu": str(gpus)}}}]},
+        "status": {"phase": phase}}
+
+    def event(indexer, body, deleted=False):
+        key = (body["metadata"].get("namespace"), body["metadata"]["name"], body["metadata"]["uid"])
+        if deleted:
+            indexer.discard(key)
+        else:
+            indexer.replace(key, (handlers.cluster_nodes if indexer is nodes else handlers.gpu_pods)(body=body))
+
+    def view():
+        (a,) = free_gpus(handlers._all(nodes.index), handlers._all(gpus.index), ("ml", "run"))
+        return a.gpus_free, a.ready
+
+    event(nodes, node(True))
+    for p in (pod("ours", "ml", "run", 8), pod("other", "team", None, 2), pod("cpu", "team", None, 0),
+              pod("pending", "team", None, 4, "Pending", node=None)):
+        event(gpus, p)
+    assert view() == (6, True)  # our own 8 count as free; the unplaced and the GPU-less pods hold none
+    assert len(gpus.index) == 1 and len(list(gpus.index["a"])) == 2  # only GPU-holding pods are kept
+    event(gpus, pod("other", "team", None, 2, "Succeeded"))
+    assert view() == (8, True)  # a finished pod gives its GPUs back (indexed to {}: its entry is dropped)
+    event(gpus, pod("late", "team", None, 3))
+    event(gpus, pod("late", "team", None, 3), deleted=True)
+    event(nodes, node(False))
+    assert view() == (8, False)
+    event(nodes, node(False), deleted=True)
+    assert free_gpus(handlers._all(nodes.index), handlers._all(gpus.index), ("ml", "run")) == []
+
+
 def test_avoided_nodes_are_anded_into_the_users_affinity_and_rendered_by_plan():
     user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
@@ -220,3 +266,14 @@ def test_avoided_nodes_are_anded_into_the_users_affinity_and_rendered_by_plan():
     aff = worker["template"]["spec"]["affinity"]["nodeAffinity"]
     assert aff["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
         {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]}]}]
+
+
+def test_a_queued_run_starts_at_min_nodes_and_keeps_the_count_kueue_admitted():
+    queued = spec(**{"scheduling.queue": "team-a"})
+    assert (el.start_nodes(queued), el.start_nodes(spec())) == (2, 4)  # minNodes 2; resources.nodes 4
+    # a global batch of 64 splits over 2, 4 or 8 nodes (dp 8, 16, 32), not 3: the smallest runnable from minNodes up
+    odd = spec(**{"scheduling.queue": "team-a", "elastic.minNodes": 3, "training.globalBatchSize": 64})
+    assert el.start_nodes(odd) == 4
+    for free in (0, 2, 20):  # neither growth into free nodes nor a shrink: Kueue sized the Workload
+        d = el.desired_nodes(queued, gpu_nodes(free), current=2)
+        assert (d.nodes, d.changed) == (2, False) and d.reason.startswith("queued:"), d

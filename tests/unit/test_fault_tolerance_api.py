@@ -82,16 +82,17 @@ def test_crd_carries_the_field_and_the_rule():
     assert len(rules) == 1 and "self.elastic.faultTolerance.groups == 0" in rules[0]["rule"]
 
 
-def test_the_operator_refuses_replica_groups_whole_until_it_renders_them():
+def test_the_operator_renders_replica_groups_and_mode_off_as_before():
     from kiln.control.plan import plan
 
-    refused = plan(parse(doc({"mode": "replicaGroups", "groups": 2})))
-    assert refused.objects == [] and refused.refused_reason == "NotSupported"
-    assert "elastic.faultTolerance.mode replicaGroups" in refused.refused
-    # mode off (or unset) renders as before
+    groups = plan(parse(doc({"mode": "replicaGroups", "groups": 2})))
+    assert groups.refused is None
+    assert [o["metadata"]["name"] for o in groups.objects if o["kind"] == "PyTorchJob"] == ["ft-g0", "ft-g1"]
+    # mode off (or unset) renders as before: one job, no lighthouse
     off, unset = plan(parse(doc({"mode": "off", "groups": 2}))), plan(parse(doc(None)))
     assert off.refused is None and [o["kind"] for o in off.objects] == [o["kind"] for o in unset.objects]
-    assert any(o["kind"] == "PyTorchJob" for o in off.objects)
+    assert [o["metadata"]["name"] for o in off.objects if o["kind"] == "PyTorchJob"] == ["ft"]
+    assert not any(o["kind"] == "Deployment" for o in off.objects)
 
 
 def test_kiln_run_keeps_replica_groups_and_checks_each_group_s_world(tmp_path):

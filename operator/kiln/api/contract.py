@@ -24,6 +24,7 @@ DATA_CACHE_BYTES = "KILN_DATA_CACHE_BYTES"  # the pod's ephemeral-storage limit:
 # elastic.faultTolerance replicaGroups (kiln.trainer.ft): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
 FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
+FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.ft
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES)
@@ -31,8 +32,8 @@ POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BY
 # ---- the status subresource: who writes which field ----
 
 OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput",
-                             "goodputDetail", "queue"})
-TRAINER_STATUS = frozenset({"step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
+                             "goodputDetail", "queue", "replicaGroups"})
+TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
                             "trainerTime"})
 
 # The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).

@@ -392,6 +392,9 @@ class TrainerTime(ApiModel):
     productive_seconds: float = Field(0.0, ge=0, description="Completed, accepted optimizer steps.")
     checkpoint_stall_seconds: float = Field(0.0, ge=0, description="Training blocked on checkpoint staging/saving.")
     rollback_seconds: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
+    degraded_seconds: float = Field(
+        0.0, ge=0, description="Replica groups: of productiveSeconds, the steps taken with fewer than all groups live."
+    )
 
 
 class LostSeconds(ApiModel):
@@ -413,10 +416,38 @@ class GoodputDetail(ApiModel):
     observed_at: str = Field(..., description="Time accounted up to (RFC 3339).")
     wall_seconds: float = Field(0.0, ge=0, description="Seconds since the run was created, up to observedAt.")
     productive_seconds: float = Field(0.0, ge=0, description="Productive step seconds credited.")
+    degraded_seconds: float = Field(
+        0.0, ge=0, description="Replica groups: of productiveSeconds, the seconds the run stepped with fewer than "
+        "all groups live (degraded, still training; the time nothing stepped is in lostSeconds)."
+    )
     lost_seconds: LostSeconds = Field(default_factory=LostSeconds, description="Lost seconds by cause.")
     credited: dict[str, float] = Field(
         default_factory=dict, description="The trainerTime counters already accounted (the operator's baseline)."
     )
+
+
+class ReplicaGroupStatus(ApiModel):
+    """One replica group's PyTorchJob, as the operator sees it (elastic.faultTolerance replicaGroups)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    group: int = Field(..., ge=0, le=INT32_MAX, description="The group's number (KILN_FT_GROUP).")
+    job: str | None = Field(None, max_length=253, description="Its PyTorchJob, <run>-g<group>.")
+    phase: Literal["Pending", "Running", "Restarting", "Succeeded", "Failed"] = Field(
+        ..., description="Running: every pod of the group runs; Restarting: the group lost a pod and restarts "
+        "alone while the others train on; Pending: not started (or held by a queue).")
+    pods: int = Field(0, ge=0, le=INT32_MAX, description="Its pods running.")
+    restarts: int = Field(0, ge=0, le=JSON_INT_MAX, description="Times the group left Running (a restart of it alone).")
+
+
+class QuorumStatus(ApiModel):
+    """The replica groups' last quorum, as trainer rank 0 of the group at replica rank 0 reports it."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    id: int = Field(..., ge=-1, le=JSON_INT_MAX, description="The lighthouse's quorum id (it grows on each change).")
+    live_groups: int = Field(..., ge=0, le=INT32_MAX, description="Groups that took part in the last step.")
+    groups: int = Field(..., ge=1, le=INT32_MAX, description="elastic.faultTolerance.groups.")
+    changes: int = Field(0, ge=0, le=JSON_INT_MAX, description="Quorum changes the reporting trainer has seen.")
+    heals: int = Field(0, ge=0, le=JSON_INT_MAX, description="Times the reporting group healed from a live peer.")
 
 
 class QueueStatus(ApiModel):
@@ -450,6 +481,12 @@ class TrainingSpecStatus(ApiModel):
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
+    replica_groups: list[ReplicaGroupStatus] | None = Field(
+        None, max_length=4096, description="elastic.faultTolerance replicaGroups: each group's PyTorchJob (operator)."
+    )
+    quorum: QuorumStatus | None = Field(
+        None, description="elastic.faultTolerance replicaGroups: the last quorum of live groups (trainer)."
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description=f"metav1.Conditions: {', '.join(CONDITION_TYPES)}."
     )

@@ -1,24 +1,26 @@
-"""The elastic loop's I/O: read nodes and pods → kiln.control.elastic (pure) → apply, patch, post Events.
+"""The elastic loop's I/O: nodes and pods as watched → kiln.control.elastic (pure) → apply, patch, post Events.
 
-Called by the operator's periodic tick (kiln.control.handlers) every 15 s per TrainingSpec, and by tests
-directly. The operator's own elastic state (the node count it chose, when, and which nodes failed the job)
-lives in the annotation `kiln.dev/elastic-state` of the TrainingSpec (kiln.control.elastic_state), so an
-operator restart continues where it was; the decision and its reason are the `Elastic` condition in status
-and an Event. Every request goes through kiln.control.kube.Kube.
+Called by the operator's periodic tick (kiln.control.handlers) every 15 s per TrainingSpec, with the nodes and
+pods its watches hold (kopf indexes of `node_summary` and `gpu_holding`), and by tests directly (`listed`).
+The operator's own elastic state (the node count it chose, when, and which nodes failed the job) lives in
+the annotation `kiln.dev/elastic-state` of the TrainingSpec (kiln.control.elastic_state), so an operator
+restart continues where it was; the decision and its reason are the `Elastic` condition in status and an
+Event. Every request goes through kiln.control.kube.Kube.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kiln.api.layout import replica_groups
 from kiln.api.spec import TrainingSpec
-from kiln.control import elastic
+from kiln.control import elastic, failover
 from kiln.control.config import OperatorConfig
-from kiln.control.elastic_state import ANNOTATION, encode, state_of  # noqa: F401 (state_of: for tests)
+from kiln.control.elastic_state import ANNOTATION, avoided, encode, state_of  # noqa: F401 (state_of: for tests)
 from kiln.control.kube import Kube, now
 from kiln.control.plan import GPU, RUN_LABEL, Observed, plan
 from kiln.control.status import Event, job_condition, set_condition
@@ -36,37 +38,83 @@ def _time(ts: str | None) -> float | None:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
 
 
-def node_views(nodes: list[dict], pods: list[dict], run: tuple[str, str]) -> list[elastic.NodeView]:
-    """NodeViews with the GPUs that pods other than this run's leave free."""
+# What the elastic loop needs of the cluster, kept small: the operator's watches (kopf indexes,
+# kiln.control.handlers) hold one of these per node and per GPU-holding pod, so a tick asks the apiserver
+# nothing about nodes or pods and its cost does not grow with the cluster.
+
+@dataclass(frozen=True)
+class GpuHolding:
+    """A pod placed on a node, not finished, that requests GPUs."""
+    node: str
+    run: tuple[str | None, str | None]  # (namespace, the kiln run label or None)
+    gpus: int
+
+
+def node_summary(node: dict) -> elastic.NodeView:
+    """A Node as the elastic loop sees it, with all of its allocatable GPUs free (free_gpus subtracts)."""
+    meta, status = node.get("metadata") or {}, node.get("status") or {}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    is_ready = ready is not None and ready.get("status") == "True"
+    return elastic.NodeView(
+        name=meta["name"], ready=is_ready, labels=dict(meta.get("labels") or {}),
+        gpus_free=int((status.get("allocatable") or {}).get(GPU, 0)),
+        unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
+        not_ready_since=None if is_ready or ready is None else _time(ready.get("lastTransitionTime")))
+
+
+def gpu_holding(pod: dict) -> GpuHolding | None:
+    """The GPUs a pod holds on its node (None: unplaced, finished, or no GPU requested)."""
+    spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
+    node = spec.get("nodeName")
+    if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None
+    gpus = sum(int(((c.get("resources") or {}).get("requests") or {}).get(GPU, 0))
+               for c in spec.get("containers") or [])
+    if not gpus:
+        return None
+    return GpuHolding(node, (meta.get("namespace"), (meta.get("labels") or {}).get(RUN_LABEL)), gpus)
+
+
+def free_gpus(nodes: list[elastic.NodeView], held: list[GpuHolding], run: tuple[str, str]) -> list[elastic.NodeView]:
+    """The nodes with the GPUs that pods other than this run's leave free."""
     used: dict[str, int] = {}
-    for p in pods:
-        node = (p.get("spec") or {}).get("nodeName")
-        meta = p.get("metadata") or {}
-        ours = (meta.get("namespace"), (meta.get("labels") or {}).get(RUN_LABEL)) == run
-        if not node or ours or (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue
-        for c in (p.get("spec") or {}).get("containers") or []:
-            used[node] = used.get(node, 0) + int(((c.get("resources") or {}).get("requests") or {}).get(GPU, 0))
-    out = []
-    for n in nodes:
-        meta, status = n.get("metadata") or {}, n.get("status") or {}
-        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
-        is_ready = ready is not None and ready.get("status") == "True"
-        out.append(elastic.NodeView(
-            name=meta["name"], ready=is_ready, labels=meta.get("labels") or {},
-            gpus_free=int((status.get("allocatable") or {}).get(GPU, 0)) - used.get(meta["name"], 0),
-            unschedulable=bool((n.get("spec") or {}).get("unschedulable")),
-            not_ready_since=None if is_ready or ready is None else _time(ready.get("lastTransitionTime"))))
-    return out
+    for h in held:
+        if h.run != run:
+            used[h.node] = used.get(h.node, 0) + h.gpus
+    return [replace(n, gpus_free=n.gpus_free - used.get(n.name, 0)) for n in nodes]
 
 
-def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float,
-         tuning: Tuning = Tuning(), watched: list[str] | None = None) -> str:
+def node_views(nodes: list[dict], pods: list[dict], run: tuple[str, str]) -> list[elastic.NodeView]:
+    """NodeViews with the GPUs that pods other than this run's leave free (from Node and Pod objects)."""
+    return free_gpus([node_summary(n) for n in nodes], [h for p in pods if (h := gpu_holding(p))], run)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The cluster as one tick of one run needs it."""
+    nodes: list[elastic.NodeView]  # node_summary of every node
+    held: list[GpuHolding]  # every GPU-holding pod the operator may see
+    job: dict | None  # the run's PyTorchJob
+    pods: list[dict]  # the run's pods: metadata.name and spec.nodeName are read
+
+
+def listed(kube: Kube, namespace: str, name: str, watched: list[str] | None = None) -> Seen:
+    """A Seen read from the apiserver (lists every node and pod: for tests and one-off use; the operator
+    keeps the same from its watches). watched: the namespaces whose pods count (None: all)."""
+    pods = kube.pods_in(watched)
+    return Seen([node_summary(n) for n in kube.nodes()], [h for p in pods if (h := gpu_holding(p))],
+                kube.job(namespace, name), kube.pods(namespace, name))
+
+
+def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float, seen: Seen,
+         tuning: Tuning = Tuning()) -> str:
     """One pass of the elastic loop for one run; returns a one-line summary.
 
-    watched: the namespaces the operator serves (None: all). GPUs in use are counted from the pods it may
-    list: all of them cluster-wide; under a namespaced install only the watched namespaces' pods, so GPUs
-    that other namespaces' pods hold look free (docs/security.md, item 2).
+    seen: nodes, GPU-holding pods, the run's job and pods, as the operator's watches hold them (or `listed`).
+    GPUs in use are counted from the pods the operator may watch: all of them cluster-wide; under a namespaced
+    install only the watched namespaces' pods, so GPUs that other namespaces' pods hold look free
+    (docs/security.md, item 2). The one request a tick always makes is a GET of the TrainingSpec, whose
+    annotation holds the loop's state.
     """
     with kube.runs[(namespace, name)].lock:
         body = kube.trainingspec(namespace, name)
@@ -76,14 +124,14 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             doc = TrainingSpec.model_validate(body)
         except ValidationError:
             return f"{namespace}/{name}: invalid spec, left to reconcile"
-        job = kube.job(namespace, name)
+        if replica_groups(doc.spec) > 1:  # each group's PyTorchJob is of a fixed size and restarts alone
+            return f"{namespace}/{name}: replica groups: no node-count elasticity, each group restarts alone"
+        job = seen.job
         if doc.spec.suspend or job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
             return f"{namespace}/{name}: not running"
         state = state_of(body)
-        all_pods = kube.pods_in(watched)
-        views = node_views(kube.nodes(), all_pods, (namespace, name))
-        ours = [p for p in all_pods if (p["metadata"].get("namespace"), (p["metadata"].get("labels") or {})
-                                         .get(RUN_LABEL)) == (namespace, name)]
+        views = free_gpus(seen.nodes, seen.held, (namespace, name))
+        ours = seen.pods
 
         # Pods stuck on dead nodes: free their place, remember the node.
         stuck = elastic.pods_to_force_delete(
@@ -96,7 +144,9 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             post(body, Event("Warning", "PodForceDeleted", f"pod {pod}: {reason}; force-deleted"))
             failed_nodes.append(node)
         failures = elastic.record_node_failures(state.get("nodeFailures") or {}, failed_nodes)
-        avoid = elastic.nodes_to_avoid(failures)
+        # GPU health (kiln.control.failover): a node whose GPUs degrade or fail is left at a commit
+        gpu = failover.step(doc.spec, body.get("status") or {}, state, ours, views)
+        avoid = avoided({**state, **gpu.state, "nodeFailures": failures})  # and the nodes left for their GPUs
         for node in set(avoid) - set(elastic.nodes_to_avoid(state.get("nodeFailures") or {})):
             post(body, Event("Warning", "NodeAvoided", f"node {node} failed this job {failures[node]} times; "
                                                        "new pods avoid it"))
@@ -109,10 +159,13 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
                                          grow_cooldown_s=tuning.grow_cooldown_s)
         new_state = {**state, "nodes": decision.nodes, "reason": decision.reason, "nodeFailures": failures,
                      "lastChange": now_s if decision.changed else state.get("lastChange")}
-        new_state.update(_hang_check(kube, body, doc, state, ours, now_s, tuning, post))
+        new_state.update(gpu.state)
+        # a move restarts the run on purpose: the hang watch starts again once it reports from the new nodes
+        new_state.update({"progress": {}} if new_state.get("gpuFailover") else
+                         _hang_check(kube, body, doc, state, ours, now_s, tuning, post))
         cond = ("True", ("Shrink" if decision.nodes < current else "Grow") if decision.changed else
                 ("WaitingForCapacity" if decision.reason.startswith("waiting") else "Steady"), decision.reason)
-        if decision.changed or avoid != elastic.nodes_to_avoid(state.get("nodeFailures") or {}):
+        if decision.changed or avoid != avoided(state):
             try:
                 applied = kube.applied_spec(namespace, name)
                 desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
@@ -121,15 +174,24 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
                     kube.apply(obj)
             except ApiException as err:  # not recorded as done: the next tick decides (and tries) again
                 cond = ("False", "ApplyFailed", f"{decision.reason}; not applied: {err.status} {err.reason}")
-                new_state = {**new_state, "nodes": state.get("nodes"), "lastChange": state.get("lastChange")}
+                new_state = {**new_state, "nodes": state.get("nodes"), "lastChange": state.get("lastChange"),
+                             **{k: state.get(k) for k in gpu.state}}
+                gpu = failover.Step(condition=gpu.condition if not gpu.move else None)
             else:
                 if decision.changed:
                     post(body, Event("Normal", "Scaling", decision.reason))
+                if gpu.move:  # the commit request: SIGTERM to every rank, which save one agreed step and exit
+                    for p in ours:  # the training-operator recreates them under the new affinity
+                        kube.delete_pod(namespace, p["metadata"]["name"])
+        for event in gpu.events:
+            post(body, Event(*event))
         if new_state != state:
             kube.patch_annotations(namespace, name, {ANNOTATION: encode(new_state)})
         old = body.get("status") or {}
         conditions = set_condition(list(old.get("conditions") or []), "Elastic", *cond,
                                    now(), old.get("observedGeneration"))
+        if gpu.condition is not None:
+            conditions = set_condition(conditions, "GPUHealthy", *gpu.condition, now(), old.get("observedGeneration"))
         if conditions != (old.get("conditions") or []):
             kube.patch_status(namespace, name, {"conditions": conditions})
         return f"{namespace}/{name}: {decision.reason}"

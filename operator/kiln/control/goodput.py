@@ -10,6 +10,9 @@ Attribution of the wall time between two observations:
 - the growth of the trainer's counters (what was not credited yet) is productive, `checkpointStall`,
   `rollback` — each at most the time left in the interval, so no time is ever invented; the rest carries
   over to the next interval;
+- with replica groups, the part of the productive time the job stepped with fewer than all groups live
+  (trainerTime.degradedSeconds: degraded, still stepping) is `degradedSeconds`, inside the productive time
+  and apart from the lost (stopped) time; the time every group was stopped is `restart` as without groups;
 - the remainder goes to what held (`held(status)`): Pending / Queued / Scaling → `pending`, Queued after Kueue
   preempted the run (condition Queued, reason Preempted) → `preempted`, Restarting → `restart`, Suspended →
   `suspended`, Running → counted as wall time only (start-up, restore, data waits, logging);
@@ -26,6 +29,7 @@ from datetime import datetime, timezone
 CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted")
 PREEMPTED = "Preempted"  # Kueue's eviction reason, kiln's condition Queued reason (kiln.control.kueue)
 COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
+DEGRADED = "degradedSeconds"  # status.trainerTime: productive seconds stepped with fewer than all replica groups
 REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart",
              "Suspended": "suspended", PREEMPTED: "preempted"}
 FINAL = ("Succeeded", "Failed")
@@ -46,8 +50,9 @@ class Ledger:
     observed_at: float  # epoch seconds accounted up to (the run's creation at first)
     wall_s: float = 0.0
     productive_s: float = 0.0
+    degraded_s: float = 0.0  # of productive_s: stepping with fewer than all replica groups live
     lost_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
-    credited: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))  # trainer's, taken
+    credited: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*COUNTERS, DEGRADED), 0.0))  # taken
 
     @property
     def goodput(self) -> float:
@@ -57,6 +62,7 @@ class Ledger:
         return {"goodput": round(min(1.0, self.goodput), 4),
                 "goodputDetail": {"observedAt": rfc3339(self.observed_at), "wallSeconds": round(self.wall_s, 1),
                                   "productiveSeconds": round(self.productive_s, 1),
+                                  DEGRADED: round(self.degraded_s, 1),
                                   "lostSeconds": {k: round(v, 1) for k, v in self.lost_s.items()},
                                   "credited": dict(self.credited)}}
 
@@ -67,15 +73,18 @@ class Ledger:
         if not d.get("observedAt"):
             return cls(observed_at=created)
         return cls(observed_at=epoch(d["observedAt"]), wall_s=float(d.get("wallSeconds", 0.0)),
-                   productive_s=float(d.get("productiveSeconds", 0.0)),
+                   productive_s=float(d.get("productiveSeconds", 0.0)), degraded_s=float(d.get(DEGRADED, 0.0)),
                    lost_s={c: float((d.get("lostSeconds") or {}).get(c, 0.0)) for c in CAUSES},
-                   credited={c: float((d.get("credited") or {}).get(c, 0.0)) for c in COUNTERS})
+                   credited={c: float((d.get("credited") or {}).get(c, 0.0)) for c in (*COUNTERS, DEGRADED)})
 
 
 def counters(status: dict | None) -> dict[str, float]:
     """The trainer's cumulative counters from status.trainerTime (zero where not reported yet)."""
     reported = (status or {}).get("trainerTime") or {}
-    return {c: max(0.0, float(reported.get(c) or 0.0)) for c in COUNTERS}
+    found = {c: max(0.0, float(reported.get(c) or 0.0)) for c in COUNTERS}
+    if DEGRADED in reported:  # replica groups only
+        found[DEGRADED] = max(0.0, float(reported[DEGRADED] or 0.0))
+    return found
 
 
 def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, float]) -> Ledger:
@@ -88,7 +97,7 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
         redone = min(credited["productiveSeconds"] - reported["productiveSeconds"], productive)
         productive -= redone
         lost["restart"] += redone
-    left = elapsed
+    left, degraded, stepped = elapsed, ledger.degraded_s, 0.0
     for counter, cause in zip(COUNTERS, (None, "checkpointStall", "rollback")):
         if reported[counter] < credited[counter]:
             credited[counter] = reported[counter]  # a new trainer process: its counters are the new baseline
@@ -97,14 +106,22 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
         left -= take
         if cause is None:
             productive += take
+            stepped = take
         else:
             lost[cause] += take
+    # the degraded part of the productive time just credited (never more than it: no time is invented)
+    reported_degraded = reported.get(DEGRADED, 0.0)
+    if reported_degraded < credited[DEGRADED]:
+        credited[DEGRADED] = reported_degraded  # a new trainer process: the new baseline
+    take = min(reported_degraded - credited[DEGRADED], stepped)
+    credited[DEGRADED] += take
+    degraded = min(degraded + take, productive)
     if phase is not None and phase in REMAINDER:
         lost[REMAINDER[phase]] += left
     elif phase is None:
         lost["pending"] += left  # before the operator's first status: nothing was running yet
-    return replace(ledger, observed_at=now, wall_s=ledger.wall_s + elapsed, productive_s=productive, lost_s=lost,
-                   credited=credited)
+    return replace(ledger, observed_at=now, wall_s=ledger.wall_s + elapsed, productive_s=productive,
+                   degraded_s=degraded, lost_s=lost, credited=credited)
 
 
 def rfc3339(epoch_s: float) -> str:

@@ -81,19 +81,48 @@ def run_jobs(namespace, labels, body, **_) -> dict:
 
 
 @kopf.index("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
-def run_pods(namespace, labels, meta, status, **_) -> dict:
-    # what kiln.control.status reads of a pod, not its spec
+def run_pods(namespace, labels, meta, spec, status, **_) -> dict:
+    # what kiln.control.status and the elastic loop read of a pod
     return {(namespace, labels[RUN_LABEL]): {"metadata": {"name": meta.get("name"), "namespace": namespace,
                                                           "deletionTimestamp": meta.get("deletionTimestamp")},
+                                             "spec": {"nodeName": spec.get("nodeName")},
                                              "status": dict(status)}}
+
+
+# The elastic loop's view of the cluster (kiln.control.elastic_sync.Seen), kept by the watches: every node,
+# and every pod that holds GPUs on one (kopf watches all pods of the served namespaces anyway, and filters
+# by label on its side). Each event updates one entry; a tick reads memory, so its cost no longer grows with
+# the number of pods and nodes (it listed both every 15 s per run before). A pod that stops holding GPUs
+# indexes to {}, which drops its entry.
+@kopf.index("", "v1", "nodes")
+def cluster_nodes(body, **_) -> dict:
+    return {body["metadata"]["name"]: elastic_sync.node_summary(body)}
+
+
+@kopf.index("", "v1", "pods")
+def gpu_pods(body, **_) -> dict:
+    held = elastic_sync.gpu_holding(body)
+    return {} if held is None else {held.node: held}
 
 
 def _one(index: kopf.Index, key: tuple[str, str]) -> dict | None:
     return next(iter(index.get(key, ())), None)
 
 
+def _jobs(index: kopf.Index, key: tuple[str, str], fresh: dict | None = None) -> list[dict]:
+    # every PyTorchJob of the run (with replica groups, one per group); fresh: the event's own, newest copy
+    name = (fresh or {}).get("metadata", {}).get("name")
+    return [j for j in index.get(key, ()) if j.get("metadata", {}).get("name") != name] + ([fresh] if fresh else [])
+
+
 def _pods(index: kopf.Index, key: tuple[str, str]) -> list[dict]:
     return list(index.get(key, ()))
+
+
+def _all(index: kopf.Index) -> list:
+    # Read from a tick's thread while kopf updates the index on its loop: list() copies each dict in one
+    # step under the GIL, and a key dropped in between reads as empty.
+    return [value for key in list(index) for value in list(index.get(key, ()))]
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -117,7 +146,7 @@ def reconcile(body, namespace, name, logger, retry: int, run_pods: kopf.Index, *
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={RUN_LABEL: kopf.PRESENT})
-def job_changed(type, body, namespace, labels, run_pods: kopf.Index, logger, **_) -> None:
+def job_changed(type, body, namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, logger, **_) -> None:
     key = (namespace, labels[RUN_LABEL])
     if type == "DELETED":
         _job_deleted(*key, logger)
@@ -126,7 +155,7 @@ def job_changed(type, body, namespace, labels, run_pods: kopf.Index, logger, **_
     if not sync.job_unseen(_kube(), *key, job):
         return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
-        sync.refresh_status(_kube(), *key, _post, job=job, pods=_pods(run_pods, key))
+        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key, job), pods=_pods(run_pods, key))
 
 
 def _job_deleted(namespace: str, name: str, logger) -> None:
@@ -147,7 +176,7 @@ def _job_deleted(namespace: str, name: str, logger) -> None:
 def pod_changed(namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     key = (namespace, labels[RUN_LABEL])
     with metrics.reconcile("pod"):
-        sync.refresh_status(_kube(), *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
+        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key))
 
 
 # Every run's periodic tick: the elastic loop, the periodic resync (every resync_seconds each object of the
@@ -163,11 +192,12 @@ _log = logging.getLogger("kiln.operator")
 def tick(namespace: str, name: str) -> None:
     key = (namespace, name)
     kube, config = _kube(), _state["config"]
-    run_jobs, run_pods = _state["indexes"]
+    run_jobs, run_pods, nodes, gpus = _state["indexes"]
     try:
         # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
         with metrics.reconcile("elastic"):
-            elastic_sync.tick(kube, namespace, name, config, _post, time.time(), watched=_state.get("namespaces"))
+            seen = elastic_sync.Seen(_all(nodes), _all(gpus), _one(run_jobs, key), _pods(run_pods, key))
+            elastic_sync.tick(kube, namespace, name, config, _post, time.time(), seen)
         body = kube.last_spec(namespace, name)  # as the elastic tick just read it
         if body is not None and time.monotonic() - kube.runs[key].reconciled_at >= kube.resync_seconds:
             with metrics.reconcile("resync", retry=(sync.Wait,)):
@@ -176,7 +206,7 @@ def tick(namespace: str, name: str) -> None:
                 except sync.Wait as wait:  # SpecAccepted says why; the next resync tries again
                     _log.warning("%s/%s: resync: %s", namespace, name, wait)
         with metrics.reconcile("status"):
-            sync.refresh_status(kube, *key, _post, job=_one(run_jobs, key), pods=_pods(run_pods, key))
+            sync.refresh_status(kube, *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key))
     except Exception:  # counted by metrics.reconcile; the next tick tries again
         _log.exception("%s/%s: periodic tick failed", namespace, name)
     finally:
@@ -211,10 +241,11 @@ async def stop_ticks(**_) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
+async def phase_seen(type, body, namespace, name, run_jobs: kopf.Index, run_pods: kopf.Index,
+                     cluster_nodes: kopf.Index, gpu_pods: kopf.Index, **_) -> None:
     # The by-phase gauge follows what the apiserver holds; a restarted operator re-learns it on listing.
     # In memory only, so it runs on kopf's event loop: no hop to a worker thread for every event.
-    _state.setdefault("indexes", (run_jobs, run_pods))  # kopf's live indexes, for the ticks
+    _state.setdefault("indexes", (run_jobs, run_pods, cluster_nodes, gpu_pods))  # kopf's live ones, for the ticks
     _state.setdefault("kopf_context", contextvars.copy_context())  # what kopf.event needs, for the ticks
     if type == "DELETED":
         metrics.forget(namespace, name)

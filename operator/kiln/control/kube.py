@@ -203,9 +203,10 @@ class Kube:
             data = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _preload_content=False).data
         return json.loads(data)["items"]
 
-    def job(self, namespace: str, name: str) -> dict | None:
+    def job(self, namespace: str, name: str, job_name: str | None = None) -> dict | None:
+        """The run's PyTorchJob, or the one named job_name (a replica group's, kiln.control.plan.job_names)."""
         return self._get(self.custom.get_namespaced_custom_object, "kubeflow.org", "v1", namespace,
-                         "pytorchjobs", names(name)["job"])
+                         "pytorchjobs", job_name or names(name)["job"])
 
     def applied_spec(self, namespace: str, name: str) -> dict | None:
         cm = self._get(self.core.read_namespaced_config_map, names(name)["configmap"], namespace)

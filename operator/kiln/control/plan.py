@@ -5,6 +5,12 @@ One TrainingSpec becomes, all owned by it (deleting it deletes them):
   NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: anyone)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
+With elastic.faultTolerance replicaGroups (kiln.trainer.ft), instead of that one PyTorchJob:
+  PyTorchJob `<name>-g<i>`, i < groups               one per replica group, nodes / groups Worker pods each:
+                                                    a group restarts alone, the others step on
+  Deployment + Service `<name>-lighthouse`          torchft's lighthouse (the trainer image has it), which
+                                                    forms each step's quorum of the live groups
+  NetworkPolicy `<name>-lighthouse`                 only the run's trainer pods reach it
 Every object is a plain dict ready for server-side apply; reconciling twice applies the same dicts.
 """
 
@@ -21,11 +27,11 @@ from kubeflow.training import models as k
 from kiln.api.presets import resolve_model
 from kiln.api import contract
 from kiln.api.contract import SPEC_FILE, SPEC_MOUNT, SPEC_PATH
-from kiln.api.layout import node_bounds, processes_per_node
+from kiln.api.layout import node_bounds, processes_per_node, replica_groups
 from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
-from kiln.control.elastic import with_avoided_nodes
+from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
@@ -40,6 +46,16 @@ KUEUE_TOPOLOGY_ANNOTATION = {"required": "kueue.x-k8s.io/podset-required-topolog
                              "preferred": "kueue.x-k8s.io/podset-preferred-topology"}
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass: Kueue's order and preemption
 RUN_LABEL = "kiln.dev/trainingspec"
+GROUP_LABEL = "kiln.dev/replica-group"  # replicaGroups: the group a trainer pod (and its PyTorchJob) belongs to
+# The lighthouse pod is labelled apart from the trainer pods (not RUN_LABEL): it is no node of the run, so the
+# status, the elastic loop and the pod watch, which all count the run's pods by RUN_LABEL, never see it.
+LIGHTHOUSE_LABEL = "kiln.dev/lighthouse"
+LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's own default
+# A group whose heartbeats stop this long is left out of the next quorum (the steps of the others pause at
+# most about this long); 1 s as in `kiln run` would drop a group for one slow network round trip between
+# nodes. A new quorum waits this long for groups still joining once one group is ready.
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.shm_copy)
@@ -67,6 +83,7 @@ WRITABLE_ENV = {
 IMMUTABLE_WHILE_RUNNING = (
     ("model",), ("data", "uri"), ("parallelism", "tensor"), ("parallelism", "pipeline"),
     ("resources", "gpusPerNode"), ("resources", "processesPerNode"),
+    ("elastic", "faultTolerance"),  # one PyTorchJob or one per group: the running ones would stay beside the new
 )
 
 
@@ -98,7 +115,35 @@ def quantity_bytes(quantity: str) -> int:
 
 
 def names(run: str) -> dict[str, str]:
-    return {"job": run, "configmap": f"{run}-spec", "trainer": f"{run}-trainer"}
+    return {"job": run, "configmap": f"{run}-spec", "trainer": f"{run}-trainer", "lighthouse": f"{run}-lighthouse"}
+
+
+def job_names(run: str, groups: int = 1) -> list[str]:
+    """The run's PyTorchJobs: `<run>`, or with replica groups `<run>-g0` .. `<run>-g<groups-1>`."""
+    return [run] if groups <= 1 else [f"{run}-g{i}" for i in range(groups)]
+
+
+def job_names_of(body: dict) -> list[str]:
+    """job_names for a TrainingSpec as stored (not validated yet: a malformed faultTolerance counts as off)."""
+    ft = (((body.get("spec") or {}).get("elastic") or {}).get("faultTolerance") or {})
+    groups = ft.get("groups", 2) if ft.get("mode") == "replicaGroups" else 1
+    return job_names(body["metadata"]["name"], groups if isinstance(groups, int) and 1 <= groups <= 4096 else 1)
+
+
+def group_problem(spec: TrainingSpecSpec) -> str | None:
+    """Why the operator cannot render these replica groups (None: it can). Each group is whole pods of its own
+    (a PyTorchJob per group), at a fixed size: node-count elasticity does not act per group yet."""
+    groups, nodes = replica_groups(spec), spec.resources.nodes
+    if groups <= 1:
+        return None
+    if nodes % groups:
+        return (f"elastic.faultTolerance.groups = {groups} must divide resources.nodes = {nodes} on Kubernetes: "
+                f"each replica group is a PyTorchJob of whole nodes (nodes / groups each)")
+    lo, hi = node_bounds(spec)
+    if lo != nodes or hi != nodes or spec.elastic.plan:
+        return ("elastic.minNodes, elastic.maxNodes and elastic.plan are not supported with elastic.faultTolerance "
+                "replicaGroups on Kubernetes yet (each group runs at a fixed nodes / groups); leave them unset")
+    return None
 
 
 def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:
@@ -161,12 +206,9 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     forbidden = violations(doc.spec, config.policy, config.image)
     if forbidden:
         return Plan(refused="; ".join(forbidden), refused_reason="ForbiddenByPolicy")
-    ft = doc.spec.elastic.fault_tolerance
-    if ft is not None and ft.mode == "replicaGroups":  # refused whole: never a job that cannot start
-        return Plan(refused="elastic.faultTolerance.mode replicaGroups is not rendered by the operator yet (it needs "
-                            "one PyTorchJob per replica group and the torchft lighthouse); on Kubernetes use mode off, "
-                            "or run the groups with torchrun (docs/resilience.md, Replica groups)",
-                    refused_reason="NotSupported")
+    problem = group_problem(doc.spec)
+    if problem:  # refused whole: never a job that cannot start
+        return Plan(refused=problem, refused_reason="NotSupported")
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
@@ -192,9 +234,14 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
 
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(n["configmap"]),
                  "data": {SPEC_FILE: yaml.dump(resolved_dict, Dumper=SafeDumper, sort_keys=False)}}
+    groups = replica_groups(resolved.spec)
+    if groups == 1:
+        jobs = [pytorchjob(resolved, observed, config, metadata)]
+    else:  # the lighthouse before the jobs: a group's first quorum asks it
+        jobs = [*lighthouse(resolved, config, metadata),
+                *(pytorchjob(resolved, observed, config, metadata, group=i) for i in range(groups))]
     return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
-                         configmap,
-                         pytorchjob(resolved, observed, config, metadata)])
+                         configmap, *jobs])
 
 
 def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
@@ -224,12 +271,15 @@ def trainer_identity(run: str, metadata) -> list[dict]:
     ]
 
 
-def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata) -> dict:
-    """The PyTorchJob for a resolved spec, built with the kubeflow-training models."""
+def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata, group: int | None = None) -> dict:
+    """The PyTorchJob for a resolved spec, built with the kubeflow-training models; with `group`, the one of
+    that replica group: nodes / groups workers, at a fixed size, told the lighthouse and its group number."""
     s: TrainingSpecSpec = doc.spec
     r, run = s.resources, doc.metadata.name
     n = names(run)
-    replicas = observed.nodes or r.nodes
+    groups = replica_groups(s)
+    replicas = observed.nodes or start_nodes(s) if group is None else r.nodes // groups
+    low, high = (s.elastic.min_nodes, s.elastic.max_nodes) if group is None else (replicas, replicas)
     ppn = r.processes_per_node
 
     # Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's defaults apply, as a
@@ -257,6 +307,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         k.V1EnvVar(name=contract.RUN_NAME, value=run),
         k.V1EnvVar(name=contract.NAMESPACE, value_from=k.V1EnvVarSource(
             field_ref=k.V1ObjectFieldSelector(field_path="metadata.namespace"))),
+        # names this node's GPUs in status.gpuHealth, which the operator's failover reads
+        k.V1EnvVar(name=contract.NODE_NAME, value_from=k.V1EnvVarSource(
+            field_ref=k.V1ObjectFieldSelector(field_path="spec.nodeName"))),
     ]
     if s.checkpoint.credentials_secret:  # by reference: the key never appears in any object kiln writes
         env += [k.V1EnvVar(name=key, value_from=k.V1EnvVarSource(
@@ -272,6 +325,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name=contract.DATA_CACHE, value=f"{config.scratch_dir}/data"))
     env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
+    if group is not None:  # kiln.trainer.ft: every group's rank 0 heartbeats to the lighthouse
+        env += [k.V1EnvVar(name=contract.FT_LIGHTHOUSE, value=lighthouse_address(run)),
+                k.V1EnvVar(name=contract.FT_GROUP, value=str(group))]
     ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]
     if config.trainer_metrics_port:  # rank 0's Prometheus /metrics, on a named port for a PodMonitor
         env.append(k.V1EnvVar(name=contract.METRICS_PORT, value=str(config.trainer_metrics_port)))
@@ -327,13 +383,14 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource()),
         ],
     )
-    template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run},
+    group_label = {} if group is None else {GROUP_LABEL: str(group)}
+    template = k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels={**MANAGED_BY, RUN_LABEL: run, **group_label},
                                                            annotations=topology_annotations(s)), spec=pod)
 
     scheduling = None
     if s.scheduling.gang or s.scheduling.queue or s.scheduling.priority_class_name:
         scheduling = k.KubeflowOrgV1SchedulingPolicy(
-            min_available=s.elastic.min_nodes if s.scheduling.gang else None,
+            min_available=low if s.scheduling.gang else None,
             queue=s.scheduling.queue,
             priority_class=s.scheduling.priority_class_name,
         )
@@ -346,8 +403,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         spec=k.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(ppn),
             elastic_policy=k.KubeflowOrgV1ElasticPolicy(
-                min_replicas=s.elastic.min_nodes,
-                max_replicas=s.elastic.max_nodes,
+                min_replicas=low,
+                max_replicas=high,
                 rdzv_backend="c10d",
                 rdzv_port=config.rdzv_port,
                 max_restarts=s.elastic.max_restarts,
@@ -366,6 +423,60 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     labels = {KUEUE_QUEUE_LABEL: s.scheduling.queue} if s.scheduling.queue else {}
     if s.scheduling.priority:
         labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
-    labels = labels or None
-    body["metadata"] = metadata(n["job"], labels)
+    labels = {**labels, **group_label} or None
+    body["metadata"] = metadata(n["job"] if group is None else job_names(run, groups)[group], labels)
     return body
+
+
+def lighthouse_address(run: str) -> str:
+    """KILN_FT_LIGHTHOUSE: the lighthouse's Service, in the run's namespace."""
+    return f"http://{names(run)['lighthouse']}:{LIGHTHOUSE_PORT}"
+
+
+def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict]:
+    """torchft's lighthouse for a run with replica groups: a NetworkPolicy (only the run's trainer pods reach
+    it), a ClusterIP Service and a one-replica Deployment running `torchft_lighthouse` from the trainer image.
+    A Deployment, not a pod of a group's job: it must outlive any group's restart. It keeps no state a
+    restart loses for good: the groups' next quorum requests form the quorum again."""
+    run, s = doc.metadata.name, doc.spec
+    name = names(run)["lighthouse"]
+    selector = {LIGHTHOUSE_LABEL: run}
+    container = k.V1Container(
+        name="lighthouse",
+        image=s.image,
+        image_pull_policy=config.image_pull_policy,
+        command=["torchft_lighthouse", "--min_replicas", "1",  # one live group keeps training
+                 "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
+                 "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS),
+                 "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+        env=[k.V1EnvVar(name="RUST_LOG", value="warn")],  # torchft logs every quorum at info
+        ports=[k.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT)],
+        # a small Rust server: a Burstable pod, never BestEffort (the first evicted)
+        resources=k.V1ResourceRequirements(requests={"cpu": "100m", "memory": "64Mi"}, limits={"memory": "256Mi"}),
+        readiness_probe=k.V1Probe(tcp_socket=k.V1TCPSocketAction(port=LIGHTHOUSE_PORT), period_seconds=5),
+        security_context=k.V1SecurityContext(allow_privilege_escalation=False,
+                                             capabilities=k.V1Capabilities(drop=["ALL"]),
+                                             read_only_root_filesystem=True),
+    )
+    pod = k.V1PodSpec(
+        containers=[container],
+        automount_service_account_token=False,  # it talks to no apiserver
+        security_context=k.V1PodSecurityContext(run_as_non_root=True,
+                                                seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
+        # on the run's nodes' pools only if asked: no GPU, so no GPU toleration or selector
+        priority_class_name=s.scheduling.priority_class_name,
+    )
+    template = {"metadata": {"labels": {**MANAGED_BY, **selector}}, "spec": ApiClient().sanitize_for_serialization(pod)}
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata(name),
+         "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
+                  "ingress": [{"from": [{"podSelector": {"matchLabels": {RUN_LABEL: run}}}],
+                               "ports": [{"protocol": "TCP", "port": LIGHTHOUSE_PORT}]}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": metadata(name),
+         "spec": {"selector": selector, "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT,
+                                                   "targetPort": LIGHTHOUSE_PORT, "protocol": "TCP"}]}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(name),
+         "spec": {"replicas": 1, "selector": {"matchLabels": selector},
+                  "strategy": {"type": "Recreate"},  # never two lighthouses, each with half the groups
+                  "template": template}},
+    ]

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.api.contract import CONDITION_TYPES
 from kiln.control import goodput, kueue
+from kiln.control.plan import GROUP_LABEL
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
 USER_ERRORS = {
@@ -51,6 +52,62 @@ def job_condition(job: dict | None) -> str | None:
     # newest first; ties (same second) resolved by how final the state is
     conds.sort(key=lambda c: (c.get("lastTransitionTime") or c.get("lastUpdateTime") or "", order.get(c["type"], -1)))
     return conds[-1]["type"]
+
+
+FINAL = ("Succeeded", "Failed")
+# With replica groups, the run is in the state of its liveliest group: one group running is a running run
+LIVELIEST = ("Running", "Restarting", "Suspended", "Created")
+
+
+def combined_job(jobs: list[dict | None]) -> dict | None:
+    """The run's replica-group PyTorchJobs (in group order, None: not there) as the one job the rest of this
+    module reads: Running while any group runs (the others restart alone, see group_status), Succeeded or
+    Failed once every group has ended (Succeeded if any did: its weights are the run's). Labels and uid (the
+    Kueue Workload's key) are group 0's; it has no replica count, so no group's restart reads as Scaling."""
+    present = [j for j in jobs if j]
+    if not present:
+        return None
+    states = [job_condition(j) for j in present]
+    if len(present) == len(jobs) and all(state in FINAL for state in states):
+        state = "Succeeded" if "Succeeded" in states else "Failed"
+    else:
+        state = next((s for s in LIVELIEST if s in states), None)
+    source = next((j for j, s in zip(present, states) if s == state), present[0])
+    conditions = [c for c in (source.get("status") or {}).get("conditions") or []
+                  if c.get("type") == state and c.get("status") == "True"]
+    meta = present[0].get("metadata") or {}
+    return {"metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+                         "labels": meta.get("labels") or {},
+                         "resourceVersion": ",".join(str((j.get("metadata") or {}).get("resourceVersion")) for j in present)},
+            "spec": {"runPolicy": ((present[0].get("spec") or {}).get("runPolicy") or {})},
+            "status": {"conditions": conditions[-1:]}}
+
+
+def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | None) -> list[dict]:
+    """status.replicaGroups: each group's phase, running pods and restarts. A group is Restarting while its job
+    is active and fewer of its pods run than it has workers (a pod lost, or restarted by the training-operator);
+    each move from Running to Restarting or Pending counts one restart of that group."""
+    before = {g.get("group"): g for g in old or []}
+    out = []
+    for group, job in enumerate(jobs):
+        mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL) == str(group)]
+        workers = (((job or {}).get("spec") or {}).get("pytorchReplicaSpecs") or {}).get("Worker") or {}
+        desired, running, state = int(workers.get("replicas") or 0), running_pods(mine), job_condition(job)
+        if state in FINAL:
+            phase = state
+        elif job is None or kueue.held(job) or state == "Suspended":
+            phase = "Pending"
+        elif desired and running >= desired:
+            phase = "Running"
+        else:
+            phase = "Restarting" if state in ("Running", "Restarting") or before.get(group, {}).get("phase") == "Running" \
+                else "Pending"
+        restarts = int(before.get(group, {}).get("restarts") or 0)
+        if before.get(group, {}).get("phase") == "Running" and phase in ("Restarting", "Pending"):
+            restarts += 1
+        out.append({"group": group, "job": ((job or {}).get("metadata") or {}).get("name"), "phase": phase,
+                    "pods": running, "restarts": restarts})
+    return out
 
 
 def pods_to_stop(job: dict | None, pods: list[dict]) -> list[str]:
@@ -134,8 +191,12 @@ def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, 
 
 
 def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
-           accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None) -> Derived:
+           accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None,
+           group_jobs: list[dict | None] | None = None) -> Derived:
     """Status and Events for one TrainingSpec.
+
+    job: the run's PyTorchJob (None: none), or with replica groups `combined_job(group_jobs)`; group_jobs:
+    the run's PyTorchJobs, one per replica group in group order (None: the run has no replica groups).
 
     accepted: the SpecAccepted condition (status, reason, message) from the last reconcile: False when the
     operator applied nothing (a change the running job cannot absorb, a missing Secret); None keeps the
@@ -200,6 +261,18 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         status.pop("observedGeneration")
     if queue is not None:
         status["queue"] = queue.as_status()
+    if group_jobs is not None:
+        status["replicaGroups"] = groups = group_status(group_jobs, pods, old.get("replicaGroups"))
+        before = {g.get("group"): g.get("phase") for g in old.get("replicaGroups") or []}
+        for g in groups:
+            was = before.get(g["group"])
+            if was == "Running" and g["phase"] in ("Restarting", "Pending"):
+                events.append(Event("Warning", "ReplicaGroupLost",
+                                    f"replica group {g['group']} ({g['job']}): {g['pods']} pod(s) running; "
+                                    f"it restarts alone, the other groups keep training"))
+            elif was in ("Restarting", "Pending") and g["phase"] == "Running" and g["restarts"]:
+                events.append(Event("Normal", "ReplicaGroupBack", f"replica group {g['group']} ({g['job']}) "
+                                    f"runs again (restart {g['restarts']}); it heals from a live group"))
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)

@@ -21,8 +21,9 @@ from kiln.control import kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_state import carried_avoid, carried_nodes
 from kiln.control.kube import Kube, now
-from kiln.control.plan import Observed, plan
-from kiln.control.status import Event, changed, derive, job_condition, pods_to_stop, same_condition, set_condition
+from kiln.control.plan import Observed, job_names_of, plan
+from kiln.control.status import (Event, changed, combined_job, derive, job_condition, pods_to_stop, same_condition,
+                                 set_condition)
 from kiln.errors import KilnError
 
 PostEvent = Callable[[dict, Event], None]
@@ -58,11 +59,13 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     with run.lock:
         run.reconciled_at = time.monotonic()
         try:
-            job = kube.job(namespace, name)
-            if job is None or resync:  # never made, or deleted by someone: the other objects may be gone too
-                kube.forget_applied(namespace, name)
-            state = job_condition(job)
-            job_active = job is not None and state not in ("Succeeded", "Failed")
+            wanted = job_names_of(body)
+            # with replica groups also the run's single job, if any: switching faultTolerance under it is refused
+            jobs = {n: kube.job(namespace, name, n) for n in (wanted if len(wanted) == 1 else [*wanted, name])}
+            job, group_jobs = run_job(wanted, [j for j in jobs.values() if j])
+            if any(jobs[n] is None for n in wanted) or resync:  # never made, or deleted by someone: the other
+                kube.forget_applied(namespace, name)                # objects may be gone too
+            job_active = any(j is not None and job_condition(j) not in ("Succeeded", "Failed") for j in jobs.values())
             observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
                                 job_active=job_active)
         except ApiException as err:  # nothing is known, so nothing is derived: say why, retry
@@ -91,11 +94,12 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
                 uid = body["metadata"].get("uid")
                 # The job is applied last, each object before it checked: a job of this run's vouches for them.
-                checked = job is not None and foreign(job, uid) is None
+                checked = all(jobs[n] is not None and foreign(jobs[n], uid) is None for n in wanted)
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
                     try:
                         if not checked and not kube.applied_before(obj):  # force would adopt someone else's
-                            other = foreign(job if obj["kind"] == "PyTorchJob" else kube.read(obj), uid)
+                            other = foreign(jobs.get(obj["metadata"]["name"]) if obj["kind"] == "PyTorchJob"
+                                            else kube.read(obj), uid)
                             if other:
                                 accepted = ("False", "NotOwner", other)
                                 break
@@ -104,10 +108,11 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                         accepted = ("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err))
                         break
                     if obj["kind"] == "PyTorchJob" and applied is not None:
-                        if job is None:
+                        if not any(jobs.values()):
                             pods = []  # created just now: the training-operator has made no pod yet
-                        job = applied
-        _write_status(kube, body, post, accepted, job, pods)
+                        jobs[obj["metadata"]["name"]] = applied
+                job, group_jobs = run_job(wanted, [j for j in jobs.values() if j])
+        _write_status(kube, body, post, accepted, job, pods, group_jobs)
         if accepted[0] == "False" and accepted[1] in RETRIED:
             raise Wait(accepted[2])  # retried with a delay: the cause may go away without a spec change
         return f"{namespace}/{name}: {accepted[1]}"
@@ -188,10 +193,21 @@ def apply_failure(obj: dict, err: ApiException) -> str:
     return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {_message(err)}"[:2000]
 
 
+def run_job(wanted: list[str], found: list[dict]) -> tuple[dict | None, list[dict | None] | None]:
+    """The run's job as the status reads it and, with replica groups, each group's job in group order (None:
+    not there); without groups, None for the second. wanted: job_names_of the run; found: its jobs at hand."""
+    by_name = {(j.get("metadata") or {}).get("name"): j for j in found}
+    if len(wanted) == 1:
+        return by_name.get(wanted[0]), None
+    group_jobs = [by_name.get(n) for n in wanted]
+    return combined_job(group_jobs), group_jobs
+
+
 def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ) -> None:
     """Recompute the status after the job or one of its pods changed.
 
-    job, pods: as the event or the operator's watch has them (None: no job), or READ to ask the apiserver.
+    job: the run's PyTorchJobs as the operator's watch has them (a list: with replica groups, one per group),
+    the run's one job (a dict), None (no job) or READ to ask the apiserver. pods: as the watch has them, or READ.
     The TrainingSpec is the one this operator last read or wrote the status of (read once after a start).
     That copy holds the newest value of every field derive() computes, since no one else writes those, and
     all of them go through Kube.patch_status; a watch's copy may be older (deriving from an older status
@@ -202,7 +218,11 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
     with kube.runs[(namespace, name)].lock:
         body = kube.last_spec(namespace, name) or kube.trainingspec(namespace, name)
         if body is not None:
-            _write_status(kube, body, post, None, kube.job(namespace, name) if job is READ else job, pods)
+            wanted = job_names_of(body)
+            if job is READ:
+                job = [j for n in wanted if (j := kube.job(namespace, name, n)) is not None]
+            found = job if isinstance(job, list) else [job] if job else []
+            _write_status(kube, body, post, None, *run_job(wanted, found), pods)
 
 
 def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
@@ -212,8 +232,10 @@ def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
     return run is None or run.derived_from != (job.get("metadata") or {}).get("resourceVersion")
 
 
-def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ) -> None:
-    """Derive and patch the status from the job (as just read or applied) and its pods."""
+def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ,
+                  group_jobs: list[dict | None] | None = None) -> None:
+    """Derive and patch the status from the job (as just read or applied; with replica groups the combined
+    one, kiln.control.status.combined_job, and each group's) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     known = kube.last_spec(namespace, name)
     if known is not None and known is not body and known["metadata"].get("uid") == body["metadata"].get("uid"):
@@ -222,7 +244,7 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
     if pods is READ:
         pods = kube.pods(namespace, name) if job is not None else []
     queue = kueue.observe(kube, job, body.get("status"))  # a queued run: why it waits (a Workload read)
-    result = derive(body, job, pods, now(), accepted, queue)
+    result = derive(body, job, pods, now(), accepted, queue, group_jobs)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:

@@ -231,7 +231,8 @@ class ReplicaGroups:
         return self.replica_rank == 0
 
     def metrics(self) -> dict:
-        return {"ft_group": self.group, "ft_replica_rank": self.replica_rank, "ft_participants": self.participants,
+        return {"ft_group": self.group, "ft_groups": self.groups, "ft_replica_rank": self.replica_rank,
+                "ft_participants": self.participants,
                 "ft_quorum_id": self.quorum_id, "ft_quorum_changes": self.quorum_changes, "ft_heals": self.heals,
                 "ft_redone_steps": self.redone, "ft_restore": self.restore_source}
 

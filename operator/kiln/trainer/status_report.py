@@ -31,7 +31,7 @@ log = logging.getLogger("kiln.status")
 REPORT_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
 TRAINER_TIME = (("productive_s", "productiveSeconds"), ("checkpoint_stall_s", "checkpointStallSeconds"),
-                ("rollback_s", "rollbackSeconds"))
+                ("rollback_s", "rollbackSeconds"), ("degraded_s", "degradedSeconds"))
 
 
 def rfc3339(epoch_s: float) -> str:
@@ -50,6 +50,10 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
         value = metrics.get(key)
         if value is not None and math.isfinite(value):
             status[field] = max(0.0, float(value))
+    if metrics.get("ft_quorum_id") is not None:  # replica groups (kiln.trainer.ft): the last quorum
+        status["quorum"] = {"id": int(metrics["ft_quorum_id"]), "liveGroups": int(metrics["ft_participants"]),
+                            "groups": int(metrics["ft_groups"]), "changes": int(metrics["ft_quorum_changes"]),
+                            "heals": int(metrics["ft_heals"])}
     last = (checkpoint_info or {}).get("lastCheckpoint")
     if last:
         ref = {"step": int(last["step"]), "uri": last["uri"]}
@@ -105,6 +109,8 @@ class StatusReporter:
         if step > self._max_step and "rolled_back_to" not in record:
             self._time["productive_s"] += step_s
             self._max_step = step
+            if record.get("ft_participants", 0) < record.get("ft_groups", 0):  # stepped with groups missing
+                self._time["degraded_s"] += step_s
         else:
             self._time["rollback_s"] += step_s
         if self._last_update is not None and step > self._last_update[0]:
@@ -116,16 +122,22 @@ class StatusReporter:
         self._last_update = (int(record.get("rolled_back_to", step)), now)
         self._record = record
         commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
-        if self._sender is not None and (now - self._last_sent >= self.every_s or commit != self._sent_commit):
+        if self._reports() and (now - self._last_sent >= self.every_s or commit != self._sent_commit):
             self._send(checkpoint_info)
 
     def close(self, checkpoint_info: dict | None = None) -> None:
         """The last report (with the final commit), then stop the sender within a short timeout."""
         if self._sender is None:
             return
-        if self._record is not None:
+        if self._record is not None and self._reports():
             self._send(checkpoint_info)
         self._sender.close()
+
+    def _reports(self) -> bool:
+        """Whether this rank writes the status: rank 0, and with replica groups only the group at replica rank 0
+        of the last quorum (the one that writes commits): two writers of trainerTime a little apart would read
+        to the operator as a trainer that went back (kiln.control.goodput)."""
+        return self._sender is not None and int((self._record or {}).get("ft_replica_rank", 0)) == 0
 
     def _send(self, checkpoint_info: dict | None) -> None:
         self._sender.submit(status_patch(self._record, checkpoint_info, self.total_steps,

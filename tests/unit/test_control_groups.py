@@ -1,0 +1,206 @@
+"""elastic.faultTolerance replicaGroups on Kubernetes: plan() renders the torchft lighthouse and one
+PyTorchJob per replica group; status shows each group and counts its restarts (kiln.control.status)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from kiln.api import contract
+from kiln.api.load import parse
+from kiln.control.config import OperatorConfig
+from kiln.control.plan import (GROUP_LABEL, IMMUTABLE_WHILE_RUNNING, LIGHTHOUSE_LABEL, LIGHTHOUSE_PORT, RUN_LABEL,
+                               Observed, dump, job_names, job_names_of, plan, resolve)
+from kiln.control.status import combined_job, derive
+
+UID = "5b1c8e0c-0000-4000-8000-000000000002"
+GROUPS = {
+    "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
+    "metadata": {"name": "ft", "namespace": "ml", "uid": UID},
+    "spec": {
+        "model": {"preset": "llama-1b"},
+        "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2},
+        "parallelism": {"tensor": 2},
+        "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
+        "elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 2}},
+        "checkpoint": {"uri": "s3://ckpt/ft/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"},
+    },
+}
+CONFIG = OperatorConfig(image="registry.test/trainer:1")
+
+
+def rendered(raw: dict = GROUPS) -> list[dict]:
+    result = plan(parse(copy.deepcopy(raw)), None, CONFIG)
+    assert result.refused is None, result.refused
+    return result.objects
+
+
+def of(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def env(job: dict) -> dict:
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_one_pytorchjob_per_group_each_a_fixed_share_of_the_nodes_told_its_group_and_the_lighthouse():
+    jobs = of(rendered(), "PyTorchJob")
+    assert [j["metadata"]["name"] for j in jobs] == ["ft-g0", "ft-g1"] == job_names("ft", 2)
+    for group, job in enumerate(jobs):
+        worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+        assert worker["replicas"] == 2  # 4 nodes / 2 groups
+        assert job["spec"]["elasticPolicy"]["minReplicas"] == job["spec"]["elasticPolicy"]["maxReplicas"] == 2
+        assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 2  # gang: the group's pods
+        assert env(job)[contract.FT_GROUP] == str(group)
+        assert env(job)[contract.FT_LIGHTHOUSE] == f"http://ft-lighthouse:{LIGHTHOUSE_PORT}"
+        labels = worker["template"]["metadata"]["labels"]
+        assert labels[RUN_LABEL] == "ft" and labels[GROUP_LABEL] == str(group)
+        assert job["metadata"]["labels"][GROUP_LABEL] == str(group)
+        # every group runs the one resolved spec (the trainer takes its group's share: kiln.api.layout)
+        assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"][0]["configMap"] == \
+            {"name": "ft-spec"}
+    assert not any(j["metadata"]["name"] == "ft" for j in jobs)  # no job of the whole run beside the groups
+
+
+def test_the_lighthouse_is_a_deployment_and_service_from_the_trainer_image_reachable_only_from_the_run():
+    objects = rendered()
+    [deployment], [service] = of(objects, "Deployment"), of(objects, "Service")
+    policies = {p["metadata"]["name"]: p for p in of(objects, "NetworkPolicy")}
+    assert deployment["metadata"]["name"] == service["metadata"]["name"] == "ft-lighthouse"
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"] == "registry.test/trainer:1"
+    assert container["command"][:3] == ["torchft_lighthouse", "--min_replicas", "1"]
+    assert f"[::]:{LIGHTHOUSE_PORT}" in container["command"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    selector = {LIGHTHOUSE_LABEL: "ft"}
+    assert deployment["spec"]["selector"]["matchLabels"] == selector == service["spec"]["selector"]
+    assert service["spec"]["ports"][0]["port"] == LIGHTHOUSE_PORT
+    # not a pod of the run: status, the elastic loop and the pod watch count the run's pods by RUN_LABEL
+    assert RUN_LABEL not in deployment["spec"]["template"]["metadata"]["labels"]
+    # Pod Security restricted, as the trainer
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["requests"]["memory"]  # never BestEffort
+    # the lighthouse admits only the run's trainer pods, on its port; the trainers admit every pod of the run,
+    # which is every group (groups reach each other: gradients, the managers' stores, heals from a peer)
+    run = {"podSelector": {"matchLabels": {RUN_LABEL: "ft"}}}
+    assert policies["ft-lighthouse"]["spec"]["podSelector"] == {"matchLabels": selector}
+    assert policies["ft-lighthouse"]["spec"]["ingress"] == [
+        {"from": [run], "ports": [{"protocol": "TCP", "port": LIGHTHOUSE_PORT}]}]
+    assert policies["ft-trainer"]["spec"]["podSelector"] == {"matchLabels": {RUN_LABEL: "ft"}}
+    assert {"from": [run]} in policies["ft-trainer"]["spec"]["ingress"]
+
+
+def test_every_object_is_owned_by_the_run_and_the_lighthouse_comes_before_the_jobs():
+    objects = rendered()
+    for obj in objects:
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == UID, obj["kind"]
+        assert obj["metadata"]["namespace"] == "ml"
+    kinds = [o["kind"] for o in objects]
+    assert kinds.index("Deployment") < kinds.index("PyTorchJob")
+    assert kinds[-2:] == ["PyTorchJob", "PyTorchJob"]
+
+
+def test_mode_off_renders_one_job_as_before():
+    off = copy.deepcopy(GROUPS)
+    off["spec"]["elastic"]["faultTolerance"]["mode"] = "off"
+    objects = rendered(off)
+    assert [o["metadata"]["name"] for o in of(objects, "PyTorchJob")] == ["ft"] == job_names_of(off)
+    assert not of(objects, "Deployment") and not of(objects, "Service")
+    assert not {contract.FT_GROUP, contract.FT_LIGHTHOUSE} & set(env(of(objects, "PyTorchJob")[0]))
+    assert job_names_of(GROUPS) == ["ft-g0", "ft-g1"]
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"resources": {"nodes": 3, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"}, "parallelism": {"tensor": 1}},
+     "must divide resources.nodes = 3"),
+    ({"elastic": {"minNodes": 2, "faultTolerance": {"mode": "replicaGroups", "groups": 2}}},
+     "elastic.minNodes, elastic.maxNodes and elastic.plan are not supported"),
+])
+def test_groups_the_operator_cannot_render_are_refused_whole(change, names):
+    raw = copy.deepcopy(GROUPS)
+    raw["spec"].update(change)
+    if "nodes" in str(change):
+        raw["spec"]["training"]["globalBatchSize"] = 48  # dp 24, groups 2 divide it: only the node rule fails
+    result = plan(parse(raw), None, CONFIG)
+    assert result.objects == [] and result.refused_reason == "NotSupported" and names in result.refused
+
+
+def test_switching_fault_tolerance_under_a_running_job_is_refused():
+    assert ("elastic", "faultTolerance") in IMMUTABLE_WHILE_RUNNING
+    off = copy.deepcopy(GROUPS)
+    off["spec"]["elastic"]["faultTolerance"]["mode"] = "off"
+    applied = dump(resolve(parse(copy.deepcopy(off)), CONFIG))
+    result = plan(parse(copy.deepcopy(GROUPS)), Observed(applied=applied, job_active=True), CONFIG)
+    assert result.objects == [] and "spec.elastic.faultTolerance.mode" in result.refused
+
+
+# ---- status ----
+
+TS = {"metadata": {"name": "ft", "namespace": "ml", "generation": 1, "creationTimestamp": "2026-01-01T00:00:00Z"},
+      "spec": GROUPS["spec"], "status": {}}
+
+
+def job(group: int, state: str | None, replicas: int = 1) -> dict:
+    conditions = [{"type": "Created", "status": "True", "lastTransitionTime": "2026-01-01T00:00:01Z"}]
+    if state:
+        conditions.append({"type": state, "status": "True", "lastTransitionTime": "2026-01-01T00:00:02Z"})
+    return {"metadata": {"name": f"ft-g{group}", "resourceVersion": str(10 + group)},
+            "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": replicas}}}, "status": {"conditions": conditions}}
+
+
+def pod(group: int, phase: str = "Running", deleting: bool = False) -> dict:
+    meta = {"name": f"ft-g{group}-worker-0", "labels": {RUN_LABEL: "ft", GROUP_LABEL: str(group)}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:03Z"
+    return {"metadata": meta, "status": {"phase": phase}}
+
+
+def refresh(status: dict, jobs: list[dict | None], pods: list[dict], now: str):
+    ts = {**TS, "status": status}
+    return derive(ts, combined_job(jobs), pods, now, group_jobs=jobs)
+
+
+def test_status_shows_each_group_and_a_lost_group_while_the_run_keeps_running():
+    jobs = [job(0, "Running"), job(1, "Running")]
+    up = refresh({}, jobs, [pod(0), pod(1)], "2026-01-01T00:01:00Z")
+    assert up.status["phase"] == "Running" and up.status["nodes"] == 2
+    assert up.status["replicaGroups"] == [
+        {"group": 0, "job": "ft-g0", "phase": "Running", "pods": 1, "restarts": 0},
+        {"group": 1, "job": "ft-g1", "phase": "Running", "pods": 1, "restarts": 0}]
+    # group 1's pod is being deleted (a node lost, a kill): the run runs on, group 1 restarts alone
+    lost = refresh(up.status, jobs, [pod(0), pod(1, deleting=True)], "2026-01-01T00:01:10Z")
+    assert lost.status["phase"] == "Running" and lost.status["restarts"] == 0
+    assert lost.status["replicaGroups"][1] == {"group": 1, "job": "ft-g1", "phase": "Restarting", "pods": 0,
+                                               "restarts": 1}
+    assert [e.reason for e in lost.events] == ["ReplicaGroupLost"]
+    # the training-operator's new pod pending, then running: one restart counted, not two
+    pending = refresh(lost.status, jobs, [pod(0), pod(1, "Pending")], "2026-01-01T00:01:20Z")
+    assert pending.status["replicaGroups"][1]["restarts"] == 1 and not pending.events
+    back = refresh(pending.status, jobs, [pod(0), pod(1)], "2026-01-01T00:01:30Z")
+    assert back.status["replicaGroups"][1] == {"group": 1, "job": "ft-g1", "phase": "Running", "pods": 1,
+                                               "restarts": 1}
+    assert [e.reason for e in back.events] == ["ReplicaGroupBack"]
+
+
+def test_the_run_ends_when_every_group_has_ended_and_restarts_when_every_group_does():
+    assert combined_job([None, None]) is None
+    state = lambda jobs: derive(TS, combined_job(jobs), [], "2026-01-01T00:01:00Z", group_jobs=jobs).status["phase"]
+    assert state([job(0, "Succeeded"), job(1, "Running")]) == "Running"
+    assert state([job(0, "Succeeded"), job(1, "Failed")]) == "Succeeded"
+    assert state([job(0, "Failed"), job(1, "Failed")]) == "Failed"
+    assert state([job(0, "Restarting"), job(1, "Restarting")]) == "Restarting"
+    assert state([job(0, "Failed"), job(1, "Restarting")]) == "Restarting"
+    assert state([job(0, None), job(1, None)]) == "Pending"
+    assert state([job(0, "Failed"), None]) == "Pending"  # a group's job being made again: not over
+
+
+def test_replica_group_status_fields_are_the_operators():
+    jobs = [job(0, "Running"), job(1, "Running")]
+    status = refresh({}, jobs, [pod(0), pod(1)], "2026-01-01T00:01:00Z").status
+    assert set(status) <= contract.OPERATOR_STATUS
+    assert yaml.safe_dump(status)  # plain data, ready for a merge patch
