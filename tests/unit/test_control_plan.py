@@ -90,6 +90,13 @@ def test_topology_renders_kueues_pod_set_annotation_on_the_worker_template(mode,
         "template"]["metadata"]
 
 
+def test_a_queued_elastic_run_is_created_at_min_nodes_for_kueue():
+    queued = with_({"scheduling": {"queue": "team-a"}})  # nodes 2, minNodes 1
+    assert worker(objects(queued)["PyTorchJob"])["replicas"] == 1
+    assert worker(objects(BASE)["PyTorchJob"])["replicas"] == 2
+    assert worker(objects(queued, Observed(nodes=1))["PyTorchJob"])["replicas"] == 1
+
+
 def test_credentials_only_by_reference():
     objs = objects(BASE)
     env = worker(objs["PyTorchJob"])["template"]["spec"]["containers"][0]["env"]

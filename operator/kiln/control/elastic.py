@@ -4,7 +4,8 @@ The handlers gather what the cluster shows (nodes, pods, the trainer's reported 
 call these functions with the time `now` (seconds), and apply what they return:
 
 - `desired_nodes`: the worker count, within [minNodes, maxNodes], in whole data-parallel groups, as many
-  as the free matching GPU nodes allow, following the phase plan by the last *committed* step.
+  as the free matching GPU nodes allow, following the phase plan by the last *committed* step; a run in a
+  Kueue queue starts at `start_nodes` and keeps the count Kueue admitted.
 - `pods_to_force_delete`: pods stuck on NotReady/unreachable nodes past a grace period.
 - `record_node_failures` / `nodes_to_avoid` / `avoid_affinity`: a node that failed a job twice is avoided.
 - `hang`: no step progress for N x the recent p99 step time.
@@ -68,6 +69,14 @@ def _largest_valid_at_most(spec: TrainingSpecSpec, n: int) -> int | None:
     return max((c for c in valid_node_counts(spec) if c <= n), default=None)
 
 
+def start_nodes(spec: TrainingSpecSpec) -> int:
+    """The worker count a run's job is created with: resources.nodes, or for a run in a Kueue queue the
+    smallest runnable count from minNodes up, which its Workload asks Kueue for (docs/scheduling.md)."""
+    if not spec.scheduling.queue:
+        return spec.resources.nodes
+    return min(valid_node_counts(spec) or [bounds(spec)[0]])
+
+
 # ---- phase plan ------------------------------------------------------------------------------------------
 
 
@@ -119,7 +128,14 @@ def desired_nodes(spec: TrainingSpecSpec, nodes: Iterable[NodeView], current: in
     `grow_cooldown_s` since the last change (each change restarts the workers, so flapping costs goodput).
     Never leaves [minNodes, maxNodes]; always a count that keeps whole tensor x pipeline groups and the
     global batch. When even minNodes does not fit, it stays at (at least) minNodes and says it waits.
+
+    A run in a Kueue queue keeps its count: Kueue admits a PyTorchJob as one Workload of its replica count,
+    and any other count makes Kueue stop the whole job and queue a new Workload (Kueue v0.17: elastic
+    Workloads do not cover PyTorchJob), so growth would never start a pod beside the admitted ones.
     """
+    if spec.scheduling.queue:
+        return Decision(current, f"queued: keeps the {current} node(s) its Kueue Workload asked for; a queued "
+                                 "run does not grow or shrink (another size would stop it and queue it again)")
     lo, hi = bounds(spec)
     capacity = len(placeable_nodes(spec, nodes, avoid))
     target = plan_target(spec, committed_step)

@@ -31,7 +31,7 @@ from kiln.api.layout import node_bounds, processes_per_node, replica_groups
 from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
-from kiln.control.elastic import with_avoided_nodes
+from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
@@ -278,7 +278,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     r, run = s.resources, doc.metadata.name
     n = names(run)
     groups = replica_groups(s)
-    replicas = observed.nodes or r.nodes if group is None else r.nodes // groups
+    replicas = observed.nodes or start_nodes(s) if group is None else r.nodes // groups
     low, high = (s.elastic.min_nodes, s.elastic.max_nodes) if group is None else (replicas, replicas)
     ppn = r.processes_per_node
 
