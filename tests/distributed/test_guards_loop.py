@@ -52,9 +52,11 @@ def test_nan_skip_and_spike_rollback_in_the_training_loop(tmp_path):
                        (8, "skip"), (9, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
     rollback = records[8]
     assert rollback["rolled_back_to"] == 6 and "steps 7..9" in rollback["guard_reason"]
-    health = [r for r in records if "gpu_healthy" in r]
-    assert [r["step"] for r in health] == [5, 10]  # every 5 steps; this machine has no GPU
-    assert health[0]["gpu_count"] == 0 and health[0]["gpu_condition"]["reason"] == "NoGPU"
+    health = [r for r in records if "gpu_health" in r]
+    assert [r["step"] for r in health] == [1, 5, 10]  # the first step, then every 5; this machine has no GPU
+    # one node (both ranks share it): probed by local rank 0, gathered by rank 0; never "Healthy" unread
+    (node,) = health[0]["gpu_health"]
+    assert node["state"] == "NotApplicable" and node["gpus"] == [] and health[0]["gpu_count"] == 0
     last = records[-1]
     assert (last["guard_skipped_nonfinite"], last["guard_skipped_spike"], last["guard_rollbacks"]) == (1, 2, 1)
     assert math.isfinite(last["loss"])

@@ -32,10 +32,12 @@ def test_every_status_field_has_exactly_one_writer():
 
 
 def test_the_trainer_patches_only_its_own_status_fields():
-    record = {"step": 7, "tokens_per_second": 1e4, "mfu": 0.3}
+    record = {"step": 7, "tokens_per_second": 1e4, "mfu": 0.3,  # a replica group's (kiln.trainer.ft) too
+              "ft_quorum_id": 3, "ft_participants": 1, "ft_groups": 2, "ft_quorum_changes": 1, "ft_heals": 0}
     info = {"lastCheckpoint": {"step": 5, "uri": "s3://ckpt/c/step-00000005/", "time": 0.0}}
     body = status_patch(record, info, 100, seconds_per_step=1.0,
-                        trainer_time={"productive_s": 1.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0})
+                        trainer_time={"productive_s": 1.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0},
+                        gpu_health=[{"node": "n1", "state": "Healthy", "gpus": [{"index": 0, "state": "Healthy"}]}])
     assert set(body["status"]) == contract.TRAINER_STATUS
 
 

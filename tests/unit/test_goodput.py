@@ -26,7 +26,7 @@ def test_a_run_split_by_phase_and_trainer_counters():
     assert g.wall_s == 370.0
     assert g.productive_s == pytest.approx(60.0 + 70.0)
     assert g.lost_s == {"pending": 50.0, "restart": 20.0 + 20.0, "checkpointStall": 5.0, "rollback": 10.0,
-                        "suspended": 100.0, "preempted": 0.0}
+                        "suspended": 100.0, "preempted": 0.0, "gpuFailover": 0.0}
     assert g.goodput == pytest.approx(130.0 / 370.0)
 
 

@@ -1,20 +1,18 @@
-"""GPU health: the pure assessment rule, and a clean "no GPU" report on a machine without one."""
+"""GPU health: the pure assessment rule, and a clean report on a machine without NVML (never "healthy")."""
 
 import importlib.util
 
 import pytest
 
-from kiln.trainer.health import GpuSample, HealthReport, assess, probe
+from kiln.trainer.health import GpuSample, HealthReport, assess, expected_gpus, probe
 
 
 def test_healthy_gpus():
     r = assess([GpuSample(0, "H200", temperature_c=55, slowdown_temperature_c=90),
                 GpuSample(1, "H200", temperature_c=60, slowdown_temperature_c=90, ecc_corrected=3)])
-    assert r.status == "ok"
-    assert r.condition == {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy",
-                           "message": "2 GPU(s) healthy"}
+    assert r.state == "Healthy" and r.gpus == {0: "Healthy", 1: "Healthy"} and r.reasons == []
     m = r.metrics()
-    assert m["gpu_count"] == 2 and m["gpu_temperature_max_c"] == 60 and m["gpu_healthy"] == 1.0
+    assert m["gpu_count"] == 2 and m["gpu_temperature_max_c"] == 60 and m["gpu_ecc_corrected"] == 3
 
 
 @pytest.mark.parametrize("sample,text", [
@@ -22,37 +20,33 @@ def test_healthy_gpus():
     (GpuSample(1, xids=(79,)), "GPU 1: XID 79"),
     (GpuSample(0, remap_pending=True), "row remap pending"),
 ])
-def test_failed_gpu_gives_a_false_condition_naming_it(sample, text):
+def test_a_failing_gpu_is_named(sample, text):
     r = assess([GpuSample(7), sample])
-    assert r.status == "failed"
-    cond = r.condition
-    assert cond["status"] == "False" and cond["reason"] == "GPUFailed" and text in cond["message"]
-    assert r.metrics()["gpu_healthy"] == 0.0
+    assert r.state == "Failing" and r.gpus[sample.index] == "Failing" and r.gpus[7] == "Healthy"
+    assert text in r.entry("n")["message"]
 
 
-def test_degraded_when_hot_or_warning_xid():
+def test_degrading_when_hot_or_warning_xid():
     hot = assess([GpuSample(0, temperature_c=86, slowdown_temperature_c=90)])
-    assert hot.status == "degraded" and "86°C" in hot.reasons[0]
-    assert assess([GpuSample(0, temperature_c=84, slowdown_temperature_c=90)]).status == "ok"
-    assert assess([GpuSample(0, temperature_c=91)]).status == "degraded"  # no threshold known: 90 °C default
+    assert hot.state == "Degrading" and "86°C" in hot.reasons[0]
+    assert assess([GpuSample(0, temperature_c=84, slowdown_temperature_c=90)]).state == "Healthy"
+    assert assess([GpuSample(0, temperature_c=91)]).state == "Degrading"  # no threshold known: 90 °C default
     x = assess([GpuSample(2, xids=(13,))])
-    assert x.status == "degraded" and x.metrics()["gpu_xid_events"] == 1
-    # fatal outranks degraded, and both reasons are kept
+    assert x.state == "Degrading" and x.metrics()["gpu_xid_events"] == 1
+    # failing outranks degrading, and both reasons are kept
     both = assess([GpuSample(0, temperature_c=95, xids=(48,))])
-    assert both.status == "failed" and len(both.reasons) == 2
+    assert both.state == "Failing" and len(both.reasons) == 2
 
 
-def test_probe_reports_no_gpu_cleanly_or_samples_every_gpu():
+def test_probe_on_this_machine_is_read_or_says_why_never_healthy_unread():
     r = probe()
-    if r.status != "no-gpu":  # a GPU machine: every device sampled, the rule applied
-        assert r.samples and [s.index for s in r.samples] == list(range(len(r.samples)))
-        assert r.status in ("ok", "degraded", "failed")
+    if r.samples:  # a GPU machine: every device sampled, the rule applied
+        assert [s.index for s in r.samples] == list(range(len(r.samples)))
+        assert r.state in ("Healthy", "Degrading", "Failing")
         return
-    assert isinstance(r, HealthReport) and r.samples == []
-    assert r.reasons[0].startswith("no GPU:")
+    assert isinstance(r, HealthReport) and r.state == ("Unknown" if expected_gpus() else "NotApplicable")
     if importlib.util.find_spec("pynvml") is None:
         assert "nvidia-ml-py is not installed" in r.reasons[0]
     else:
         assert "NVML" in r.reasons[0]
-    assert r.condition["status"] == "True" and r.condition["reason"] == "NoGPU"
-    assert r.metrics()["gpu_count"] == 0
+    assert r.metrics()["gpu_count"] == len(r.gpus)

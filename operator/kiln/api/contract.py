@@ -20,6 +20,7 @@ METRICS_PORT = "KILN_METRICS_PORT"  # rank 0 serves Prometheus /metrics on it (k
 SHM_DIR = "KILN_SHM_DIR"  # each rank keeps a copy of the newest commit here (kiln.trainer.shm_copy); unset: none
 DATA_CACHE = "KILN_DATA_CACHE"  # where downloaded data shards are cached (kiln.trainer.data)
 DATA_CACHE_BYTES = "KILN_DATA_CACHE_BYTES"  # the pod's ephemeral-storage limit: data that cannot fit is refused
+NODE_NAME = "KILN_NODE_NAME"  # the pod's node (downward API spec.nodeName): names the GPUs in status.gpuHealth
 
 # elastic.faultTolerance replicaGroups (kiln.trainer.ft): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
@@ -27,15 +28,26 @@ FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
 FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.ft
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
-POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES)
+POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES, NODE_NAME)
 
 # ---- the status subresource: who writes which field ----
 
 OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput",
                              "goodputDetail", "queue", "replicaGroups"})
 TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
-                            "trainerTime"})
+                            "trainerTime", "gpuHealth"})
 
 # The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).
 CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",
-                   "Failed", "Elastic")
+                   "Failed", "Elastic", "GPUHealthy")
+
+# ---- GPU health: what trainer rank 0 reports per node in status.gpuHealth (kiln.trainer.health), and the
+# operator acts on (kiln.control.failover) ----
+
+GPU_HEALTHY, GPU_DEGRADING, GPU_FAILING, GPU_UNKNOWN, GPU_NOT_APPLICABLE = GPU_HEALTH_STATES = (
+    "Healthy", "Degrading", "Failing", "Unknown", "NotApplicable")
+# A GPU node whose health cannot be read is Unknown, never Healthy; a node the run uses no GPU on (CPU) is
+# NotApplicable and has no gauge. The Prometheus gauge kiln_gpu_health{node,gpu} (alert rules read it):
+GPU_HEALTH_GAUGE = {GPU_HEALTHY: 0, GPU_DEGRADING: 1, GPU_FAILING: 2, GPU_UNKNOWN: -1}
+# States that move a run off the node at its next commit (the operator requests that commit).
+GPU_MOVE_STATES = (GPU_DEGRADING, GPU_FAILING)

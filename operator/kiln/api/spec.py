@@ -397,12 +397,41 @@ class TrainerTime(ApiModel):
     )
 
 
+GpuHealthState = Literal["Healthy", "Degrading", "Failing", "Unknown", "NotApplicable"]  # contract.GPU_HEALTH_STATES
+
+
+class GpuState(ApiModel):
+    """One GPU's health as NVML shows it."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    index: int = Field(..., ge=0, le=INT32_MAX, description="NVML device index on the node.")
+    state: GpuHealthState = Field(..., description="Healthy | Degrading | Failing | Unknown (NVML not readable).")
+
+
+class NodeGpuHealth(ApiModel):
+    """The GPUs of one node the run uses, as its trainer last read them through NVML."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    node: str = Field(..., max_length=253, description="The node (the pod's spec.nodeName).")
+    state: GpuHealthState = Field(
+        ..., description="The worst of its GPUs: Healthy, Degrading (near thermal slowdown, a warning XID, many "
+        "corrected ECC errors), Failing (uncorrected ECC, a fatal XID, a pending row remap; the operator moves "
+        "the run off the node at its next commit, as for Degrading), Unknown (a GPU node whose NVML cannot be "
+        "read; never taken for Healthy) or NotApplicable (the run uses no GPU there).",
+    )
+    message: str = Field("", max_length=1024, description="Why, naming each GPU that is not Healthy.")
+    gpus: list[GpuState] = Field(default_factory=list, max_length=64, description="Each GPU's state.")
+    step: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="The training step it was read at.")
+
+
 class LostSeconds(ApiModel):
     """Wall seconds lost, by cause."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
     pending: float = Field(0.0, ge=0, description="Waiting for pods, capacity or a queue (Pending, Queued, Scaling).")
     restart: float = Field(0.0, ge=0, description="Restarting, plus steps redone after resuming from a commit.")
+    gpu_failover: float = Field(0.0, ge=0, description="Moving the run off a node whose GPU health is Degrading or "
+                                "Failing: from the commit request until the trainer reports from the new nodes.")
     checkpoint_stall: float = Field(0.0, ge=0, description="Training blocked on checkpoints.")
     rollback: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
     suspended: float = Field(0.0, ge=0, description="spec.suspend was true.")
@@ -475,6 +504,10 @@ class TrainingSpecStatus(ApiModel):
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilisation (0..1).")
     last_checkpoint: CheckpointRef | None = Field(None, description="The newest committed checkpoint.")
     trainer_time: TrainerTime | None = Field(None, description="Trainer rank 0's cumulative time counters.")
+    gpu_health: list[NodeGpuHealth] | None = Field(
+        None, max_length=1024, description="Trainer rank 0: each node's GPU health, read through NVML at the "
+        "trainer's first step and every 100 steps.",
+    )
     goodput: float | None = Field(
         None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."
     )

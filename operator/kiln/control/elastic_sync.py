@@ -183,6 +183,8 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
                 if gpu.move:  # the commit request: SIGTERM to every rank, which save one agreed step and exit
                     for p in ours:  # the training-operator recreates them under the new affinity
                         kube.delete_pod(namespace, p["metadata"]["name"])
+        for pod in gpu.strays:
+            kube.delete_pod(namespace, pod)
         for event in gpu.events:
             post(body, Event(*event))
         if new_state != state:

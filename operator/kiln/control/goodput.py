@@ -15,7 +15,9 @@ Attribution of the wall time between two observations:
   and apart from the lost (stopped) time; the time every group was stopped is `restart` as without groups;
 - the remainder goes to what held (`held(status)`): Pending / Queued / Scaling → `pending`, Queued after Kueue
   preempted the run (condition Queued, reason Preempted) → `preempted`, Restarting → `restart`, Suspended →
-  `suspended`, Running → counted as wall time only (start-up, restore, data waits, logging);
+  `suspended`, moving off a node whose GPUs degrade or fail (condition GPUHealthy, reason MovingOffNode, from
+  the commit request until the trainer reports from the new nodes: kiln.control.failover) → `gpuFailover`,
+  Running → counted as wall time only (start-up, restore, data waits, logging);
 - a productive counter that went *down* means a new trainer resumed from an older commit: that much
   productive time is moved to `restart` (it is done again);
 - after Succeeded / Failed nothing more is counted.
@@ -26,12 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
-CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted")
+from kiln.control.failover import MOVING
+
+CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted", "gpuFailover")
 PREEMPTED = "Preempted"  # Kueue's eviction reason, kiln's condition Queued reason (kiln.control.kueue)
 COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
 DEGRADED = "degradedSeconds"  # status.trainerTime: productive seconds stepped with fewer than all replica groups
 REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart",
-             "Suspended": "suspended", PREEMPTED: "preempted"}
+             "Suspended": "suspended", PREEMPTED: "preempted", MOVING: "gpuFailover"}
 FINAL = ("Succeeded", "Failed")
 
 
@@ -42,6 +46,9 @@ def held(status: dict | None) -> str | None:
     queued = next((c for c in s.get("conditions") or [] if c.get("type") == "Queued"), {})
     if s.get("phase") == "Queued" and queued.get("status") == "True" and queued.get("reason") == PREEMPTED:
         return PREEMPTED
+    if s.get("phase") not in FINAL and any(c.get("type") == "GPUHealthy" and c.get("reason") == MOVING
+                                           for c in s.get("conditions") or []):
+        return MOVING  # moving off a node with failing GPUs (kiln.control.failover): until it reports elsewhere
     return s.get("phase")
 
 

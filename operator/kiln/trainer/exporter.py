@@ -8,6 +8,9 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     data_mix             {source uri: realised share of the samples consumed} when data.sources mixes datasets
     guard_rollbacks, guard_skipped_spike, guard_skipped_nonfinite   the stability guards' counters so far
     steps_since_commit, checkpoint_interval_steps   how stale the newest commit is, in steps
+    gpu_health   every node's GPU states (kiln.trainer.health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
+                 0 Healthy, 1 Degrading, 2 Failing, -1 Unknown (kiln.api.contract.GPU_HEALTH_GAUGE); a
+                 node where the run uses no GPU (NotApplicable) has no series
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class TrainerExporter:
         ).labels(run)
         self._mix = Gauge("kiln_data_source_share", "Realised share of each data.sources entry in the samples "
                           "consumed so far (0..1).", ["run", "source"], registry=self.registry)
+        self._gpu_health = Gauge("kiln_gpu_health", "GPU health as NVML shows it: 0 healthy, 1 degrading, "
+                                 "2 failing, -1 unknown (a GPU node whose NVML cannot be read).",
+                                 ["run", "node", "gpu"], registry=self.registry)
+        self._gpu_series: set[tuple[str, str, str]] = set()
         self._server = None
 
     def observe(self, record: dict) -> None:
@@ -72,9 +79,25 @@ class TrainerExporter:
         for source, share in (record.get("data_mix") or {}).items():
             if _number(share) is not None:
                 self._mix.labels(self._run, str(source)).set(share)
+        if record.get("gpu_health") is not None:
+            self._observe_gpu_health(record["gpu_health"])
         stall = _number(record.get("checkpoint_stall_s"))
         if stall is not None and math.isfinite(stall) and stall > 0:
             self._stall.inc(stall)
+
+    def _observe_gpu_health(self, entries: list[dict]) -> None:
+        """One series per GPU of every node the run is on now; a node it left loses its series."""
+        series = {}
+        for entry in entries:
+            for gpu in entry.get("gpus") or []:
+                code = contract.GPU_HEALTH_GAUGE.get(gpu.get("state"))
+                if code is not None:
+                    series[(self._run, str(entry["node"]), str(gpu["index"]))] = code
+        for gone in self._gpu_series - set(series):
+            self._gpu_health.remove(*gone)
+        for labels, code in series.items():
+            self._gpu_health.labels(*labels).set(code)
+        self._gpu_series = set(series)
 
     def start(self, port: int | None = None, addr: str = "0.0.0.0") -> int:
         """Serve /metrics from a daemon thread; port 0 picks a free one. Returns the port served."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -441,8 +442,9 @@ def _local_and_replica_groups(p, default_group):
 
 class GuardHooks:
     """StepGuard before the optimizer step, SdcCheck around it (the seal before, the replicas after) and the
-    GPU health probe after it; counters go into the step's metrics record (the health report's GPUHealthy
-    condition as `gpu_condition`).
+    GPU health probe after it (at this process's first step and every `health_every` steps: local rank 0
+    probes its node, rank 0 gathers every node's entry into the record as `gpu_health`); counters go into
+    the step's metrics record.
 
     A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
     data cursor, so the offending data window is skipped. The StepGuard's own state is not rolled back: its
@@ -456,7 +458,8 @@ class GuardHooks:
         self.guard = StepGuard(config)
         self.sdc = SdcCheck(every=sdc_every)
         self.health_every = health_every
-        self._gpus = None  # kiln.trainer.health.GpuMonitor, opened on first use
+        self._gpus = None  # kiln.trainer.health.GpuMonitor, opened on first use (on local rank 0)
+        self._probed = False
         self._described = False  # the SDC check says once, at the first step, what it compares
         self.last: Decision | None = None
 
@@ -485,13 +488,21 @@ class GuardHooks:
             ctx.record.update(self.sdc.metrics())
         if self.sdc.seal_due(ctx.step) and not ctx.rollback:  # a rollback reloads the weights: nothing to seal
             self.sdc.seal(ctx.model_parts, ctx.step, ctx.optimizers)
-        if self.health_every > 0 and ctx.step % self.health_every == 0:
-            from kiln.trainer.health import GpuMonitor
+        if self.health_every > 0 and (not self._probed or ctx.step % self.health_every == 0):
+            # at this process's first step too: a node that starts unhealthy is known (and left) at once
+            self._probed = True
+            from kiln.trainer.health import GpuMonitor, expected_gpus, gather, node_name
 
-            if self._gpus is None:
-                self._gpus = GpuMonitor()
-            report = self._gpus.probe()  # this node's GPUs; "no-gpu" (healthy) on a CPU machine
-            ctx.record.update(report.metrics(), gpu_condition=report.condition)
+            report = None
+            if _local_rank() == 0:  # one prober per node; every rank takes part in the gather
+                if self._gpus is None:
+                    self._gpus = GpuMonitor()
+                report = self._gpus.probe(expected_gpus())
+            entries = gather(report.entry(node_name(), ctx.step) if report is not None else None)
+            if report is not None:
+                ctx.record.update(report.metrics())
+            if _is_rank_zero():
+                ctx.record["gpu_health"] = entries  # status.gpuHealth and kiln_gpu_health, every node
 
     def state_dict(self) -> dict[str, Any]:
         return self.guard.state_dict()
@@ -510,6 +521,10 @@ class GuardHooks:
         hooks.before_update.append(self.before_update)
         hooks.after_update.append(self.after_update)
         hooks.state["guards"] = self
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _is_rank_zero() -> bool:

@@ -294,6 +294,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                                                    device, is_first, is_last, reports_loss)
                 if step % tr.log_every == 0 or final:
                     logger.log(record)
+                elif "gpu_health" in record:  # the gauge follows every health reading, logged or not
+                    logger.export(record)
                 if stop:
                     if rank == 0:
                         print(f"kiln: stop requested; saved step {step}, rerun to resume", flush=True)

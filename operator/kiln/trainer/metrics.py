@@ -137,6 +137,11 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.update(record)
 
+    def export(self, record: dict) -> None:
+        """Only to Prometheus: a record that is not logged but carries news (a GPU health reading)."""
+        if self._exporter is not None:
+            self._exporter.observe(record)
+
     def close(self) -> None:
         if self._exporter is not None:
             self._exporter.stop()

@@ -1,16 +1,17 @@
 """Trainer rank 0 writes its progress into the TrainingSpec's status subresource (DESIGN.md §1, §4).
 
-The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint and trainerTime (its
-cumulative productive, checkpoint-stall and rollback seconds); the operator owns phase, nodes, conditions,
-restarts, observedGeneration and goodput, which it computes from trainerTime and the time no trainer ran
-(kiln.control.goodput). Both send JSON merge patches, so each side
+The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint, trainerTime (its
+cumulative productive, checkpoint-stall and rollback seconds) and gpuHealth (each node's GPU states, from
+kiln.trainer.health; a list, so a merge patch replaces it whole and a node the run left drops out); the
+operator owns phase, nodes, conditions, restarts, observedGeneration and goodput, which it computes from
+trainerTime and the time no trainer ran (kiln.control.goodput). Both send JSON merge patches, so each side
 only ever touches its own keys.
 
 In a pod the operator sets KILN_RUN_NAME and KILN_NAMESPACE and runs the pod as `<run>-trainer`, a
 ServiceAccount that may get and patch this one run's status. Without those variables (`kiln run` on a
 laptop) the reporter sends nothing. Sending happens on a background thread, at most once every
-`every_s` seconds plus on each new commit and at the end; an apiserver that refuses or cannot be reached
-is reported once as a warning and training goes on.
+`every_s` seconds plus on each new commit, on each change of GPU health and at the end; an apiserver that
+refuses or cannot be reached is reported once as a warning and training goes on.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def rfc3339(epoch_s: float) -> str:
 
 
 def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, *,
-                 seconds_per_step: float | None = None, trainer_time: dict | None = None) -> dict:
+                 seconds_per_step: float | None = None, trainer_time: dict | None = None,
+                 gpu_health: list[dict] | None = None) -> dict:
     """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.metrics),
     the Checkpointer's `status()` and the run length. Only trainer-owned keys, camelCase as in the CRD."""
     step = int(metrics.get("rolled_back_to", metrics["step"]))
     status: dict = {"step": step, "progress": f"{100.0 * min(step, total_steps) / total_steps:.1f}%"}
+    if gpu_health is not None:
+        status["gpuHealth"] = gpu_health
     if seconds_per_step is not None and math.isfinite(seconds_per_step):
         status["etaSeconds"] = max(0, round((total_steps - step) * seconds_per_step))
     for key, field in (("tokens_per_second", "tokensPerSecond"), ("mfu", "mfu")):
@@ -84,6 +88,8 @@ class StatusReporter:
         self._last_sent = -math.inf
         self._sent_commit: int | None = None
         self._record: dict | None = None
+        self._gpu_health: list[dict] | None = None  # the newest gathered record["gpu_health"]
+        self._sent_health: list[dict] | None = None
         self._sender = sender  # None: account only, send nothing
 
     @classmethod
@@ -121,8 +127,12 @@ class StatusReporter:
             self._seconds_per_step = float(record["step_s"])
         self._last_update = (int(record.get("rolled_back_to", step)), now)
         self._record = record
+        if record.get("gpu_health") is not None:
+            self._gpu_health = record["gpu_health"]
         commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
-        if self._reports() and (now - self._last_sent >= self.every_s or commit != self._sent_commit):
+        # a node's GPUs changing state goes out at once: the operator moves the run off a failing one
+        if self._reports() and (now - self._last_sent >= self.every_s or commit != self._sent_commit
+                                or _states(self._gpu_health) != _states(self._sent_health)):
             self._send(checkpoint_info)
 
     def close(self, checkpoint_info: dict | None = None) -> None:
@@ -141,9 +151,17 @@ class StatusReporter:
 
     def _send(self, checkpoint_info: dict | None) -> None:
         self._sender.submit(status_patch(self._record, checkpoint_info, self.total_steps,
-                                         seconds_per_step=self._seconds_per_step, trainer_time=self._time))
+                                         seconds_per_step=self._seconds_per_step, trainer_time=self._time,
+                                         gpu_health=self._gpu_health))
         self._last_sent = self._clock()
+        self._sent_health = self._gpu_health
         self._sent_commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
+
+
+def _states(entries: list[dict] | None) -> list | None:
+    """What a change of GPU health is judged by: each node's and GPU's state (not the step it was read at)."""
+    return None if entries is None else [(e["node"], e["state"], [g["state"] for g in e.get("gpus") or []])
+                                         for e in entries]
 
 
 class StatusSender:
