@@ -222,6 +222,23 @@ def _check_source_uris(s):
     return f"got {shown(bad[0])}" if bad else None
 
 
+_FOLDER_CEL = "{x}.startsWith('file://') || {x}.startsWith('s3://')"
+
+
+def _check_chat_folders(s):
+    if s.data.format != "chat":
+        return None
+    uris = [src.uri for src in s.data.sources] or [s.data.uri]
+    bad = [u for u in uris if not u.startswith(("file://", "s3://"))]
+    return f"got {shown(bad[0])}" if bad else None
+
+
+def _check_chat_tokenizer(s):
+    if s.data.format != "chat" or s.model.from_ is not None or s.data.tokenizer not in (None, "byte"):
+        return None
+    return f"got tokenizer={shown(s.data.tokenizer)}, no model.from"
+
+
 def _check_sources_or_uri(s):
     if s.data.sources and s.data.uri != DEFAULT_DATA_URI:
         return f"got uri={shown(s.data.uri)} and {len(s.data.sources)} sources"
@@ -364,6 +381,17 @@ RULES: list[Rule] = [
          "data.sources replaces data.uri: leave data.uri unset when data.sources is set",
          f"size(self.data.sources) == 0 || self.data.uri == '{DEFAULT_DATA_URI}'",
          _check_sources_or_uri),
+    Rule("data-chat-folders", "data.format",
+         "data.format chat trains on conversations prepared with kiln data prepare --format chat: data.uri (or "
+         "every data.sources uri) must be a folder, file:///path/ or s3://bucket/prefix/",
+         f"self.data.format != 'chat' || (size(self.data.sources) > 0 ? self.data.sources.all(s, {_FOLDER_CEL.format(x='s.uri')})"
+         f" : ({_FOLDER_CEL.format(x='self.data.uri')}))",
+         _check_chat_folders),
+    Rule("data-chat-tokenizer", "data.format",
+         "data.format chat renders conversations with a chat template: set data.tokenizer (not 'byte') or "
+         "model.from to a model folder whose tokenizer has one",
+         "self.data.format != 'chat' || has(self.model.from) || (has(self.data.tokenizer) && self.data.tokenizer != 'byte')",
+         _check_chat_tokenizer),
     Rule("data-tokenizer", "data.tokenizer",
          "data.tokenizer must be 'byte', or a tokenizer.json or model folder at file://... or s3://...",
          "!has(self.data.tokenizer) || self.data.tokenizer == 'byte' || self.data.tokenizer.startsWith('s3://')"

@@ -116,6 +116,13 @@ class DataSpec(ApiModel):
         "The mix is deterministic and resumes at any world size; the realised shares are reported per source "
         "(metrics.jsonl data_mix, Prometheus kiln_data_source_share). All sources use data.tokenizer.",
     )
+    format: Literal["text", "chat"] = Field(
+        "text",
+        description="text: the loss is taken on every token. chat: on the assistant's tokens only, averaged over "
+        "the whole global batch; data.uri (or every data.sources uri) is a folder of conversations prepared with "
+        "`kiln data prepare --format chat`, which renders them with the tokenizer's chat template and writes "
+        "each shard's assistant mask. Needs data.tokenizer (or model.from) with a chat template.",
+    )
 
 
 class TrainingConfig(ApiModel):

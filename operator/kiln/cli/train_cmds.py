@@ -112,7 +112,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--input", nargs="+", required=True, help="files, folders, file:// or s3:// prefixes")
     pr.add_argument("--tokenizer", required=True, help="a tokenizer.json or a model folder holding one")
     pr.add_argument("--output", required=True, help="folder for the shards: file:///path/ or s3://bucket/prefix/")
-    pr.add_argument("--text-field", default="text", help="the field of a .jsonl line holding the text (default text)")
+    pr.add_argument("--format", choices=["text", "chat"], default="text",
+                    help="text: documents (default); chat: conversations ({\"messages\": [{\"role\", \"content\"}, ...]}) "
+                    "rendered with the tokenizer's chat template, written with the assistant mask that data.format "
+                    "chat trains on")
+    pr.add_argument("--text-field", default=None,
+                    help="the field of a .jsonl line (or .parquet column) holding the text (default text) or, with "
+                    "--format chat, the messages (default messages)")
     pr.add_argument("--min-chars", type=int, default=1, help="drop documents shorter than this after normalising")
     pr.add_argument("--dedup", choices=["exact", "minhash", "none"], default="exact",
                     help="drop repeated documents: exact (default), minhash (exact and near-duplicates) or none")
@@ -470,7 +476,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         task = bar.add_task("prepare", total=None, docs=0)
         result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
                          min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
-                         eos=args.eos, shard_tokens=args.shard_tokens, endpoint=args.endpoint,
+                         eos=args.eos, shard_tokens=args.shard_tokens, endpoint=args.endpoint, format=args.format,
                          progress=lambda done, total, docs: bar.update(task, completed=done, total=total, docs=docs))
     if result is not None:
         removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"

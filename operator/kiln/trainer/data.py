@@ -12,7 +12,10 @@ Sources:
   validation split. No download.
 - `synthetic`: uniformly random tokens, for throughput measurements.
 - `file:///dir/` (or a plain path): tokenized shards `*.npy` (1-D integer arrays) or `*.bin` (raw
-  little-endian uint16, nanoGPT style), read through memory maps in file-name order.
+  little-endian uint16, nanoGPT style), read through memory maps in file-name order. With data.format chat,
+  each `tokens-N.npy` has a `mask-N.npy` (kiln data prepare --format chat): targets outside the assistant's
+  turns become IGNORE, which the loss skips (kiln.trainer.loss). Conversations are packed back to back into
+  the windows, like documents (attention is not masked at their boundaries).
 - `data.sources`: several of the above mixed in fixed proportions (MixedSamples).
 - `s3://bucket/prefix/`: the same shards in an object store (kiln.storage; keys from AWS_ACCESS_KEY_ID /
   AWS_SECRET_ACCESS_KEY, endpoint from KILN_DATA_ENDPOINT, else the checkpoint endpoint, else
@@ -34,6 +37,8 @@ import torch
 
 from kiln.api import contract
 from kiln.errors import KilnError
+from kiln.trainer.loss import IGNORE
+from kiln.trainer.prepare import MASK_PREFIX
 
 VALIDATION_FRACTION = 0.1
 
@@ -46,10 +51,13 @@ def pydoc_bytes() -> bytes:
 
 
 class TokenSamples:
-    """Non-overlapping windows of seq_len + 1 tokens over one or more token arrays."""
+    """Non-overlapping windows of seq_len + 1 tokens over one or more token arrays; with `masks` (chat data, one
+    byte per token, 1: the assistant's) each window also has a loss mask (`target_mask`)."""
 
-    def __init__(self, arrays: list[np.ndarray], seq_len: int, vocab_size: int):
-        self.arrays, self.seq_len = arrays, seq_len
+    def __init__(self, arrays: list[np.ndarray], seq_len: int, vocab_size: int,
+                 masks: list[np.ndarray] | None = None):
+        self.arrays, self.seq_len, self.masks = arrays, seq_len, masks
+        self.masked = masks is not None
         counts = [max(0, (len(a) - 1) // seq_len) for a in arrays]
         self.starts = np.cumsum([0] + counts).tolist()
         if self.starts[-1] == 0:
@@ -59,11 +67,17 @@ class TokenSamples:
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def get(self, index: int) -> torch.Tensor:
+    def _window(self, arrays: list[np.ndarray], index: int) -> np.ndarray:
         shard = bisect.bisect_right(self.starts, index) - 1
         offset = (index - self.starts[shard]) * self.seq_len
-        window = self.arrays[shard][offset : offset + self.seq_len + 1]
-        return torch.from_numpy(np.asarray(window, dtype=np.int64))
+        return arrays[shard][offset : offset + self.seq_len + 1]
+
+    def get(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(self._window(self.arrays, index), dtype=np.int64))
+
+    def target_mask(self, index: int) -> torch.Tensor:
+        """Which of the window's seq_len targets (its tokens 1..seq_len) carry loss."""
+        return torch.from_numpy(np.asarray(self._window(self.masks, index)[1:], dtype=np.bool_))
 
 
 class SyntheticSamples:
@@ -132,9 +146,13 @@ def check_cache_room(uri: str, root: Path, needed: int) -> None:
 
 
 def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train",
-                endpoint: str | None = None, tokenizer=None):
+                endpoint: str | None = None, tokenizer=None, chat: bool = False):
     """The samples behind a data.uri; KilnError names the uri and what is accepted. `tokenizer` (a
-    `tokenizers.Tokenizer`, None for bytes) tokenizes the built-in corpus; token shards are already tokenized."""
+    `tokenizers.Tokenizer`, None for bytes) tokenizes the built-in corpus; token shards are already tokenized.
+    chat: the shards' loss masks too (data.format chat), which `kiln data prepare --format chat` writes."""
+    if chat and not uri.startswith(("file://", "s3://", "/")):
+        raise KilnError(f"data.uri {uri}: data.format chat trains on conversations prepared with kiln data prepare "
+                        "--format chat; use file:///path/ or s3://bucket/prefix/ to them")
     if uri == "synthetic":
         return SyntheticSamples(seq_len, vocab_size, seed + (0 if split == "train" else 1))
     if uri == "builtin:pydoc":
@@ -153,24 +171,43 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
         path = Path(uri.removeprefix("file://"))
     if not path.is_dir():
         raise KilnError(f"data.uri {uri}: no such folder; use 'synthetic', 'builtin:pydoc' or file:///path/ to tokenized shards")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))
+    files = sorted(p for p in path.iterdir()
+                   if p.suffix in (".npy", ".bin") and not p.name.startswith(MASK_PREFIX))
     if not files:
         raise KilnError(f"data.uri {uri}: no *.npy or *.bin token shards in {path}")
     arrays = [np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype="<u2", mode="r") for f in files]
-    return TokenSamples(arrays, seq_len, vocab_size)
+    masks = _masks(uri, files, arrays) if chat else None
+    return TokenSamples(arrays, seq_len, vocab_size, masks)
+
+
+def _masks(uri: str, files: list[Path], arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The loss mask beside each token shard (tokens-N.npy → mask-N.npy), one byte per token."""
+    masks = []
+    for f, tokens in zip(files, arrays):
+        mask_file = f.with_name(MASK_PREFIX + f.name.removeprefix("tokens-"))
+        if not mask_file.exists():
+            raise KilnError(f"data.uri {uri}: {f.name} has no {mask_file.name}: data.format chat needs shards "
+                            "prepared with kiln data prepare --format chat (their loss masks)")
+        mask = np.load(mask_file, mmap_mode="r")
+        if mask.shape != tokens.shape:
+            raise KilnError(f"data.uri {uri}: {mask_file.name} has {len(mask)} entries for {len(tokens)} tokens in "
+                            f"{f.name}; prepare the folder again")
+        masks.append(mask)
+    return masks
 
 
 def open_data(data, *, seq_len: int, vocab_size: int, seed: int, endpoint: str | None = None, tokenizer=None):
     """The training samples of a spec's `data` (kiln.api.DataSpec): data.uri's source, or the mix of
     data.sources. Each mixed source gets its own seed, so two sources of the same kind differ."""
+    chat = data.format == "chat"
     if not data.sources:
         return open_source(data.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed, endpoint=endpoint,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, chat=chat)
     opened = []
     for k, src in enumerate(data.sources):
         try:
             opened.append(open_source(src.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 104729 * (k + 1),
-                                      endpoint=endpoint, tokenizer=tokenizer))
+                                      endpoint=endpoint, tokenizer=tokenizer, chat=chat))
         except KilnError as err:
             raise KilnError(f"data.sources[{k}]: {err}") from None
     return MixedSamples(opened, [src.weight for src in data.sources], [src.uri for src in data.sources], seed)
@@ -226,6 +263,7 @@ class MixedSamples:
                             "their weight or drop them")
         self.orders = [SeededOrder(len(s), seed + 7919 * (k + 1)) for k, s in enumerate(sources)]
         self.seq_len = sources[0].seq_len
+        self.masked = all(getattr(s, "masked", False) for s in sources)  # data.format chat: all of them
         self._block, self._layout = -1, None
 
     def __len__(self) -> int:
@@ -253,6 +291,10 @@ class MixedSamples:
     def get(self, index: int) -> torch.Tensor:
         k, j = self.source_of(index)
         return self.sources[k].get(self.orders[k](j))
+
+    def target_mask(self, index: int) -> torch.Tensor:
+        k, j = self.source_of(index)
+        return self.sources[k].target_mask(self.orders[k](j))
 
     def drawn(self, samples: int) -> dict[str, int]:
         """How many of the first `samples` samples came from each source (the realised mix)."""
@@ -284,13 +326,28 @@ class GlobalBatchLoader:
         drawn = self.source.drawn(self.samples_seen)
         return {name: count / self.samples_seen for name, count in drawn.items()}
 
+    @property
+    def masked(self) -> bool:
+        """Whether targets carry IGNORE where no loss is taken (data.format chat)."""
+        return getattr(self.source, "masked", False)
+
+    def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of `count` samples from position `first` of the global order, each (count, seq_len);
+        a target that carries no loss (chat data: not the assistant's) is IGNORE."""
+        ids = [self._sample_id(first + i) for i in range(count)]
+        rows = torch.stack([self.source.get(i) for i in ids])
+        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        if self.masked:
+            keep = torch.stack([self.source.target_mask(i) for i in ids])
+            targets = targets.masked_fill_(~keep, IGNORE)
+        return inputs, targets
+
     def next_batch(self, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (global_batch // dp_size, seq_len), and advance the cursor."""
         per_rank = global_batch // self.dp_size
-        first = self.samples_seen + self.dp_rank * per_rank
-        rows = torch.stack([self.source.get(self._sample_id(first + i)) for i in range(per_rank)])
+        batch = self.rows(self.samples_seen + self.dp_rank * per_rank, per_rank)
         self.samples_seen += global_batch
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return batch
 
     def state_dict(self) -> dict:
         return {"samples_seen": self.samples_seen, "seed": self.seed}

@@ -174,8 +174,7 @@ class ReplicaGroups:
         """This rank's rows of this group's share of the step: its slot is its replica rank in the quorum."""
         per_rank = self.per_group // dp_size
         first = loader.samples_seen + self.replica_rank * self.per_group + dp_rank * per_rank
-        rows = torch.stack([loader.source.get(loader._sample_id(first + i)) for i in range(per_rank)])
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return loader.rows(first, per_rank)
 
     def step_tokens(self, seq_len: int) -> int:
         return self.participants * self.per_group * seq_len

@@ -352,10 +352,15 @@ def check_tokenizer(tokenizer, uri: str, dims: ModelDims) -> None:
 
 
 def training_tokenizer(spec: TrainingSpecSpec, dims: ModelDims):
-    """The run's tokenizer (None: bytes), checked against the model's vocabulary."""
+    """The run's tokenizer (None: bytes), checked against the model's vocabulary (and, for data.format chat, for
+    a chat template)."""
     uri = tokenizer_uri(spec)
     tokenizer = load_tokenizer(uri, storage_endpoint(spec))
     check_tokenizer(tokenizer, uri, dims)
+    if spec.data.format == "chat":  # the conversations were rendered with its template: it must have one that compiles
+        from kiln.trainer.chat import ChatRenderer, load_chat_template
+
+        ChatRenderer(load_chat_template(uri, storage_endpoint(spec)))
     return tokenizer
 
 

@@ -27,6 +27,7 @@ from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops,
                                   peak_memory_gib)
+from kiln.trainer.loss import PipelineLoss, global_count, microbatch_loss
 from kiln.trainer.model import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
@@ -151,7 +152,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
 
         pp_rank = mesh["pp"].get_local_rank()
         is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1
-        schedule = build_pipeline_schedule(model, mesh, layout, device, cross_entropy) if layout.pp > 1 else None
+        pp_loss = PipelineLoss(cross_entropy, layout)
+        schedule = build_pipeline_schedule(model, mesh, layout, device, pp_loss) if layout.pp > 1 else None
         pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
         # Exactly one rank per data-parallel replica reports the loss: the last stage, tensor rank 0.
         reports_loss = is_last and mesh["tp"].get_local_rank() == 0
@@ -226,10 +228,13 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                 timer.mark("data_s")
                 lr = lr_at(step, tr)
                 set_lr(optimizer, lr)
+                # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.loss)
+                denominator = global_count(targets, layout) if loader.masked else None
                 if schedule is not None:
+                    pp_loss.denominator = denominator
                     local_loss = _pipeline_step(schedule, inputs, targets, is_first, is_last)
                 else:
-                    local_loss = _accumulate_step(model, inputs, targets, layout)
+                    local_loss = _accumulate_step(model, inputs, targets, layout, denominator)
                 timer.mark("fwd_bwd_s")
                 if ft is not None:  # average with the live groups before clipping: every group clips alike
                     ft.average_gradients(model_parts)
@@ -244,6 +249,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                         continue
                 tokens_seen += global_tokens if ft is None else ft.step_tokens(dims.seq_len)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+                if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all)
+                    record["assistant_tokens"] = int(denominator)
                 if ft is not None:
                     record.update(ft.metrics())
                 ctx = StepContext(step, loss, float(grad_norm), model_parts, optimizers, mesh, record)
@@ -396,14 +403,17 @@ def _evaluate(model, schedule, loader: GlobalBatchLoader, global_batch: int, lay
     return total / EVAL_BATCHES
 
 
-def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP)."""
+def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
+                     denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP), or
+    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.loss)."""
     total = torch.zeros((), device=inputs.device)
     m = layout.micro_batch
     for i in range(layout.grad_accum):
         # Reduce gradients across data parallel only once, after the last microbatch.
         model.set_requires_gradient_sync(i == layout.grad_accum - 1)
-        loss = model(inputs[i * m:(i + 1) * m], targets[i * m:(i + 1) * m]) / layout.grad_accum
+        batch = targets[i * m:(i + 1) * m]
+        loss = microbatch_loss(model(inputs[i * m:(i + 1) * m], batch), batch, denominator, layout, layout.grad_accum)
         loss.backward()
         total += loss.detach()
     return total

@@ -191,8 +191,11 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over every position, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token loss over the positions whose target is not ignored (-100, kiln.trainer.loss.IGNORE), in
+    fp32; 0 when all are (a chat microbatch without assistant tokens), as the fused kernels give."""
+    flat = targets.flatten()
+    total = F.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)
 
 
 def build_model(dims: ModelDims) -> Transformer:

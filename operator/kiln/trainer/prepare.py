@@ -11,6 +11,12 @@ library (its batch encoding runs on every core) and appended, with an optional e
 `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
 filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
 of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
+
+Chat data (format "chat"): each .jsonl line's or .parquet row's `messages` is a conversation of {role, content}
+messages (contents normalised as above); it is rendered with the tokenizer's chat template, and each shard gets a
+`mask-NNNNN.npy` of one byte per token, 1 for the assistant's tokens (kiln.trainer.chat), which the trainer's
+data.format chat takes the loss on. A conversation without an assistant turn, with malformed messages, or that
+the template refuses is counted under its reason.
 """
 
 from __future__ import annotations
@@ -29,15 +35,25 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
+from kiln.trainer.chat import ChatRefused, check_messages, token_mask
 from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.prepare.ShardWriter); gone once MANIFEST is there
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+MASK_PREFIX = "mask-"  # chat data: mask-NNNNN.npy holds the loss mask of tokens-NNNNN.npy (kiln.trainer.data)
+FORMATS = ("text", "chat")
 
 
 def normalise(text: str) -> str:
     return unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
+
+
+def normalise_messages(messages) -> list[dict]:
+    """A conversation's messages as {role, content} with each content normalised (chat.check_messages checks
+    the shape first; ChatRefused says what is wrong)."""
+    check_messages(messages)
+    return [{"role": m["role"], "content": normalise(m["content"])} for m in messages]
 
 
 MINHASH_PERMUTATIONS = 128
@@ -89,12 +105,16 @@ def _inputs(uri: str, endpoint: str | None) -> Iterator[tuple[ObjectStore, str]]
         yield store, key
 
 
-def documents(raw: bytes, key: str, text_field: str, counts: Counter) -> Iterator[str]:
-    """The texts of one file (not yet normalised); what cannot be read is counted under its reason."""
+def documents(raw: bytes, key: str, text_field: str, counts: Counter, want: type = str) -> Iterator:
+    """The texts of one file (not yet normalised), or with want=list its conversations (the `text_field` of
+    each record being a list of messages); what cannot be read is counted under its reason."""
     if key.endswith(".parquet"):
-        yield from _parquet_documents(raw, text_field, counts)
+        yield from _parquet_documents(raw, text_field, counts, want)
         return
     if key.endswith(".txt"):
+        if want is not str:  # a text file holds no conversation
+            counts["missing_field"] += 1
+            return
         try:
             yield raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -112,13 +132,13 @@ def documents(raw: bytes, key: str, text_field: str, counts: Counter) -> Iterato
             counts["invalid_json"] += 1
             continue
         text = doc.get(text_field) if isinstance(doc, dict) else None
-        if not isinstance(text, str):
+        if not isinstance(text, want):
             counts["missing_field"] += 1
             continue
         yield text
 
 
-def _parquet_documents(raw: bytes, text_field: str, counts: Counter) -> Iterator[str]:
+def _parquet_documents(raw: bytes, text_field: str, counts: Counter, want: type = str) -> Iterator:
     """The `text_field` column of a parquet file (pyarrow); a row without a string there is missing_field, a
     file pyarrow cannot read is unreadable_file."""
     try:
@@ -136,7 +156,7 @@ def _parquet_documents(raw: bytes, text_field: str, counts: Counter) -> Iterator
         return
     for batch in parquet.iter_batches(columns=[text_field]):
         for value in batch.column(0).to_pylist():
-            if isinstance(value, str):
+            if isinstance(value, want):
                 yield value
             else:
                 counts["missing_field"] += 1
@@ -153,49 +173,74 @@ class Prepared:
 
 class ShardWriter:
     """Tokens appended document by document, cut into shards of exactly `shard_tokens` (the last one shorter).
-    After each shard, PROGRESS records the shards so far, how many kept documents they (and the carried-over
-    remainder) hold, and that remainder: an interrupted run resumes from there."""
+    With `masked` (chat data), each token also has a loss-mask byte (1: an assistant token), written to
+    mask-NNNNN.npy beside tokens-NNNNN.npy. After each shard, PROGRESS records the shards so far, how many kept
+    documents they (and the carried-over remainder) hold, and that remainder: an interrupted run resumes from there."""
 
-    def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared, settings: dict):
+    def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared, settings: dict,
+                 masked: bool = False):
         self.store, self.shard_tokens, self.dtype, self.result = store, shard_tokens, dtype, result
-        self.settings = settings
+        self.settings, self.masked = settings, masked
         self.pending: list[np.ndarray] = []
+        self.pending_mask: list[np.ndarray] = []
         self.count = 0
         self.kept = 0  # kept documents whose tokens were all added
 
     def resume(self, progress: dict) -> None:
         carry = np.asarray(progress["carry"], dtype=self.dtype)
         self.pending, self.count, self.kept = [carry], len(carry), int(progress["kept_documents"])
+        if self.masked:
+            self.pending_mask = [np.asarray(progress["carry_mask"], dtype=np.uint8)]
         self.result.shards = list(progress["shards"])
 
-    def add(self, docs: list[list[int]]) -> None:
-        """The token ids of a batch of kept documents, in order (one array for all: no per-document overhead)."""
+    def add(self, docs: list[list[int]], masks: list[list[int]] | None = None) -> None:
+        """The token ids of a batch of kept documents, in order (one array for all: no per-document overhead),
+        and with `masked` their loss masks."""
         total = sum(len(d) for d in docs)
-        arr = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=total)
-        self.pending.append(arr)
+        self.pending.append(np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=total))
+        if self.masked:
+            self.pending_mask.append(np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total))
         self.count += total
         self.kept += len(docs)  # all of them are in the shards or the carried-over remainder from here on
         while self.count >= self.shard_tokens:
             flat = np.concatenate(self.pending)
+            flat_mask = np.concatenate(self.pending_mask) if self.masked else None
             rest = flat[self.shard_tokens:]
-            self._write(flat[:self.shard_tokens], rest)
+            rest_mask = flat_mask[self.shard_tokens:] if self.masked else None
+            self._write(flat[:self.shard_tokens], rest,
+                        flat_mask[:self.shard_tokens] if self.masked else None, rest_mask)
             self.pending, self.count = [rest], len(rest)
+            self.pending_mask = [rest_mask] if self.masked else []
 
     def close(self) -> None:
         if self.count:
-            self._write(np.concatenate(self.pending), None)
-        self.pending, self.count = [], 0
+            self._write(np.concatenate(self.pending), None,
+                        np.concatenate(self.pending_mask) if self.masked else None, None)
+        self.pending, self.pending_mask, self.count = [], [], 0
 
-    def _write(self, tokens: np.ndarray, rest: np.ndarray | None) -> None:
-        name = f"tokens-{len(self.result.shards):05d}.npy"
-        buf = io.BytesIO()
-        np.save(buf, tokens)
-        self.store.put_bytes(name, buf.getvalue())
-        self.result.shards.append({"name": name, "tokens": int(len(tokens))})
+    def _write(self, tokens: np.ndarray, rest: np.ndarray | None, mask: np.ndarray | None = None,
+               rest_mask: np.ndarray | None = None) -> None:
+        number = len(self.result.shards)
+        name = f"tokens-{number:05d}.npy"
+        if mask is not None:  # before its tokens: a listed token shard always has its mask
+            self.store.put_bytes(f"{MASK_PREFIX}{number:05d}.npy", _npy(mask))
+        self.store.put_bytes(name, _npy(tokens))
+        shard = {"name": name, "tokens": int(len(tokens))}
+        if mask is not None:
+            shard["assistant_tokens"] = int(mask.sum())
+        self.result.shards.append(shard)
         if rest is not None:  # written after the shard: it never names a shard that is not there
             state = {"settings": self.settings, "shards": self.result.shards, "kept_documents": self.kept,
                      "carry": rest.tolist()}
+            if rest_mask is not None:
+                state["carry_mask"] = rest_mask.tolist()
             self.store.put_bytes(PROGRESS, json.dumps(state).encode())
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
 
 
 def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
@@ -211,14 +256,18 @@ def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
     return state
 
 
-def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str = "text", min_chars: int = 1,
+def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str | None = None, min_chars: int = 1,
             dedup: str = "exact", minhash_threshold: float = 0.8, eos: str | None = None,
             shard_tokens: int = 100_000_000, batch_docs: int = 1000, endpoint: str | None = None,
-            log=print, progress=None) -> Prepared | None:
+            format: str = "text", log=print, progress=None) -> Prepared | None:
     """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
     interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
     (they are read, filtered and hashed again, which rebuilds the dedup set and the counts). `progress`, when
-    given, is called as progress(files done, files in all, documents kept so far) after each input file."""
+    given, is called as progress(files done, files in all, documents kept so far) after each input file.
+
+    format "chat": each record's `text_field` (default "messages") is a conversation, rendered with the
+    tokenizer's chat template (kiln.trainer.chat) and written with its assistant mask (mask-NNNNN.npy); a
+    conversation the template refuses is counted under the reason, like any other filter."""
     from kiln.trainer.hf import load_tokenizer, vocab_size
 
     out = open_store(output, endpoint=endpoint)
@@ -234,6 +283,15 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         if eos_id is None:
             raise KilnError(f"--eos {eos!r} is not a token of {tokenizer_uri}")
     vocab = vocab_size(tokenizer)
+    if format not in FORMATS:
+        raise KilnError(f"--format {format}: use one of {', '.join(FORMATS)}")
+    chat = format == "chat"
+    text_field = text_field or ("messages" if chat else "text")
+    renderer = None
+    if chat:
+        from kiln.trainer.chat import ChatRenderer, load_chat_template
+
+        renderer = ChatRenderer(load_chat_template(tokenizer_uri, endpoint))
     if dedup not in ("none", "exact", "minhash") or not 0 < minhash_threshold <= 1:
         raise KilnError(f"--dedup {dedup} / --minhash-threshold {minhash_threshold}: use none, exact or minhash, "
                         f"with a threshold in (0, 1]")
@@ -241,9 +299,11 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
                 "min_chars": min_chars, "dedup": dedup, "eos": eos, "shard_tokens": shard_tokens}
     if dedup == "minhash":
         settings["minhash_threshold"] = minhash_threshold
+    if chat:
+        settings["format"] = format
     near = NearDuplicates(minhash_threshold) if dedup == "minhash" else None
     result = Prepared()
-    writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings)
+    writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings, masked=chat)
     unfinished = _progress(out, settings, output)
     skip = 0
     if unfinished is not None:
@@ -253,26 +313,41 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         log(f"kiln: resuming {output} after {len(result.shards)} finished shard(s) ({skip:,} documents)")
     seen: set[bytes] = set()
     batch: list[str] = []
+    spans: list[list[tuple[int, int]]] = []  # chat: each batched text's assistant character spans
 
     tail = [eos_id] if eos_id is not None else []
 
     def flush() -> None:
         if batch:
-            docs = [enc.ids + tail for enc in tokenizer.encode_batch(batch, add_special_tokens=False)]
+            encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
+            docs = [enc.ids + tail for enc in encoded]
             result.tokens += sum(len(d) for d in docs)
-            writer.add(docs)
+            masks = None
+            if chat:  # an appended --eos is not the assistant's: no loss on it
+                masks = [token_mask(enc.offsets, s) + [0] * len(tail) for enc, s in zip(encoded, spans)]
+            writer.add(docs, masks)
         batch.clear()
+        spans.clear()
 
     files = [(store, key) for uri in inputs for store, key in _inputs(uri, endpoint)]
     for done, (store, key) in enumerate(files, 1):
-        for text in documents(store.get_bytes(key), key, text_field, result.removed):
+        for doc in documents(store.get_bytes(key), key, text_field, result.removed, list if chat else str):
             result.documents_in += 1
-            text = normalise(text)
+            if chat:
+                try:
+                    messages = normalise_messages(doc)
+                except ChatRefused as refused:
+                    result.removed[refused.reason] += 1
+                    continue
+                text = "\n".join(m["content"] for m in messages)  # what length and near-dedup look at
+                key_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)  # what exact dedup compares
+            else:
+                text = key_text = normalise(doc)
             if len(text) < min_chars:
                 result.removed["too_short"] += 1
                 continue
             if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
-                digest = hashlib.sha256(text.encode()).digest()[:16]
+                digest = hashlib.sha256(key_text.encode()).digest()[:16]
                 if digest in seen:
                     result.removed["duplicate"] += 1
                     continue
@@ -280,10 +355,18 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
                 if near is not None and near.seen_before(text):
                     result.removed["near_duplicate"] += 1
                     continue
+            if chat:  # rendered before it counts as kept: a refusal must not shift the resume point
+                try:
+                    text, doc_spans = renderer.assistant_spans(messages)
+                except ChatRefused as refused:
+                    result.removed[refused.reason] += 1
+                    continue
             result.documents_out += 1
             if result.documents_out <= skip:
                 continue  # its tokens are in a finished shard or the carried-over remainder
             batch.append(text)
+            if chat:
+                spans.append(doc_spans)
             if len(batch) >= batch_docs:
                 flush()
         if progress is not None:
@@ -298,6 +381,8 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         "text_field": text_field, "min_chars": min_chars, "dedup": dedup, "inputs": inputs,
         **({"minhash_threshold": minhash_threshold} if near is not None else {}),
         "documents_in": result.documents_in, "documents_out": result.documents_out, "tokens": result.tokens,
+        **({"format": "chat", "chat_template": renderer.source,
+            "assistant_tokens": sum(s["assistant_tokens"] for s in result.shards)} if chat else {}),
         "removed": dict(sorted(result.removed.items())), "shards": result.shards,
     }
     out.put_bytes(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
