@@ -204,3 +204,15 @@ def test_replica_group_status_fields_are_the_operators():
     status = refresh({}, jobs, [pod(0), pod(1)], "2026-01-01T00:01:00Z").status
     assert set(status) <= contract.OPERATOR_STATUS
     assert yaml.safe_dump(status)  # plain data, ready for a merge patch
+
+
+def test_a_groups_pods_get_only_variables_the_trainer_reads():
+    from pathlib import Path
+
+    import kiln.trainer
+
+    for job in of(rendered(), "PyTorchJob"):
+        ft_env = {name for name in env(job) if name.startswith("KILN_FT_")}
+        assert ft_env == set(contract.FT_POD_ENV)
+    ft_source = (Path(kiln.trainer.__file__).parent / "ft.py").read_text()
+    assert all(f"os.environ.get(contract.{name}" in ft_source for name in ("FT_LIGHTHOUSE", "FT_GROUP"))

@@ -32,7 +32,8 @@ log = logging.getLogger("kiln.status")
 REPORT_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
 TRAINER_TIME = (("productive_s", "productiveSeconds"), ("checkpoint_stall_s", "checkpointStallSeconds"),
-                ("rollback_s", "rollbackSeconds"), ("degraded_s", "degradedSeconds"))
+                ("rollback_s", "rollbackSeconds"))
+DEGRADED = ("degraded_s", "degradedSeconds")  # replica groups only: productive steps with groups missing
 
 
 def rfc3339(epoch_s: float) -> str:
@@ -65,7 +66,8 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
             ref["time"] = rfc3339(last["time"])
         status["lastCheckpoint"] = ref
     if trainer_time is not None:
-        status["trainerTime"] = {field: round(max(0.0, float(trainer_time[key])), 3) for key, field in TRAINER_TIME}
+        status["trainerTime"] = {field: round(max(0.0, float(trainer_time[key])), 3) for key, field in
+                                 (*TRAINER_TIME, DEGRADED) if key in trainer_time}
     return {"status": status}
 
 
@@ -82,6 +84,8 @@ class StatusReporter:
         self._clock = clock
         carried = (restored or {}).get("goodput") or {}
         self._time = {key: float(carried.get(key, 0.0)) for key, _ in TRAINER_TIME}
+        if DEGRADED[0] in carried:
+            self._time[DEGRADED[0]] = float(carried[DEGRADED[0]])
         self._max_step = int((restored or {}).get("step", 0))
         self._seconds_per_step: float | None = None
         self._last_update: tuple[int, float] | None = None
@@ -115,8 +119,9 @@ class StatusReporter:
         if step > self._max_step and "rolled_back_to" not in record:
             self._time["productive_s"] += step_s
             self._max_step = step
-            if record.get("ft_participants", 0) < record.get("ft_groups", 0):  # stepped with groups missing
-                self._time["degraded_s"] += step_s
+            if "ft_groups" in record:  # replica groups: count the steps taken with groups missing
+                self._time[DEGRADED[0]] = self._time.get(DEGRADED[0], 0.0) + \
+                    (step_s if record["ft_participants"] < record["ft_groups"] else 0.0)
         else:
             self._time["rollback_s"] += step_s
         if self._last_update is not None and step > self._last_update[0]:
