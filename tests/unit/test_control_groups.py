@@ -216,3 +216,71 @@ def test_a_groups_pods_get_only_variables_the_trainer_reads():
         assert ft_env == set(contract.FT_POD_ENV)
     ft_source = (Path(kiln.trainer.__file__).parent / "ft.py").read_text()
     assert all(f"os.environ.get(contract.{name}" in ft_source for name in ("FT_LIGHTHOUSE", "FT_GROUP"))
+
+
+# ---- the trainer's side (kiln.trainer.status_report) and the goodput ledger (kiln.control.goodput) ----
+
+def ft_record(step: int, live: int, replica_rank: int = 0, step_s: float = 1.0) -> dict:
+    return {"step": step, "step_s": step_s, "ft_group": replica_rank, "ft_groups": 2, "ft_replica_rank": replica_rank,
+            "ft_participants": live, "ft_quorum_id": 4 + (live == 1), "ft_quorum_changes": int(live == 1),
+            "ft_heals": 0}
+
+
+class FakeSender:
+    """Collects what a StatusReporter would patch (a real StatusSender needs an apiserver)."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    def submit(self, body: dict) -> None:
+        self.bodies.append(body)
+
+    def close(self) -> None:
+        pass
+
+
+def test_only_the_group_at_replica_rank_0_reports_and_it_counts_degraded_steps():
+    from kiln.trainer.status_report import StatusReporter
+
+    clock = iter(range(100)).__next__
+    writer, other = FakeSender(), FakeSender()
+    r0 = StatusReporter(100, sender=writer, every_s=0.0, clock=clock)
+    r1 = StatusReporter(100, sender=other, every_s=0.0, clock=clock)
+    for step, live in ((1, 2), (2, 1), (3, 1), (4, 2)):
+        r0.update(ft_record(step, live, replica_rank=0), None)
+        r1.update(ft_record(step, live, replica_rank=1), None)
+    r0.close(None)
+    r1.close(None)
+    # two writers of trainerTime a little apart would read to the operator as a trainer that went back
+    assert other.bodies == [] and len(writer.bodies) == 5
+    last = writer.bodies[-1]["status"]
+    assert last["trainerTime"]["productiveSeconds"] == 4.0 and last["trainerTime"]["degradedSeconds"] == 2.0
+    assert last["quorum"] == {"id": 4, "liveGroups": 2, "groups": 2, "changes": 0, "heals": 0}
+    assert writer.bodies[1]["status"]["quorum"]["liveGroups"] == 1
+    # carried across a restart in the checkpoint's goodput counters
+    assert StatusReporter(100, restored={"step": 4, "goodput": r0.state_dict()}).state_dict()["degraded_s"] == 2.0
+    # a run without replica groups reports no degraded counter and no quorum
+    plain = FakeSender()
+    r = StatusReporter(100, sender=plain, every_s=0.0, clock=clock)
+    r.update({"step": 1, "step_s": 1.0}, None)
+    assert "degradedSeconds" not in plain.bodies[0]["status"]["trainerTime"] and "quorum" not in plain.bodies[0]["status"]
+
+
+def test_the_ledger_counts_degraded_stepping_inside_productive_time_apart_from_stopped_time():
+    from kiln.control.goodput import Ledger, observe
+
+    def reported(productive: float, degraded: float) -> dict:
+        return {"productiveSeconds": productive, "checkpointStallSeconds": 0.0, "rollbackSeconds": 0.0,
+                "degradedSeconds": degraded}
+
+    g = Ledger(observed_at=0.0)
+    g = observe(g, 100.0, "Running", reported(90.0, 0.0))  # both groups stepping
+    g = observe(g, 200.0, "Running", reported(185.0, 60.0))  # group 1 restarting alone: the other steps on
+    g = observe(g, 260.0, "Restarting", reported(185.0, 60.0))  # every group down: nothing steps
+    assert (g.productive_s, g.degraded_s, g.lost_s["restart"]) == (185.0, 60.0, 60.0)
+    detail = g.as_status()["goodputDetail"]
+    assert detail["degradedSeconds"] == 60.0 and detail["lostSeconds"]["restart"] == 60.0
+    assert Ledger.from_status(g.as_status(), 0.0).degraded_s == 60.0  # an operator restart continues the account
+    # degraded time is never more than the productive time credited with it (no time is invented)
+    h = observe(Ledger(observed_at=0.0), 10.0, "Running", reported(5.0, 50.0))
+    assert h.productive_s == 5.0 and h.degraded_s == 5.0
