@@ -12,18 +12,17 @@ import yaml
 
 from kiln.control import metrics as op
 
+from tests import prometheus
+from tests.prometheus import RULES
 from tests.unit.test_delivery_metrics import exported_names
-from tests.unit.test_delivery_pipelines import go_installed, run
+from tests.unit.test_delivery_pipelines import run
 
-REPO = Path(__file__).resolve().parents[2]
-RULES = REPO / "manifests" / "monitoring" / "kiln-alerts.yaml"
-RULE_TESTS = REPO / "tests" / "alerts" / "kiln-alerts.test.yaml"
-PROMETHEUS = "v0.316.0"  # github.com/prometheus/prometheus: Prometheus 3.x's module version
+RULE_TESTS = Path(__file__).resolve().parents[1] / "alerts" / "kiln-alerts.test.yaml"
 
 
 @pytest.fixture(scope="session")
 def promtool() -> Path:
-    return go_installed("github.com/prometheus/prometheus/cmd/promtool", PROMETHEUS, timeout=2400)
+    return prometheus.promtool()
 
 
 def alerts() -> list[dict]:

@@ -63,14 +63,14 @@ def go_env() -> dict:
     return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
 
 
-def go_installed(package: str, version: str, timeout: float = 1200) -> Path:
-    """`go install package@version` once into $KILN_CACHE_DIR/tools/<name>-<version>/; the executable."""
+def go_installed(package: str, version: str, timeout: float = 1200, tags: str = "") -> Path:
+    """`go install [-tags tags] package@version` once into $KILN_CACHE_DIR/tools/<name>-<version>/; the executable."""
     name = package.rsplit("/", 1)[-1]
     exe = tools_dir() / f"{name}-{version.lstrip('v')}" / name
     with locked(name):
         if not exe.exists():
-            proc = run(["go", "install", f"{package}@{version}"], env={**go_env(), "GOBIN": str(exe.parent)},
-                       timeout=timeout)
+            proc = run(["go", "install", *(["-tags", tags] if tags else []), f"{package}@{version}"],
+                       env={**go_env(), "GOBIN": str(exe.parent)}, timeout=timeout)
             assert proc.returncode == 0, proc.stderr[-3000:]
     return exe
 
