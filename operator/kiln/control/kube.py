@@ -31,6 +31,8 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.plan.lighthouse)
+    ("apps/v1", "Deployment"): "deployments",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
     (f"{GROUP}/{VERSION}", "TrainingSpec"): PLURAL,
 }

@@ -221,8 +221,8 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
             wanted = job_names_of(body)
             if job is READ:
                 job = [j for n in wanted if (j := kube.job(namespace, name, n)) is not None]
-            found = job if isinstance(job, list) else [job] if job else []
-            _write_status(kube, body, post, None, *run_job(wanted, found), pods)
+            job, group_jobs = run_job(wanted, job if isinstance(job, list) else [job] if job else [])
+            _write_status(kube, body, post, None, job, pods, group_jobs)
 
 
 def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
