@@ -85,3 +85,41 @@ def test_an_apply_the_apiserver_refuses_ends_in_a_condition(rig, namespace, admi
     assert f"applying PyTorchJob {namespace}/refused failed" in cond["message"]
     assert "nodeSelectorTerms" in cond["message"]
     assert [e.reason for e in events if e.type == "Warning"] == ["ApplyRefused"]
+
+
+def test_a_read_the_apiserver_refuses_ends_in_read_failed_and_the_retry_applies(rig, namespace, admin,  # noqa: F811
+                                                                                operator_kube):
+    # A real refusal: an identity that may write the run's status but not read its PyTorchJob (403 on the
+    # reconcile's first read). Nothing is known of the run's objects, so only SpecAccepted says why.
+    rig.apply([{"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": "status-only", "namespace": namespace}},
+               {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "status-only", "namespace": namespace},
+                "rules": [{"apiGroups": [GROUP], "resources": ["trainingspecs/status"], "verbs": ["patch"]}]},
+               {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": "status-only", "namespace": namespace},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "status-only"},
+                "subjects": [{"kind": "ServiceAccount", "name": "status-only", "namespace": namespace}]}])
+    status_only = Kube(api_client(str(rig.kubeconfig_for_service_account(namespace, "status-only"))))
+    rig.apply(spec(namespace, "unread"))
+    events = []
+    post = lambda body, event: events.append(event)  # noqa: E731
+    config = OperatorConfig(image="kiln-trainer:rig")
+    # RBAC reaches the apiserver's authorizer through its cache: wait until the Role binds (progress, not time)
+    rig.wait_for("the status-only Role in force", lambda: rig.kubectl(
+        "auth", "can-i", "patch", f"trainingspecs.{GROUP}", "--subresource=status", "-n", namespace,
+        f"--as=system:serviceaccount:{namespace}:status-only", check=False).stdout.strip() == "yes")
+
+    with pytest.raises(Wait):  # retried with a backoff: the read may work next time
+        reconcile(status_only, admin.trainingspec(namespace, "unread"), config, post)
+    cond = accepted(admin, namespace, "unread")
+    assert cond["status"] == "False" and cond["reason"] == "ReadFailed"
+    assert cond["message"].startswith(f"reading the objects of {namespace}/unread failed (403)")
+    assert "pytorchjobs" in cond["message"]  # the apiserver's own words name what could not be read
+    assert [e.reason for e in events if e.type == "Warning"] == ["ReadFailed"]
+    assert admin.job(namespace, "unread") is None  # nothing applied on guesswork
+
+    # the retry, as an operator that may read: the run is applied and the condition says so
+    assert reconcile(operator_kube, admin.trainingspec(namespace, "unread"), config, post).endswith("Applied")
+    assert accepted(admin, namespace, "unread")["reason"] == "Applied"
+    assert admin.job(namespace, "unread") is not None
