@@ -147,7 +147,8 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         # GPU health (kiln.control.failover): a node whose GPUs degrade or fail is left at a commit
         gpu = failover.step(doc.spec, body.get("status") or {}, state, ours, views)
         avoid = avoided({**state, **gpu.state, "nodeFailures": failures})  # and the nodes left for their GPUs
-        for node in set(avoid) - set(elastic.nodes_to_avoid(state.get("nodeFailures") or {})):
+        before = set(elastic.nodes_to_avoid(state.get("nodeFailures") or {}))
+        for node in set(elastic.nodes_to_avoid(failures)) - before:  # (nodes left for their GPUs: GPUFailover)
             post(body, Event("Warning", "NodeAvoided", f"node {node} failed this job {failures[node]} times; "
                                                        "new pods avoid it"))
 
