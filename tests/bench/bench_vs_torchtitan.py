@@ -1,0 +1,259 @@
+"""Throughput of kiln's trainer against TorchTitan's Llama3 model on the same work, interleaved in one run.
+
+kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: the FSDP2 wrapper, torch.compile per
+block, the kernels switch, its default guards, logging and status). TorchTitan (B): `torchtitan` 0.2.2's
+Llama3 `Transformer`, compiled per block by TorchTitan's own `apply_compile` with its loss compiled, as its
+trainer does, and its step: forward, sum cross-entropy over the tokens, backward, clipping at 1.0, AdamW
+with TorchTitan's defaults (fused), the loss read as a number. Same dimensions (TorchTitan's `debugmodel` on
+CPU: dim 256, 6 layers, 16 heads, vocab 2048, batch 8 x 256; or one of kiln's presets with `--preset`), same
+dtype, same process (so the same thread count), same compile setting; the parameter counts are checked equal.
+
+Interleaved: B runs one step inside kiln's loop, from a hook after kiln's optimizer step, so the steps go
+A B A B ... and a change in machine load hits both. Each side is timed as its loop sees it: a B step from
+just before its data to just after its loss is read; an A step from the end of the previous B step to kiln's
+next hook, which is one whole pass of kiln's loop (logging, status, data, forward/backward, clipping,
+optimizer). Reported: both medians after warm-up, the ratio of medians and of the best steps, the spread
+(min, quartiles, max) and the machine's load average before and after.
+
+TorchTitan is installed with `--no-deps` into `$KILN_CACHE_DIR/tools/torchtitan-<ver>` (its pins are not
+kiln's) and put on sys.path by this script only; it is never a kiln dependency. 0.2.2 is the release whose
+Llama3 debug model runs causal SDPA, the attention kiln runs (0.3.0 accepts only flex/varlen attention
+with block-causal masks for language models).
+
+    python -m tests.bench.bench_vs_torchtitan                                    # CPU, TorchTitan's debugmodel
+    python -m tests.bench.bench_vs_torchtitan --device cuda --preset llama-1b    # one GPU, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.api import ModelDims, TrainingSpec, resolve_model
+from kiln.trainer.metrics import flops_per_token, peak_flops
+from tests.bench.report import write_report
+
+TORCHTITAN = "0.2.2"
+# The model module's imports, transitively (torchtitan's package __init__ files reach its config and dataset
+# code); none of them is torch, so kiln's torch serves.
+TORCHTITAN_PACKAGES = [f"torchtitan=={TORCHTITAN}", "tyro==1.0.17", "docstring_parser==0.18.0", "torchdata==0.11.0",
+                       "datasets==5.2.0", "dill==0.4.1", "xxhash==4.1.0", "multiprocess==0.70.19", "pandas==3.1.1"]
+# TorchTitan's llama3 "debugmodel" (its ffn: 2/3 * 4 * dim rounded up to 256 = 768; kv heads = heads).
+DEBUGMODEL = dict(dim=256, layers=6, heads=16, kv_heads=16, vocab_size=2048, seq_len=256, ffn_dim=768,
+                  rope_theta=500000.0)
+
+
+def torchtitan_dir() -> Path:
+    cache = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+    return cache / "tools" / f"torchtitan-{TORCHTITAN}"
+
+
+def ensure_torchtitan() -> Path:
+    """Install TorchTitan (no dependencies: kiln's torch is the one measured) once, and import from there."""
+    target = torchtitan_dir()
+    if not (target / "torchtitan").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                        *TORCHTITAN_PACKAGES], check=True)
+    if str(target) not in sys.path:
+        sys.path.append(str(target))  # appended: kiln's own packages (torch, numpy) stay first
+    return target
+
+
+def model_fields(args) -> dict:
+    """kiln's model fields: the debug model's, or a preset's (with --seq-len)."""
+    if args.preset == "debugmodel":
+        return {**DEBUGMODEL, **({"seqLen": args.seq_len} if args.seq_len else {})}
+    return {"preset": args.preset, **({"seqLen": args.seq_len} if args.seq_len else {})}
+
+
+def make_spec(args) -> TrainingSpec:
+    fields = model_fields(args)
+    camel = {"kv_heads": "kvHeads", "vocab_size": "vocabSize", "seq_len": "seqLen", "ffn_dim": "ffnDim",
+             "rope_theta": "ropeTheta"}
+    return TrainingSpec.model_validate({
+        "metadata": {"name": "bench-vs-torchtitan"},
+        "spec": {
+            "model": {camel.get(k, k): v for k, v in fields.items()},
+            "data": {"uri": "synthetic"},
+            "training": {"steps": args.warmup + args.steps + 1, "globalBatchSize": args.batch,
+                         "microBatchSize": args.batch, "lr": 8e-4, "warmupSteps": 0, "schedule": "constant",
+                         "gradClip": 1.0, "precision": args.precision},
+            "parallelism": {"compile": not args.no_compile, "kernels": args.kernels},
+            "checkpoint": {"intervalSteps": 10**9},
+        },
+    })
+
+
+def torchtitan_args(dims: ModelDims):
+    """TorchTitan's model args with kiln's dims. ffn: TorchTitan rounds 2/3 * 4 * dim up to `multiple_of`,
+    so multiple_of = kiln's ffn_dim gives exactly that width."""
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+
+    return TransformerModelArgs(dim=dims.dim, n_layers=dims.layers, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
+                                vocab_size=dims.vocab_size, multiple_of=dims.ffn_dim, norm_eps=dims.norm_eps,
+                                rope_theta=dims.rope_theta, max_seq_len=dims.seq_len)
+
+
+class TorchTitanStep:
+    """TorchTitan's single-device training step (its trainer's train_step without the parallelisms)."""
+
+    def __init__(self, dims: ModelDims, args, device: torch.device):
+        from torchtitan.components.loss import cross_entropy_loss
+        from torchtitan.config.job_config import Compile
+        from torchtitan.distributed.utils import clip_grad_norm_
+        from torchtitan.models.llama3.infra.parallelize import apply_compile
+        from torchtitan.models.llama3.model.model import Transformer
+
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer(torchtitan_args(dims))
+        if not args.no_compile:
+            apply_compile(model, Compile(enable=True, components=["model", "loss"]))
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+        model.train()
+        self.model, self.device, self.dims, self.batch = model, device, dims, args.batch
+        self.loss_fn = cross_entropy_loss if args.no_compile else torch.compile(cross_entropy_loss)
+        self.clip = clip_grad_norm_
+        # TorchTitan's optimizer defaults (lr 8e-4, eps 1e-8, weight decay 0.1, implementation "fused").
+        self.opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                     fused=True)
+        self.autocast = args.precision == "bf16"
+        self.gen = torch.Generator().manual_seed(0)
+        self.losses: list[float] = []
+
+    def __call__(self) -> None:
+        d = self.dims
+        batch = torch.randint(0, d.vocab_size, (self.batch, d.seq_len + 1), generator=self.gen).to(self.device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            pred = self.model(inputs)
+        loss = self.loss_fn(pred, labels) / labels.numel()  # TorchTitan: sum, divided by the global tokens
+        del pred
+        loss.backward()
+        self.clip(list(self.model.parameters()), 1.0, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad()
+        self.losses.append(loss.item())
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def spread(seconds: list[float], tokens: int) -> dict:
+    """Median tokens/s and the spread of the step times, as tokens/s (min, quartiles, max)."""
+    rates = sorted(tokens / s for s in seconds)
+    q1, q2, q3 = statistics.quantiles(rates, n=4) if len(rates) > 1 else (rates[0],) * 3
+    return {"tokens_per_second": statistics.median(rates), "best_step_tokens_per_second": rates[-1],
+            "tokens_per_second_min_q1_q3_max": [rates[0], q1, q3, rates[-1]],
+            "spread_max_over_min": rates[-1] / rates[0], "step_seconds_each": seconds}
+
+
+def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[float], list[float], TorchTitanStep, list]:
+    """(kiln step seconds, TorchTitan step seconds, the TorchTitan side, kiln's losses), both after warm-up."""
+    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.loop import StepHooks, train
+
+    spec = make_spec(args)
+    dims = resolve_model(spec.spec.model)
+    titan = TorchTitanStep(dims, args, device)
+    kiln_s: list[float] = []
+    titan_s: list[float] = []
+    resume_at: list[float] = []  # when kiln's loop got control back from the last TorchTitan step
+
+    def interleave(ctx) -> None:
+        end = _now(device)
+        if resume_at:
+            kiln_s.append(end - resume_at[-1])
+        start = _now(device)
+        titan()
+        titan_s.append(_now(device) - start)
+        resume_at.append(_now(device))
+
+    hooks = StepHooks()
+    GuardHooks().install(hooks)  # what `kiln train` runs by default
+    hooks.after_update.append(interleave)
+    os.environ.setdefault("MASTER_PORT", "29537")
+    if device.type == "cuda":
+        os.environ.setdefault("LOCAL_RANK", "0")
+    result = train(spec, output_dir=out_dir, hooks=hooks, checkpointing=False)
+    n_params = sum(p.numel() for p in titan.model.parameters())
+    from kiln.trainer.model import count_params
+    if n_params != count_params(dims):
+        raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
+    # kiln's first timed step starts after the first TorchTitan step: both sides drop `warmup` steps.
+    return kiln_s[args.warmup - 1:], titan_s[args.warmup:], titan, result.losses
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="debugmodel", choices=["debugmodel", "llama-1b", "llama-8b"],
+                   help="TorchTitan's debug model (CPU), or kiln's preset of that name (GPU)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on cpu, 1 on cuda)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=20, help="measured steps of each side")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured steps of each side first (compilation)")
+    p.add_argument("--no-compile", action="store_true", help="both sides without torch.compile")
+    p.add_argument("--kernels", default="fused", choices=["fused", "reference"], help="kiln's kernels switch")
+    p.add_argument("--out", default="runs/bench/vs_torchtitan.json")
+    args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first steps compile)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    args.batch = args.batch or (1 if args.device == "cuda" else 8)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    ensure_torchtitan()
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        kiln_s, titan_s, titan, kiln_losses = run_interleaved(args, device, Path(tmp))
+    load_after = os.getloadavg()
+
+    dims = resolve_model(make_spec(args).spec.model)
+    tokens = args.batch * dims.seq_len
+    kiln, tt = spread(kiln_s, tokens), spread(titan_s, tokens)
+    flops, peak = flops_per_token(dims), peak_flops(device, args.precision)  # peak None: no MFU (CPU)
+    for side in (kiln, tt):
+        side["mfu"] = side["tokens_per_second"] * flops / peak if peak else None
+    result = {
+        "bench": "vs_torchtitan", "torchtitan": TORCHTITAN,
+        "preset": args.preset, "dims": dims.model_dump(mode="json"),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "precision": args.precision, "batch": args.batch, "seq_len": dims.seq_len, "steps": args.steps,
+        "warmup": args.warmup, "compile": not args.no_compile, "kernels": args.kernels,
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "flops_per_token": flops, "peak_flops": peak,
+        "timing": "interleaved A B A B in one process; each step as its own loop sees it",
+        "load_average_1_5_15": {"before": list(load_before), "after": list(load_after)},
+        "kiln": kiln, "torchtitan_llama3": tt,
+        "ratio_of_medians": kiln["tokens_per_second"] / tt["tokens_per_second"],
+        # The fastest step of each is the least disturbed by other load on a shared machine.
+        "ratio_of_best_steps": kiln["best_step_tokens_per_second"] / tt["best_step_tokens_per_second"],
+        "first_losses": {"kiln": kiln_losses[:3], "torchtitan": titan.losses[:3]},
+    }
+    summary = {k: v for k, v in result.items() if k not in ("kiln", "torchtitan_llama3", "dims")}
+    summary["kiln_tokens_per_second"] = kiln["tokens_per_second"]
+    summary["torchtitan_tokens_per_second"] = tt["tokens_per_second"]
+    summary["spread_max_over_min"] = {"kiln": kiln["spread_max_over_min"], "torchtitan": tt["spread_max_over_min"]}
+    write_report(result, args.out, summary=summary)
+    return result
+
+
+if __name__ == "__main__":
+    main()
