@@ -140,7 +140,9 @@ def exported_names() -> set[str]:
     """Every sample name the operator and a trainer export (after one observation of each kind)."""
     trainer = TrainerExporter("dash", registry=CollectorRegistry())
     trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0,
-                                                    "data_mix": {"s3://d/web/": 0.7, "s3://d/code/": 0.3}})
+                                                    "data_mix": {"s3://d/web/": 0.7, "s3://d/code/": 0.3},
+                                                    "gpu_health": [{"node": "n1", "gpus": [{"index": 0,
+                                                                                            "state": "Healthy"}]}]})
     with op.reconcile("t-dash"):
         op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1})
     names = set()

@@ -148,3 +148,52 @@ def test_any_series_never_accepts_a_nonfinite_step(series):
         if not math.isfinite(v):
             assert d.action is Action.SKIP
         assert all(math.isfinite(h) for h in g.history)
+
+
+def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
+    """One real process (a 1-rank gloo group): a bit flipped in the weights between the seal and the check
+    ends the step with SilentDataCorruption, is kept in the run's checkpoint store, and the next trainer of
+    the run counts it: its records and Prometheus gauge say 1 mismatch from its first step."""
+    import torch
+    import torch.distributed as dist
+    from prometheus_client import CollectorRegistry
+
+    from kiln.storage.store import FileStore
+    from kiln.trainer.exporter import TrainerExporter
+    from kiln.trainer.guards import SDC_INCIDENTS, SilentDataCorruption
+    from kiln.trainer.loop import StepContext
+
+    store = FileStore(tmp_path / "checkpoints")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = lambda step: StepContext(step=step, loss=1.0, grad_norm=1.0, model_parts=[model],  # noqa: E731
+                                       optimizers=[opt], mesh=None, record={})
+
+        first = GuardHooks(sdc_every=2, health_every=0)
+        first.record_incidents(store)
+        step1 = ctx(1)
+        assert first.before_update(step1)
+        first.after_update(step1)  # seals the weights for step 2's check
+        assert step1.record["sdc_mismatches"] == 0
+        with torch.no_grad():
+            model.weight.view(torch.int32)[0, 0] ^= 1 << 3
+        with pytest.raises(SilentDataCorruption, match="step 2"):
+            first.before_update(ctx(2))
+        (incident,) = store.list(SDC_INCIDENTS)
+        assert json.loads(store.get_bytes(incident.key))["step"] == 2
+        assert json.loads(store.get_bytes(incident.key))["ranks"] == [0]
+
+        second = GuardHooks(sdc_every=2, health_every=0)  # the restarted trainer, resumed from the commit
+        second.record_incidents(store)
+        again = ctx(1)
+        second.before_update(again)
+        second.after_update(again)
+        assert again.record["sdc_mismatches"] == 1
+        exporter = TrainerExporter("flipped", registry=CollectorRegistry())
+        exporter.observe(again.record)
+        assert exporter.registry.get_sample_value("kiln_train_sdc_mismatches", {"run": "flipped"}) == 1
+    finally:
+        dist.destroy_process_group()

@@ -8,6 +8,7 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     data_mix             {source uri: realised share of the samples consumed} when data.sources mixes datasets
     guard_rollbacks, guard_skipped_spike, guard_skipped_nonfinite   the stability guards' counters so far
     steps_since_commit, checkpoint_interval_steps   how stale the newest commit is, in steps
+    sdc_checks, sdc_mismatches   the silent-data-corruption check's counts (kiln.trainer.guards), every step
     gpu_health   every node's GPU states (kiln.trainer.health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
                  0 Healthy, 1 Degrading, 2 Failing, -1 Unknown (kiln.api.contract.GPU_HEALTH_GAUGE); a
                  node where the run uses no GPU (NotApplicable) has no series
@@ -38,6 +39,10 @@ GAUGES = {
     "steps_since_commit": ("kiln_train_steps_since_commit", "Steps trained since the newest committed checkpoint."),
     "checkpoint_interval_steps": ("kiln_train_checkpoint_interval_steps", "The checkpoint interval in steps (for "
                                   "intervalSteps: auto, its current choice)."),
+    "sdc_checks": ("kiln_train_sdc_checks", "Silent-data-corruption checks that compared something, in this "
+                   "process."),
+    "sdc_mismatches": ("kiln_train_sdc_mismatches", "Silent-data-corruption mismatches this run met, across its "
+                       "restarts (each one is an object under incidents/sdc/ of the checkpoint URI)."),
 }
 # A run's goodput and restarts are the operator's (it sees the time no trainer runs): kiln.control.metrics.
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)

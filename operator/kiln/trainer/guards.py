@@ -23,11 +23,15 @@ all-reduces them, so a NaN on any rank becomes a NaN on every rank and all ranks
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import os
 import statistics
+import time
+import uuid
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -186,6 +190,11 @@ def global_scalars(loss, grad_norm=None, group=None) -> tuple[float, float | Non
 
 # ---------------------------------------------------------------------------------------------------
 # Silent data corruption
+
+
+# Under the run's checkpoint URI: one JSON object (step, suspect ranks, detail, time) per SDC mismatch the run
+# met; kept across restarts and never pruned with the checkpoints.
+SDC_INCIDENTS = "incidents/sdc/"
 
 
 class SilentDataCorruption(RuntimeError):
@@ -461,6 +470,7 @@ class GuardHooks:
         self._gpus = None  # kiln.trainer.health.GpuMonitor, opened on first use (on local rank 0)
         self._probed = False
         self._described = False  # the SDC check says once, at the first step, what it compares
+        self._incidents = None  # the checkpoint store the run's SDC mismatches are recorded in (record_incidents)
         self.last: Decision | None = None
 
     def before_update(self, ctx) -> bool:
@@ -471,7 +481,8 @@ class GuardHooks:
             if _is_rank_zero():
                 print(f"kiln: {self.sdc.describe(ctx.model_parts)}", flush=True)
         if self.sdc.due(ctx.step):  # raises SilentDataCorruption (every rank) if any rank's state changed
-            self.sdc.verify_seal(ctx.model_parts, ctx.step, ctx.optimizers)
+            with self._incident_recorded():
+                self.sdc.verify_seal(ctx.model_parts, ctx.step, ctx.optimizers)
         d = self.guard.check(ctx.step, ctx.loss, ctx.grad_norm)
         self.last = d
         ctx.record.update(self.guard.metrics(), guard_action=d.action.value)
@@ -483,9 +494,10 @@ class GuardHooks:
 
     def after_update(self, ctx) -> None:
         if self.sdc.due(ctx.step):
-            for part in ctx.model_parts:  # raises SilentDataCorruption (every rank) before anything is saved
-                self.sdc.verify(part, ctx.step, loss=ctx.loss)
-            ctx.record.update(self.sdc.metrics())
+            with self._incident_recorded():
+                for part in ctx.model_parts:  # raises SilentDataCorruption (every rank) before anything is saved
+                    self.sdc.verify(part, ctx.step, loss=ctx.loss)
+        ctx.record.update(self.sdc.metrics())  # every step: the counts so far (the run's mismatches included)
         if self.sdc.seal_due(ctx.step) and not ctx.rollback:  # a rollback reloads the weights: nothing to seal
             self.sdc.seal(ctx.model_parts, ctx.step, ctx.optimizers)
         if self.health_every > 0 and (not self._probed or ctx.step % self.health_every == 0):
@@ -516,6 +528,28 @@ class GuardHooks:
             log.warning("guards: the checkpoint carries no guard state (saved by an older kiln); the loss-spike "
                         "detector warms up again (no spike verdict before %d accepted losses) and the skip and "
                         "rollback counters restart at 0", self.guard.config.min_history)
+
+    def record_incidents(self, store) -> None:
+        """Keep this run's SDC mismatches in `store` (its checkpoint store; rank 0 reads and writes), one object
+        under SDC_INCIDENTS each. A mismatch ends the process, so its count would die with it: counted from
+        the store, `sdc_mismatches` (kiln_train_sdc_mismatches) is the run's, across the restarts."""
+        self._incidents = store
+        if _is_rank_zero():
+            self.sdc.mismatches = len(store.list(SDC_INCIDENTS))
+
+    @contextmanager
+    def _incident_recorded(self):
+        try:
+            yield
+        except SilentDataCorruption as err:
+            if self._incidents is not None and _is_rank_zero():
+                body = {"step": err.step, "ranks": err.ranks, "detail": err.detail, "time": time.time()}
+                try:  # the verdict goes on whatever happens here
+                    self._incidents.put_bytes(f"{SDC_INCIDENTS}step-{err.step:08d}-{uuid.uuid4().hex[:8]}.json",
+                                              json.dumps(body).encode())
+                except Exception as store_err:  # noqa: BLE001 - reported, never masks the corruption
+                    log.warning("sdc: could not record the mismatch in the checkpoint store: %s", store_err)
+            raise
 
     def install(self, hooks) -> None:
         hooks.before_update.append(self.before_update)

@@ -176,6 +176,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
         checkpointer = Checkpointer(spec.checkpoint, default_uri=default_uri, rank=rank, world_size=world) \
             if checkpointing else _NoCheckpoints()
+        if checkpointing and hasattr(hooks.state.get("guards"), "record_incidents"):
+            hooks.state["guards"].record_incidents(checkpointer.store)  # SDC mismatches outlive the process
         start_step, tokens_seen = 0, 0
         ft = None
         if ft_enabled(spec):  # replica groups: a group that joins live peers heals from one, not from a commit
