@@ -44,18 +44,18 @@ def scope() -> str:
 RUN = "suspend"
 
 
-def pod_env(rig, namespace: str, tmp_path: Path) -> dict[str, str]:
+def pod_env(rig, namespace: str, tmp_path: Path, run: str = RUN) -> dict[str, str]:
     """The trainer container's environment as the PyTorchJob renders it, mapped onto this machine."""
-    job = json.loads(rig.kubectl("get", "pytorchjob", RUN, "-n", namespace, "-o", "json").stdout)
+    job = json.loads(rig.kubectl("get", "pytorchjob", run, "-n", namespace, "-o", "json").stdout)
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     env["KILN_NAMESPACE"] = namespace  # valueFrom metadata.namespace
-    cm = json.loads(rig.kubectl("get", "configmap", names(RUN)["configmap"], "-n", namespace, "-o", "json").stdout)
+    cm = json.loads(rig.kubectl("get", "configmap", names(run)["configmap"], "-n", namespace, "-o", "json").stdout)
     spec = tmp_path / "spec.yaml"  # the ConfigMap mounted at /etc/kiln
     spec.write_text(cm["data"]["spec.yaml"])
     env["KILN_SPEC"] = str(spec)
     env["KILN_SHM_DIR"] = str(tmp_path / "shm")  # the pod's /dev/shm/kiln, private to this test
-    env["KUBECONFIG"] = str(rig.kubeconfig_for_service_account(namespace, names(RUN)["trainer"]))
+    env["KUBECONFIG"] = str(rig.kubeconfig_for_service_account(namespace, names(run)["trainer"]))
     return env
 
 
