@@ -19,7 +19,7 @@ from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.control import elastic_sync, leader, metrics, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
-from kiln.control.plan import RUN_LABEL
+from kiln.control.plan import GROUP_LABEL, RUN_LABEL
 from kiln.control.status import Event
 
 # The process's singletons: config, the Kube client (which holds every run's state, kube.runs), kopf's
@@ -83,8 +83,11 @@ def run_jobs(namespace, labels, body, **_) -> dict:
 @kopf.index("", "v1", "pods", labels={RUN_LABEL: kopf.PRESENT})
 def run_pods(namespace, labels, meta, spec, status, **_) -> dict:
     # what kiln.control.status and the elastic loop read of a pod
+    # (of its labels only the replica group's: status.replicaGroups counts each group's pods)
+    group = {GROUP_LABEL: labels[GROUP_LABEL]} if GROUP_LABEL in labels else {}
     return {(namespace, labels[RUN_LABEL]): {"metadata": {"name": meta.get("name"), "namespace": namespace,
-                                                          "deletionTimestamp": meta.get("deletionTimestamp")},
+                                                          "deletionTimestamp": meta.get("deletionTimestamp"),
+                                                          "labels": group},
                                              "spec": {"nodeName": spec.get("nodeName")},
                                              "status": dict(status)}}
 
