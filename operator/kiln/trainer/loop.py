@@ -12,6 +12,7 @@ import base64
 import io
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from kiln.api import TrainingSpec, contract
 from kiln.api.layout import replica_group_spec
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
-from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops,
+from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, process_start_time,
                                   peak_memory_gib)
 from kiln.trainer.loss import PipelineLoss, global_count, microbatch_loss
 from kiln.trainer.model import build_model, cross_entropy
@@ -124,7 +125,10 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         from kiln.trainer.guards import GuardHooks
 
         GuardHooks().install(hooks)
+    # where a (re)start's seconds go, as epoch times: in the first record of each process (bench_faults)
+    startup = {"process_start": process_start_time(), "imports_done": time.time()}
     rank, world, device = _init_distributed()
+    startup["rendezvous_done"] = time.time()
     try:
         dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
         tokenizer = hf.training_tokenizer(spec, dims)
@@ -149,6 +153,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         model_parts = [model]
         optimizer = build_optimizer(model_parts, tr, device)
         optimizers = [optimizer]
+        startup["model_built"] = time.time()
 
         pp_rank = mesh["pp"].get_local_rank()
         is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1
@@ -198,6 +203,7 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         if ft is not None:
             ft.restored(start_step, from_checkpoint=from_checkpoint and state is not None)
         reporter = StatusReporter.from_env(tr.steps, rank=rank, restored=state)  # rank 0 → status
+        startup["restored"] = time.time()
 
         global_tokens = tr.global_batch_size * dims.seq_len
         flops_step = flops_per_token(dims) * global_tokens
@@ -280,6 +286,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
                               tokens_seen=tokens_seen, peak_memory_gib=peak_memory_gib(device), **layout.as_dict())
                 if (mix := loader.mix()) is not None:
                     record["data_mix"] = mix
+                if startup is not None:  # the first step of this process (compile, if any, happens in it)
+                    record["startup"], startup = {**startup, "first_step_done": time.time()}, None
                 ckpt = checkpointer.status()  # before the save: it carries the time counters
                 if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
                     record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
