@@ -8,6 +8,7 @@ LocalQueue pointing at it. Runs take 4 of a kwok node's 8 GPUs per node and queu
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import pytest
@@ -151,8 +152,9 @@ def test_higher_priority_run_preempts_a_lower_one_which_resumes_later(rig, ns, o
         wait_phase(rig, ns, "high", "Succeeded")
         resumed = wait_phase(rig, ns, "low", "Running")
         assert resumed["queue"]["admittedAt"] > low_admitted
-        # the ledger counts the time it waited preempted as pending (no trainer ran)
-        assert resumed["goodputDetail"]["lostSeconds"]["pending"] > pending_before
+        # the ledger counts the time it waited preempted as preempted, not as pending
+        lost = resumed["goodputDetail"]["lostSeconds"]
+        assert lost["preempted"] > 0 and lost["pending"] >= pending_before
         rig.succeed_pod(ns, "low-worker-0")
         wait_phase(rig, ns, "low", "Succeeded")
 
@@ -169,12 +171,17 @@ def hosts(rig, kueue, ns):
     rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
 
 
-def test_a_run_within_quota_that_the_free_nodes_cannot_hold_starts_no_pod(rig, kueue, ns, operator, hosts):
+def test_a_run_within_quota_that_the_free_nodes_cannot_hold_starts_no_pod_then_starts_whole(
+        rig, kueue, ns, operator, hosts):
     """All or nothing against real capacity: the queue's quota fits a 2-node run (2 × 4 GPUs), but pods
     outside Kueue hold 5 GPUs of one node and 3 of the other: 8 GPUs are free, yet only one pod of 4 fits.
     Topology-aware admission counts those pods, so the run stays Queued with no pod (none holding GPUs
-    while the other cannot start). That it then starts whole once a node frees has not been seen on the rig
-    (docs/scheduling.md): not asserted here."""
+    while the other cannot start). Once a holder is gone it starts with both pods.
+
+    Kueue v0.17.0 updates its view when a pod outside Kueue ends but does not retry the workloads it found
+    inadmissible (kubernetes-sigs/kueue#8653, fixed in v0.18.x and v0.19.1): they wait for the next event
+    that does (a node's labels, taints, allocatable or readiness changing, a workload of the ClusterQueue
+    finishing, a queue or flavor edit). The test gives it one, as an admin would: a label on a node."""
     held = dict(zip(rig.gpu_nodes, (rig.gpus_per_node - GPUS + 1, GPUS - 1)))
     with rig.exclusive_gpus():
         for i, (node, gpus) in enumerate(held.items()):
@@ -190,7 +197,105 @@ def test_a_run_within_quota_that_the_free_nodes_cannot_hold_starts_no_pod(rig, k
             assert cond["reason"] == "Pending" and "insufficient" not in cond["message"], cond  # quota is not why
             assert not items(rig, ns, "pods", "kiln.dev/trainingspec=wide")
             assert get(rig, ns, "pytorchjob", "wide")["spec"]["runPolicy"]["suspend"] is True
+
+            rig.kubectl("delete", "pod", "holder-0", "-n", ns, "--grace-period=0")
+            rig.wait_for("holder-0 gone", lambda: get(rig, ns, "pod", "holder-0") is None, timeout=SAFETY_TIMEOUT_S)
+            rig.kubectl("label", "node", rig.gpu_nodes[0], f"rig.kiln.dev/requeue={uuid.uuid4().hex[:8]}",
+                        "--overwrite")  # the retry Kueue v0.17.0 does not make by itself (docstring)
+            wait_phase(rig, ns, "wide", "Running")
+            assert len(running_pods(rig, ns, "wide")) == 2  # whole: both pods
         finally:
+            rig.kubectl("label", "node", rig.gpu_nodes[0], "rig.kiln.dev/requeue-", check=False)
             rig.kubectl("delete", "trainingspec", "wide", "-n", ns, "--wait=false", check=False)
             for i in range(len(held)):
                 rig.kubectl("delete", "pod", f"holder-{i}", "-n", ns, "--grace-period=0", check=False)
+
+
+# ---- topology-aware placement: the rig's pool of 2 blocks × 2 racks × 2 hosts (tests/rig/kueue.py) ----
+
+@pytest.fixture
+def racks(rig, kueue, ns):
+    """LocalQueue `racks` → a fresh ClusterQueue of all the topology pool's GPUs (its flavor rig-h200-racks)."""
+    name = f"cq-{uuid.uuid4().hex[:8]}"
+    rig.apply([kueue.cluster_queue(name, gpus=len(kueue.POOL_NODES) * rig.gpus_per_node, namespaces=[ns],
+                                   flavor=kueue.POOL_FLAVOR),
+               kueue.local_queue(ns, "racks", name)])
+    yield name
+    rig.kubectl("delete", "localqueue", "racks", "-n", ns, check=False)
+    rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def pool_run(rig, name: str, nodes: int, topology: dict | None = None, **elastic) -> dict:
+    """A run of whole pool nodes (8 GPUs each) in the LocalQueue `racks`; no gpuType (the pool's nodes carry
+    no product label: the flavor selects them)."""
+    body = node_run(name, nodes, scheduling={"queue": "racks", **({"topology": topology} if topology else {})})
+    body["spec"]["resources"] = {"nodes": nodes, "gpusPerNode": rig.gpus_per_node}
+    body["spec"]["elastic"] = {"minNodes": nodes, "maxNodes": nodes, **elastic}
+    # one sample per rank at every node count the run may take (whole data-parallel groups)
+    body["spec"]["training"]["globalBatchSize"] = rig.gpus_per_node * math.lcm(
+        *range(nodes, body["spec"]["elastic"]["maxNodes"] + 1))
+    return body
+
+
+def placed(rig, kueue, ns: str, name: str, level: str) -> list[str]:
+    """The `level` label of each running pod's node."""
+    return sorted(kueue.POOL_NODES[p["spec"]["nodeName"]][level] for p in running_pods(rig, ns, name))
+
+
+def test_required_rack_lands_in_one_rack_and_a_run_no_rack_can_hold_waits_with_kueues_reason(
+        rig, kueue, ns, operator, racks):
+    try:
+        submit(rig, ns, pool_run(rig, "one-rack", 2, {"level": kueue.RACK_LABEL, "mode": "required"}))
+        submit(rig, ns, pool_run(rig, "too-wide", 3, {"level": kueue.RACK_LABEL}))  # a rack has 2 hosts
+        submit(rig, ns, pool_run(rig, "no-level", 1, {"level": "topology.kubernetes.io/zone"}))
+
+        st = wait_phase(rig, ns, "one-rack", "Running")
+        assert st["queue"]["flavors"] == [kueue.POOL_FLAVOR]
+        rig.wait_for("both pods running", lambda: len(running_pods(rig, ns, "one-rack")) == 2,
+                     timeout=SAFETY_TIMEOUT_S)
+        in_racks = placed(rig, kueue, ns, "one-rack", kueue.RACK_LABEL)
+        assert len(in_racks) == 2 and len(set(in_racks)) == 1, in_racks
+
+        cond = queued(rig, ns, "too-wide")
+        # a rack holds 2 of its 3 pods (the other rack's 2 hosts are the first run's)
+        assert cond["reason"] == "Pending" and f'topology "{kueue.POOL_TOPOLOGY}" allows to fit only 2 out of 3' in \
+            cond["message"], cond
+        cond = queued(rig, ns, "no-level")
+        assert f'Flavor "{kueue.POOL_FLAVOR}" does not contain the requested level' in cond["message"], cond
+        for name in ("too-wide", "no-level"):
+            assert not items(rig, ns, "pods", f"kiln.dev/trainingspec={name}")
+    finally:
+        for name in ("one-rack", "too-wide", "no-level"):
+            rig.kubectl("delete", "trainingspec", name, "-n", ns, "--wait=false", check=False)
+
+
+def test_preferred_rack_packs_a_run_too_wide_for_a_rack_into_one_block(rig, kueue, ns, operator, racks):
+    try:
+        submit(rig, ns, pool_run(rig, "packed", 3, {"level": kueue.RACK_LABEL, "mode": "preferred"}))
+        wait_phase(rig, ns, "packed", "Running")
+        rig.wait_for("three pods running", lambda: len(running_pods(rig, ns, "packed")) == 3,
+                     timeout=SAFETY_TIMEOUT_S)
+        blocks, in_racks = placed(rig, kueue, ns, "packed", kueue.BLOCK_LABEL), placed(rig, kueue, ns, "packed",
+                                                                                        kueue.RACK_LABEL)
+        assert len(set(blocks)) == 1 and len(set(in_racks)) == 2, (blocks, in_racks)  # one block: 2 racks
+    finally:
+        rig.kubectl("delete", "trainingspec", "packed", "-n", ns, "--wait=false", check=False)
+
+
+def test_a_queued_elastic_run_starts_at_min_nodes_and_does_not_grow_past_its_admission(
+        rig, kueue, ns, operator, racks):
+    """minNodes 1, maxNodes 2, with 8 free pool nodes the elastic loop counts (no gpuType): unqueued it would
+    grow to 2 at its first tick; queued it keeps the 1 node its Workload asked for, and no pod waits Pending."""
+    try:
+        submit(rig, ns, pool_run(rig, "queued-elastic", 1, maxNodes=2))
+        wait_phase(rig, ns, "queued-elastic", "Running")
+        cond = rig.wait_for("the elastic loop's decision", lambda: (c := condition(
+            rig, ns, "queued-elastic", "Elastic")).get("message", "").startswith("queued:") and c,
+            timeout=SAFETY_TIMEOUT_S)
+        assert cond["reason"] == "Steady", cond
+        job = get(rig, ns, "pytorchjob", "queued-elastic")
+        assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        pods = items(rig, ns, "pods", "kiln.dev/trainingspec=queued-elastic")
+        assert [p["status"].get("phase") for p in pods] == ["Running"]
+    finally:
+        rig.kubectl("delete", "trainingspec", "queued-elastic", "-n", ns, "--wait=false", check=False)

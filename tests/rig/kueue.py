@@ -14,6 +14,12 @@ Set up as an admin would: the ResourceFlavor `rig-h200` for the kwok GPU nodes (
 label), the topology-aware flavor `rig-h200-tas` of the same nodes (Topology `rig-hosts`, one level: the
 host) and the ClusterQueue `rig-gpus` whose quota is all of their GPUs. Tests make their own
 ClusterQueues (with smaller quotas, either flavor) and LocalQueues: `cluster_queue()` and `local_queue()`.
+
+For topology-aware placement, a pool of kwok GPU nodes apart from the rig's two: 2 blocks × 2 racks × 2 hosts
+× 8 GPUs (`POOL_NODES`), labelled by block, rack and host, the Topology `rig-racks` over those three levels
+and its flavor `rig-h200-racks`. The pool nodes carry the taint POOL_TAINT, which only the flavor's
+tolerations (Kueue adds them to the pods it admits there) tolerate, and no GPU product label: no other rig
+test's pod lands on them, and kiln's elastic loop does not count them for runs that name a gpuType.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ TOPOLOGY = "rig-hosts"
 TAS_FLAVOR = "rig-h200-tas"
 HOST_LABEL = "kubernetes.io/hostname"
 CLUSTER_QUEUE = "rig-gpus"
+# The topology pool: block → rack → host.
+BLOCK_LABEL = "rig.kiln.dev/block"
+RACK_LABEL = "rig.kiln.dev/rack"
+POOL_LABEL = "rig.kiln.dev/pool"
+POOL_TAINT = {"key": "rig.kiln.dev/pool", "value": "racks", "effect": "NoSchedule"}
+POOL_TOPOLOGY = "rig-racks"
+POOL_FLAVOR = "rig-h200-racks"
+BLOCKS, RACKS_PER_BLOCK, HOSTS_PER_RACK = 2, 2, 2
+POOL_NODES = {f"kwok-topo-b{b}-r{r}-h{h}": {BLOCK_LABEL: f"b{b}", RACK_LABEL: f"b{b}-r{r}"}
+              for b in range(BLOCKS) for r in range(RACKS_PER_BLOCK) for h in range(HOSTS_PER_RACK)}
 GPU = "nvidia.com/gpu"
 # waitForPodsReady: an admitted workload whose pods are not all Ready within this time is evicted (its job
 # suspended, every pod deleted) and requeued; while one waits, no other workload is admitted (blockAdmission).
@@ -140,6 +156,28 @@ def tas_flavor() -> dict:
     return flavor
 
 
+def pool_node(name: str) -> dict:
+    """A kwok GPU node of the topology pool (the rig's GPU node, relabelled and tainted)."""
+    node = cluster._gpu_node(name)
+    node["metadata"]["labels"].pop(cluster.GPU_PRODUCT_LABEL)
+    node["metadata"]["labels"] |= {POOL_LABEL: "racks", **POOL_NODES[name]}
+    node["spec"] = {"taints": [POOL_TAINT]}
+    return node
+
+
+def pool_topology() -> dict:
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": POOL_TOPOLOGY},
+            "spec": {"levels": [{"nodeLabel": BLOCK_LABEL}, {"nodeLabel": RACK_LABEL}, {"nodeLabel": HOST_LABEL}]}}
+
+
+def pool_flavor() -> dict:
+    toleration = {"key": POOL_TAINT["key"], "operator": "Equal", "value": POOL_TAINT["value"],
+                  "effect": POOL_TAINT["effect"]}
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": POOL_FLAVOR},
+            "spec": {"nodeLabels": {POOL_LABEL: "racks"}, "topologyName": POOL_TOPOLOGY,
+                     "tolerations": [toleration]}}
+
+
 def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, preemption: dict | None = None,
                   flavor: str = FLAVOR) -> dict:
     """A ClusterQueue with `gpus` nvidia.com/gpu of the rig's flavor (CPU, memory and local disk: what the
@@ -147,7 +185,7 @@ def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, pre
     pods request all four).
 
     namespaces: the namespaces whose LocalQueues may use it (None: any)."""
-    nodes = len(cluster.GPU_NODES)
+    nodes = len(POOL_NODES) if flavor == POOL_FLAVOR else len(cluster.GPU_NODES)
     spec: dict = {
         "namespaceSelector": ({"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
                                                      "values": namespaces}]} if namespaces else {}),
@@ -202,16 +240,29 @@ def _ready() -> bool:
 
 
 def up(rig: cluster.Rig) -> None:
-    """Start Kueue for the running rig (or reuse it) and create the rig's flavor and ClusterQueue."""
+    """Start Kueue for the running rig (or reuse it) and create the rig's flavors, ClusterQueue and the
+    topology pool."""
     with cluster._flock("kueue.lock"):
         if running():
             cluster.log("reusing the running Kueue")
-            return
-        stop()
-        build.build(versions.KUEUE_BUILD_ORDER)
-        start = time.monotonic()
-        _start(rig)
-        cluster.log(f"Kueue ready in {time.monotonic() - start:.1f}s; log in {cluster.run_dir() / 'logs' / 'kueue.log'}")
+        else:
+            stop()
+            build.build(versions.KUEUE_BUILD_ORDER)
+            start = time.monotonic()
+            _start(rig)
+            cluster.log(f"Kueue ready in {time.monotonic() - start:.1f}s; log in "
+                        f"{cluster.run_dir() / 'logs' / 'kueue.log'}")
+        _pool_up(rig)  # idempotent: also where a Kueue started before the pool existed is reused
+
+
+def _pool_up(rig: cluster.Rig) -> None:
+    """The topology pool's nodes (kwok makes them Ready), its Topology and flavor."""
+    rig.apply([pool_node(n) for n in POOL_NODES])
+    _apply_retrying(rig, [pool_topology(), pool_flavor()])
+    ready = "{range .items[*]}{.status.conditions[?(@.type=='Ready')].status}{' '}{end}"
+    rig.wait_for("the topology pool's kwok nodes Ready", lambda: rig.kubectl(
+        "get", "nodes", "-l", f"{POOL_LABEL}=racks", "-o", f"jsonpath={ready}").stdout.split()
+        == ["True"] * len(POOL_NODES), timeout=120)
 
 
 def _start(rig: cluster.Rig) -> None:
