@@ -17,8 +17,8 @@ from kiln.cli.main import main
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_operator_lifecycle import (
-    condition, events, get, items, running_operator, running_pods, scratch_namespace, small_run, status, submit,
-    wait_phase,
+    condition, events, get, items, patch_spec, running_operator, running_pods, scratch_namespace, small_run, status,
+    submit, wait_phase,
 )
 
 pytestmark = pytest.mark.rig
@@ -255,6 +255,15 @@ def test_required_rack_lands_in_one_rack_and_a_run_no_rack_can_hold_waits_with_k
                      timeout=SAFETY_TIMEOUT_S)
         in_racks = placed(rig, kueue, ns, "one-rack", kueue.RACK_LABEL)
         assert len(in_racks) == 2 and len(set(in_racks)) == 1, in_racks
+        # kiln's forced re-apply after a spec edit keeps the flavor's toleration Kueue added to the template:
+        # a pod made again (a restart) must still tolerate the pool's taint
+        flavor_toleration = kueue.pool_flavor()["spec"]["tolerations"][0]
+        worker = lambda: get(rig, ns, "pytorchjob", "one-rack")["spec"]["pytorchReplicaSpecs"]["Worker"]  # noqa: E731
+        assert flavor_toleration in worker()["template"]["spec"]["tolerations"]
+        patch_spec(rig, ns, "one-rack", {"elastic": {"maxRestarts": 7}})
+        rig.wait_for("the edit applied", lambda: get(rig, ns, "pytorchjob", "one-rack")["spec"]["runPolicy"][
+            "backoffLimit"] == 7, timeout=SAFETY_TIMEOUT_S)
+        assert flavor_toleration in worker()["template"]["spec"]["tolerations"]
 
         cond = queued(rig, ns, "too-wide")
         # a rack holds 2 of its 3 pods (the other rack's 2 hosts are the first run's)

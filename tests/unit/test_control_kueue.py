@@ -103,3 +103,29 @@ def test_status_without_a_read_keeps_the_queue_fields():
     d = derive(ts(old), job(None, conditions=(("Running", T1),)), [], T2, None, None)
     assert "queue" not in d.status  # merge patch: the stored one stays
     assert next(c for c in d.status["conditions"] if c["type"] == "Queued")["reason"] == "Admitted"
+
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+FLAVOR_TOLERATION = {"key": "pool", "operator": "Equal", "value": "racks", "effect": "NoSchedule"}
+
+
+def with_tolerations(body: dict, *tolerations: dict) -> dict:
+    body["spec"]["pytorchReplicaSpecs"]["Worker"]["template"] = {"spec": {"containers": [{"name": "pytorch"}],
+                                                                         "tolerations": list(tolerations)}}
+    return body
+
+
+def tolerations(body: dict) -> list[dict]:
+    return body["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["tolerations"]
+
+
+def test_kilns_apply_keeps_the_tolerations_kueue_added_at_admission():
+    desired = with_tolerations(job(None), GPU_TOLERATION)
+    admitted = with_tolerations(job(False), GPU_TOLERATION, FLAVOR_TOLERATION)
+    assert tolerations(kueue.with_admitted_tolerations(desired, admitted)) == [GPU_TOLERATION, FLAVOR_TOLERATION]
+    assert tolerations(desired) == [GPU_TOLERATION]  # the plan's own object is left as it was
+    # held (Kueue restores the templates when it suspends), not queued, another job, none: kiln's own only
+    for live in (with_tolerations(job(True), GPU_TOLERATION, FLAVOR_TOLERATION),
+                 with_tolerations(job(False, queue=None), GPU_TOLERATION, FLAVOR_TOLERATION),
+                 {**admitted, "metadata": {**admitted["metadata"], "name": "other"}}, None):
+        assert kueue.with_admitted_tolerations(desired, live) == desired

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from kiln.api.layout import replica_groups
 from kiln.api.spec import TrainingSpec
-from kiln.control import elastic, failover
+from kiln.control import elastic, failover, kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_state import ANNOTATION, avoided, encode, state_of  # noqa: F401 (state_of: for tests)
 from kiln.control.kube import Kube, now
@@ -172,7 +172,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
                 desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
                                              avoid_nodes=tuple(avoid)), config)
                 for obj in desired.objects if desired.refused is None else ():
-                    kube.apply(obj)
+                    kube.apply(kueue.with_admitted_tolerations(obj, job) if obj["kind"] == "PyTorchJob" else obj)
             except ApiException as err:  # not recorded as done: the next tick decides (and tries) again
                 cond = ("False", "ApplyFailed", f"{decision.reason}; not applied: {err.status} {err.reason}")
                 new_state = {**new_state, "nodes": state.get("nodes"), "lastChange": state.get("lastChange"),

@@ -10,6 +10,7 @@ Workloads (403) reads as no Workload, and the run's status says it waits for one
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
@@ -79,6 +80,28 @@ def queue_state(job: dict | None, workload: dict | None) -> QueueState | None:
         return QueueState(queue, False, reserved.get("reason") or "Pending", reserved.get("message") or "")
     # kiln's own reason (as NoWorkload): Kueue has made the Workload but said nothing about it yet
     return QueueState(queue, False, "WaitingForKueue", f"waiting for Kueue to consider it in LocalQueue {queue}")
+
+
+def with_admitted_tolerations(desired: dict, live: dict | None) -> dict:
+    """The PyTorchJob kiln is about to apply, keeping the tolerations Kueue added to the live job's pod
+    templates when it admitted the run (its ResourceFlavor's `tolerations`).
+
+    A pod template's tolerations are one atomic list to server-side apply: kiln's forced apply (a spec edit,
+    the periodic resync, an elastic change) would replace Kueue's with kiln's own, and a pod the
+    training-operator makes after that (a restart) could not go where Kueue placed the run. Only while the
+    job is admitted: when Kueue suspends it again it restores the templates itself."""
+    if live is None or not queue_name(live) or held(live) or \
+            (live.get("metadata") or {}).get("name") != desired["metadata"]["name"]:
+        return desired
+    out = copy.deepcopy(desired)
+    live_specs = (live.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+    for rtype, replica in ((out.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
+        pod = replica["template"]["spec"]
+        mine = pod.get("tolerations") or []
+        theirs = (((live_specs.get(rtype) or {}).get("template") or {}).get("spec") or {}).get("tolerations") or []
+        if extra := [t for t in theirs if t not in mine]:
+            pod["tolerations"] = mine + extra
+    return out
 
 
 def read_workload(kube, job: dict | None) -> dict | None:

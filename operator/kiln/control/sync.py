@@ -103,6 +103,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                             if other:
                                 accepted = ("False", "NotOwner", other)
                                 break
+                        if obj["kind"] == "PyTorchJob":
+                            obj = kueue.with_admitted_tolerations(obj, jobs.get(obj["metadata"]["name"]))
                         applied = kube.apply(obj)
                     except ApiException as err:  # refused as invalid, or the apiserver failed: say which
                         accepted = ("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err))
