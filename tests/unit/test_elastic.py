@@ -277,14 +277,3 @@ def test_a_queued_run_starts_at_min_nodes_and_keeps_the_count_kueue_admitted():
     for free in (0, 2, 20):  # neither growth into free nodes nor a shrink: Kueue sized the Workload
         d = el.desired_nodes(queued, gpu_nodes(free), current=2)
         assert (d.nodes, d.changed) == (2, False) and d.reason.startswith("queued:"), d
-
-
-def test_a_queued_run_starts_at_min_nodes_and_keeps_the_count_kueue_admitted():
-    queued = spec(**{"scheduling.queue": "team-a"})
-    assert (el.start_nodes(queued), el.start_nodes(spec())) == (2, 4)  # minNodes 2; resources.nodes 4
-    # a global batch of 64 splits over 2, 4 or 8 nodes (dp 8, 16, 32), not 3: the smallest runnable from minNodes up
-    odd = spec(**{"scheduling.queue": "team-a", "elastic.minNodes": 3, "training.globalBatchSize": 64})
-    assert el.start_nodes(odd) == 4
-    for free in (0, 2, 20):  # neither growth into free nodes nor a shrink: Kueue sized the Workload
-        d = el.desired_nodes(queued, gpu_nodes(free), current=2)
-        assert (d.nodes, d.changed) == (2, False) and d.reason.startswith("queued:"), d
