@@ -15,6 +15,7 @@ every alert rule (manifests/monitoring/kiln-alerts.yaml, which the server also l
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import subprocess
@@ -121,6 +122,12 @@ class Prometheus:
     def query_range(self, expr: str, start: float, end: float) -> list[dict]:
         return self.api("query_range", query=expr, start=start, end=end, step=SCRAPE_INTERVAL_S)["result"]
 
+    def shows(self, expr: str, start: float, end: float) -> bool:
+        """Whether a graph of `expr` over [start, end] draws anything: a finite value at some step (a
+        quantile of no observations is NaN, which Grafana leaves blank)."""
+        return any(math.isfinite(float(v)) for series in self.query_range(expr, start, end)
+                   for _, v in series["values"])
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -165,7 +172,7 @@ def alert_rules() -> dict[str, str]:
 def selectors(ast: dict) -> list[str]:
     """The vector selectors of a query, from Prometheus's own parse (/api/v1/parse_query), as queries."""
     found = []
-    if ast.get("type") == "vectorSelector":
+    if ast.get("type") in ("vectorSelector", "matrixSelector"):  # a matrix selector carries its vector's matchers
         matchers = ",".join(f'{m["name"]}{m["type"]}{json.dumps(m["value"])}' for m in ast["matchers"])
         found.append(f"{{{matchers}}}")
     for value in ast.values():

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import yaml
 
 from kiln.control.config import OperatorConfig
 
+from tests import prometheus
 from tests.rig import images as rig_images
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
@@ -99,6 +101,16 @@ def _installed(rig, release, ns, node_selector_key, tol, real_node, runs_ns):
                              f"{rig.kubectl('get', 'pods', '-n', ns, '-o', 'wide', check=False).stdout}\n"
                              f"{pod_logs.stdout}{pod_logs.stderr}")
     yield ns
+
+
+@pytest.fixture(scope="module")
+def prometheus_server(rig, operator_release, runs_ns, tmp_path_factory):
+    """A real Prometheus (tests/prometheus.py) scraping the operator and the trainer pods of this module's runs
+    from before the first run starts; the last test reads what it collected."""
+    prom = prometheus.Prometheus(prometheus.server(), tmp_path_factory.mktemp("prometheus"),
+                                 prometheus.scrape_config(rig.kubeconfig, operator_release, runs_ns))
+    yield prom
+    prom.stop()
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -193,7 +205,8 @@ def eval_loss(rig, spec_path: Path, checkpoint: str | None = None) -> dict:
 
 # ------------------------------------------------------------------------------------------------- tests
 
-def test_helm_installs_an_operator_pod_that_is_ready_non_root_and_read_only(rig, real_node, operator_release):
+def test_helm_installs_an_operator_pod_that_is_ready_non_root_and_read_only(rig, real_node, operator_release,
+                                                                          prometheus_server):
     ns = operator_release
     (pod,) = [p for p in json.loads(rig.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
               if p["status"].get("phase") == "Running"]
@@ -212,7 +225,7 @@ def test_helm_installs_an_operator_pod_that_is_ready_non_root_and_read_only(rig,
 
 
 def test_a_run_trains_in_its_pods_reports_status_commits_to_s3_and_is_scored(rig, real_node, operator_release,
-                                                                             runs_ns, tmp_path):
+                                                                             runs_ns, prometheus_server, tmp_path):
     name = "e2e-plain"
     body = cpu_run(rig, real_node, runs_ns, name, steps=30, interval=10, schedule="cosine")
     apply(rig, body)
@@ -251,7 +264,7 @@ def test_a_run_trains_in_its_pods_reports_status_commits_to_s3_and_is_scored(rig
 
 
 def test_a_deleted_worker_and_a_suspend_resume_lose_nothing_committed(rig, real_node, operator_release, runs_ns,
-                                                                     tmp_path):
+                                                                     prometheus_server, tmp_path):
     name = "e2e-faults"
     # Long enough that it never ends by itself here: the test ends it with a suspend once it has seen
     # every fault recovered. Faults follow the run's own commits.
@@ -325,3 +338,37 @@ def test_a_deleted_worker_and_a_suspend_resume_lose_nothing_committed(rig, real_
     # their own; measured 2.776 vs 2.743 (1.2 %) after ~45 steps. A resume that lost or repeated steps, or
     # restarted the data, lands far outside 3 %.
     assert faulty["loss"] == pytest.approx(reference["loss"], rel=3e-2)
+
+
+def test_prometheus_has_data_for_every_dashboard_query_and_alert_rule(prometheus_server, runs_ns):
+    """What the module's runs showed a real Prometheus (kubernetes service discovery, pod addresses): every
+    query of the shipped dashboard draws a finite value over the runs' time, the dashboard's run picker lists
+    both runs, and every alert rule was evaluated by Prometheus without error and has samples for each
+    series it reads (a rule's condition is not expected to hold for a healthy run; promtool tests that,
+    tests/unit/test_alerts.py). Metrics that a healthy CPU run cannot have (prometheus.NO_SAMPLES_ON_CPU)
+    must be declared by kiln's exporters instead. Reads the data of the tests above (this module's runs)."""
+    prom, start, end = prometheus_server, prometheus_server.started, time.time()
+    label, metric = prometheus.run_variable()
+    runs = prom.api(f"label/{label}/values", **{"match[]": metric, "start": start, "end": end})
+    targets = [(t["labels"], t["health"], t["lastError"]) for t in prom.api("targets")["activeTargets"]]
+    assert {"e2e-plain", "e2e-faults"} <= set(runs), f"the runs of this module were not scraped: {runs}, {targets}"
+    declared = prometheus.declared_families(prom)
+
+    def unexplained(expr: str) -> tuple[list[str], list[str]]:
+        """The selectors of `expr` without samples in the runs' time, and those of them not excused on CPU."""
+        empty = [sel for sel in prometheus.selectors(prom.api("parse_query", query=expr))
+                 if not prom.shows(sel, start, end)]
+        return empty, [sel for sel in empty if not prometheus.excused(sel, declared)]
+
+    def shown(expr: str) -> bool:  # samples, or every selector without them is excused on CPU
+        empty, bad = unexplained(expr)
+        return prom.shows(expr, start, end) or bool(empty) and not bad
+
+    blank = {title: expr for title, expr in prometheus.dashboard_queries().items() if not shown(expr)}
+    assert not blank, f"dashboard queries without data: {blank}"
+
+    rules = {r["name"]: r for g in prom.api("rules", type="alert")["groups"] for r in g["rules"]}
+    assert set(rules) == set(prometheus.alert_rules())
+    for name, expr in prometheus.alert_rules().items():
+        assert rules[name]["health"] == "ok", (name, rules[name].get("lastError"))
+        assert not unexplained(expr)[1], f"{name}: no data for {unexplained(expr)[1]} in {expr}"
