@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
-from tests.e2e.test_suspend_rig import Trainer, pod_env
+from tests.e2e.test_suspend_rig import Trainer, endless_run, pod_env
 from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module fixtures: RBAC'd operator, namespace
     condition,
     events,
@@ -29,12 +29,10 @@ from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module f
     ns,
     operator,
     running_pods,
-    small_run,
     status,
     submit,
     wait_phase,
 )
-from tests.integration.test_status_report import MICRO_MODEL
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 
@@ -74,12 +72,7 @@ def health(rig, namespace: str) -> list[tuple[str, str]]:
 def test_a_failing_gpu_moves_the_run_off_its_node_at_a_commit_and_it_continues_elsewhere(rig, ns, operator,  # noqa: F811
                                                                                          tmp_path):
     ckpt = tmp_path / "ckpt"
-    body = small_run(RUN, model=MICRO_MODEL,
-                     training={"steps": 100000, "globalBatchSize": 4, "microBatchSize": 2, "lr": 1e-3,
-                               "warmupSteps": 0, "precision": "fp32", "logEvery": 1},
-                     parallelism={"compile": False},
-                     checkpoint={"uri": f"file://{ckpt}/", "intervalSteps": 100000})
-    body["spec"]["resources"]["gpuType"] = rig.gpu_product
+    body = endless_run(rig, RUN, ckpt, interval_steps=100000)  # no periodic commit: the one saved is requested
     with rig.exclusive_gpus():
         submit(rig, ns, body)
         wait_phase(rig, ns, RUN, "Running")

@@ -59,6 +59,17 @@ def pod_env(rig, namespace: str, tmp_path: Path, run: str = RUN) -> dict[str, st
     return env
 
 
+def endless_run(rig, run: str, ckpt: Path, interval_steps: int) -> dict:
+    """A micro-model run on one kwok GPU node that trains until stopped, committing to `ckpt`."""
+    body = small_run(run, model=MICRO_MODEL,
+                     training={"steps": 100000, "globalBatchSize": 4, "microBatchSize": 2, "lr": 1e-3,
+                               "warmupSteps": 0, "precision": "fp32", "logEvery": 1},
+                     parallelism={"compile": False},
+                     checkpoint={"uri": f"file://{ckpt}/", "intervalSteps": interval_steps})
+    body["spec"]["resources"]["gpuType"] = rig.gpu_product
+    return body
+
+
 class Trainer:
     """One rank of `kiln train`, as torchrun starts it in the pod."""
 
@@ -96,12 +107,7 @@ class Trainer:
 def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_saved_step(rig, ns, operator,  # noqa: F811 - fixtures
                                                                                       tmp_path):
     ckpt = tmp_path / "ckpt"
-    body = small_run(RUN, model=MICRO_MODEL,
-                     training={"steps": 100000, "globalBatchSize": 4, "microBatchSize": 2, "lr": 1e-3,
-                               "warmupSteps": 0, "precision": "fp32", "logEvery": 1},
-                     parallelism={"compile": False},
-                     checkpoint={"uri": f"file://{ckpt}/", "intervalSteps": 1000})
-    body["spec"]["resources"]["gpuType"] = rig.gpu_product
+    body = endless_run(rig, RUN, ckpt, interval_steps=1000)
     with rig.exclusive_gpus():
         submit(rig, ns, body)
         wait_phase(rig, ns, RUN, "Running")
