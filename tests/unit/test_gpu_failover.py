@@ -16,6 +16,7 @@ from kiln.control.elastic import NodeView
 from kiln.control.goodput import Ledger, held, observe
 from kiln.trainer import health
 from kiln.trainer.exporter import TrainerExporter
+from kiln.trainer.metrics import MetricsLogger
 from kiln.trainer.status_report import StatusReporter
 
 from tests.fake_nvml import pynvml as fake_pynvml
@@ -89,6 +90,9 @@ def test_the_gauge_encodes_each_gpu_and_drops_a_node_the_run_left():
     assert 'node="c"' not in text  # no GPU there: no series, not a healthy 0
     exporter.observe({"gpu_health": [b]})
     assert 'node="a"' not in generate_latest(exporter.registry).decode()
+    # a reading at a step that is not logged still reaches the gauge (kiln.trainer.loop: logger.export)
+    MetricsLogger(None, rank=0, total_steps=10, start_step=0, exporter=exporter).export({"step": 3, "gpu_health": [a]})
+    assert 'kiln_gpu_health{gpu="1",node="a",run="r"} 2.0' in generate_latest(exporter.registry).decode()
 
 
 def test_a_change_of_gpu_health_is_reported_at_once():
