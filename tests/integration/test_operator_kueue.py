@@ -255,6 +255,11 @@ def test_required_rack_lands_in_one_rack_and_a_run_no_rack_can_hold_waits_with_k
                      timeout=SAFETY_TIMEOUT_S)
         in_racks = placed(rig, kueue, ns, "one-rack", kueue.RACK_LABEL)
         assert len(in_racks) == 2 and len(set(in_racks)) == 1, in_racks
+        # status says where Kueue placed it: the domains at its levels, down to the pods' nodes
+        topology = status(rig, ns, "one-rack")["queue"]["topology"]
+        assert topology["levels"][-1] == kueue.HOST_LABEL, topology
+        assert sorted(d.split("/")[-1] for d in topology["domains"]) == sorted(
+            p["spec"]["nodeName"] for p in running_pods(rig, ns, "one-rack")), topology
         # kiln's forced re-apply after a spec edit keeps the flavor's toleration Kueue added to the template:
         # a pod made again (a restart) must still tolerate the pool's taint
         flavor_toleration = kueue.pool_flavor()["spec"]["tolerations"][0]

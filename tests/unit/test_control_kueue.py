@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.api.spec import TOPOLOGY_DOMAINS_MAX, TrainingSpecStatus
 from kiln.control import kueue
 from kiln.control.status import derive
 
@@ -129,3 +130,28 @@ def test_kilns_apply_keeps_the_tolerations_kueue_added_at_admission():
                  with_tolerations(job(False, queue=None), GPU_TOLERATION, FLAVOR_TOLERATION),
                  {**admitted, "metadata": {**admitted["metadata"], "name": "other"}}, None):
         assert kueue.with_admitted_tolerations(desired, live) == desired
+
+
+def test_admitted_under_a_topology_records_the_domains_kueue_placed_it_in():
+    hosts = {"levels": ["kubernetes.io/hostname"], "slices": [
+        {"domainCount": 2, "valuesPerLevel": [{"individual": {"prefix": "kwok-topo-b0-r", "roots": ["0-h0", "0-h1"]}}],
+         "podCounts": {"universal": 1}}]}
+    admission = {**ADMISSION, "podSetAssignments": [{**ADMISSION["podSetAssignments"][0], "topologyAssignment": hosts}]}
+    admitted = workload(cond("Admitted", "True", "Admitted"), admission=admission)
+    status = kueue.queue_state(job(False), admitted).as_status()
+    assert status["topology"] == {"levels": ["kubernetes.io/hostname"],
+                                  "domains": ["kwok-topo-b0-r0-h0", "kwok-topo-b0-r0-h1"]}
+    assert TrainingSpecStatus.model_validate({"queue": status}).queue.topology.domains == status["topology"]["domains"]
+    # several levels, a value shared by the slice (universal) and one per domain with a suffix
+    racks = {"levels": ["rack", "host"], "slices": [
+        {"domainCount": 2, "valuesPerLevel": [{"universal": "b1-r0"}, {"individual": {"roots": ["h0", "h1"],
+                                                                                      "suffix": ".rig"}}]},
+        {"domainCount": 1, "valuesPerLevel": [{"universal": "b1-r1"}, {"universal": "h7.rig"}]}]}
+    assert kueue.topology_domains({"podSetAssignments": [{"topologyAssignment": racks}]}) == (
+        ("rack", "host"), ("b1-r0/h0.rig", "b1-r0/h1.rig", "b1-r1/h7.rig"))
+    # no topology (a flavor without one): no field; more domains than status holds: the first ones
+    assert "topology" not in kueue.queue_state(job(False), workload(cond("Admitted", "True", "Admitted"),
+                                                                    admission=ADMISSION)).as_status()
+    many = kueue.QueueState("team", True, "Admitted", "", topology_levels=("h",),
+                            topology_domains=tuple(f"n{i}" for i in range(TOPOLOGY_DOMAINS_MAX + 5)))
+    assert len(many.as_status()["topology"]["domains"]) == TOPOLOGY_DOMAINS_MAX

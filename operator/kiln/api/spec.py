@@ -486,6 +486,21 @@ class QuorumStatus(ApiModel):
     heals: int = Field(0, ge=0, le=JSON_INT_MAX, description="Times the reporting group healed from a live peer.")
 
 
+TOPOLOGY_DOMAINS_MAX = 256  # status.queue.topology.domains lists at most this many (the first ones)
+
+
+class QueueTopology(ApiModel):
+    """Where Kueue's topology-aware scheduling placed the run."""
+
+    levels: list[str] = Field(default_factory=list, max_length=16,
+                              description="The Topology levels (node label keys) the domains are given in.")
+    domains: list[str] = Field(
+        default_factory=list, max_length=TOPOLOGY_DOMAINS_MAX,
+        description="The domains the pods were placed in, each its values at the levels joined by '/' (with "
+        f"kubernetes.io/hostname as the only level: the nodes); the first {TOPOLOGY_DOMAINS_MAX}.",
+    )
+
+
 class QueueStatus(ApiModel):
     """Where Kueue has the run (operator-written, only for a run with scheduling.queue)."""
 
@@ -493,6 +508,8 @@ class QueueStatus(ApiModel):
     admitted_at: str | None = Field(None, description="When Kueue last admitted the run (RFC 3339).")
     cluster_queue: str | None = Field(None, max_length=253, description="The ClusterQueue that admitted it.")
     flavors: list[str] = Field(default_factory=list, max_length=64, description="The ResourceFlavors it was given.")
+    topology: QueueTopology | None = Field(
+        None, description="The topology domains Kueue placed it in (a flavor with a Kueue Topology only).")
 
 
 class TrainingSpecStatus(ApiModel):

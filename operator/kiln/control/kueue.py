@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
+from kiln.api.spec import TOPOLOGY_DOMAINS_MAX
+
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"
@@ -29,13 +31,40 @@ class QueueState:
     admitted_at: str | None = None
     cluster_queue: str | None = None
     flavors: tuple[str, ...] = field(default=())
+    topology_levels: tuple[str, ...] = field(default=())
+    topology_domains: tuple[str, ...] = field(default=())  # each its level values joined by '/'
 
     def as_status(self) -> dict:
-        """status.queue: the queue, and once admitted, when, where and with which flavors."""
+        """status.queue: the queue, and once admitted, when, where and with which flavors (and topology
+        domains, under a flavor with a Topology)."""
         out: dict = {"name": self.queue}
         if self.admitted:
             out |= {"admittedAt": self.admitted_at, "clusterQueue": self.cluster_queue, "flavors": list(self.flavors)}
+            if self.topology_domains:
+                out["topology"] = {"levels": list(self.topology_levels),
+                                   "domains": list(self.topology_domains[:TOPOLOGY_DOMAINS_MAX])}
         return {k: v for k, v in out.items() if v is not None}
+
+
+def topology_domains(admission: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(levels, domains) of the Workload's topology assignments (Kueue v1beta2's compact form: per slice,
+    each level's values as one `universal` value or `individual` roots with a common prefix and suffix)."""
+    levels: tuple[str, ...] = ()
+    domains: list[str] = []
+    for psa in admission.get("podSetAssignments") or []:
+        ta = psa.get("topologyAssignment") or {}
+        levels = tuple(ta.get("levels") or levels)
+        for piece in ta.get("slices") or []:
+            count, columns = int(piece.get("domainCount") or 0), []
+            for values in piece.get("valuesPerLevel") or []:
+                if values.get("universal") is not None:
+                    columns.append([values["universal"]] * count)
+                else:
+                    one = values.get("individual") or {}
+                    columns.append([f"{one.get('prefix') or ''}{root}{one.get('suffix') or ''}"
+                                    for root in one.get("roots") or []])
+            domains += ["/".join(at) for at in zip(*columns)]
+    return levels, tuple(domains)
 
 
 def queue_name(job: dict | None) -> str | None:
@@ -70,8 +99,10 @@ def queue_state(job: dict | None, workload: dict | None) -> QueueState | None:
         flavors = tuple(sorted({f for psa in admission.get("podSetAssignments") or []
                                 for f in (psa.get("flavors") or {}).values()}))
         cq = admission.get("clusterQueue")
+        levels, domains = topology_domains(admission)
         return QueueState(queue, True, "Admitted", f"admitted by ClusterQueue {cq} (flavor {', '.join(flavors)})",
-                          admitted_at=conds["Admitted"].get("lastTransitionTime"), cluster_queue=cq, flavors=flavors)
+                          admitted_at=conds["Admitted"].get("lastTransitionTime"), cluster_queue=cq, flavors=flavors,
+                          topology_levels=levels, topology_domains=domains)
     if true("Evicted"):  # preempted, or its pods were not all ready in time: requeued, waits again
         ev = conds["Evicted"]
         return QueueState(queue, False, ev.get("reason") or "Evicted", ev.get("message") or "evicted by Kueue")
