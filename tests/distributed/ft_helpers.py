@@ -21,6 +21,14 @@ from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, complete_lines,
 from tests.distributed.trainer_helpers import env
 
 ENTRY = Path(__file__).resolve().parent / "ft_group_entry.py"
+PDEATHSIG = Path(__file__).resolve().parent / "pdeathsig"  # its sitecustomize.py
+
+
+def die_with_parent() -> dict[str, str]:
+    """Environment for a process tree that dies with the test: every Python process in it gets SIGKILL when
+    its parent dies (tests/distributed/pdeathsig/sitecustomize.py), so a killed pytest orphans nothing."""
+    path = os.pathsep.join(p for p in (str(PDEATHSIG), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "KILN_TEST_PDEATHSIG": "1"}
 
 
 def records(out: Path) -> list[dict]:
@@ -44,7 +52,7 @@ class Group:
                "--config", str(spec), "--output", str(out)]
         self.proc = subprocess.Popen(
             cmd, env=env(KILN_FT_LIGHTHOUSE=lighthouse, KILN_FT_GROUP=str(index), KILN_TEST_GATE=str(self.gate),
-                         TORCHFT_TIMEOUT_SEC="30", **TORCHRUN_ENV),
+                         TORCHFT_TIMEOUT_SEC="30", **TORCHRUN_ENV, **die_with_parent()),
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ft_helpers import Group, lighthouse_server, records
+from tests.distributed.ft_helpers import Group, die_with_parent, lighthouse_server, records
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, wait_until
 from tests.distributed.trainer_helpers import env, write_spec
 
@@ -184,27 +184,57 @@ def _group_worker(launcher: int, group: int) -> int | None:
     return None
 
 
+def _group_line(log: Path, offset: int, group: int, live: str) -> bool:
+    """Whether the `kiln run` log, past `offset`, shows group `group` joining a quorum of `live` groups."""
+    return any(f"kiln: ft: group {group}: quorum" in line and f": {live} group(s) live" in line
+               for line in log.read_text()[offset:].splitlines())
+
+
 def test_kiln_run_restarts_a_failed_group_and_it_heals_from_the_live_one(tmp_path):
     """`kiln run` with replica groups: its own lighthouse, a torchrun per group; a group whose worker dies is
-    started again at once (a full start: imports and all), and heals from the group that kept training."""
-    steps = 1000  # the survivor's steps must outlast one start of a group (about 7 s, ~200 steps, here)
+    started again at once (a full start: imports and all), and heals from the group that kept training.
+
+    The run's end waits for the restart, whatever it costs here: once the survivor has stepped alone, the test
+    freezes it (SIGSTOP) until the restarted group has joined the lighthouse (its `1 of 2` quorum line in the
+    log, after its imports), then lets it go on (SIGCONT); the next quorum holds both, and the restarted group
+    heals from the survivor. Without the freeze the survivor had to outlast a start (1,000 steps of margin)."""
+    steps = 60
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": steps}, checkpoint={"intervalSteps": 1000},
                       elastic={"faultTolerance": {"mode": "replicaGroups", "groups": 2}})
     out, log = tmp_path / "out", tmp_path / "run.log"
+    # the survivor's torchft calls in flight while it is frozen must not time out (a start can take a while)
     with log.open("w") as sink:
         launcher = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--nproc", "2",
-                                     "--output", str(out)], env=env(), stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                     "--output", str(out)],
+                                    env=env(KILN_FT_TIMEOUT_SECONDS="600", **die_with_parent()), stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    running = lambda: launcher.poll() is None  # noqa: E731
+    context = lambda: log.read_text()[-4000:]  # noqa: E731
+    survivor = None
     try:
         wait_until(f"group 1 at step {KILL_AT} with both groups",
                    lambda: [r for r in records(out / "group-1") if r["step"] >= KILL_AT and r["ft_participants"] == 2],
-                   alive=lambda: launcher.poll() is None, context=lambda: log.read_text()[-4000:])
+                   alive=running, context=context)
         worker = _group_worker(launcher.pid, 1)
         assert worker is not None
         os.kill(worker, signal.SIGKILL)
         killed_at = records(out / "group-1")[-1]["step"]
+        wait_until(f"{ALONE} steps of group 0 alone",
+                   lambda: len([r for r in records(out / "group-0")
+                                if r["step"] > killed_at and r["ft_participants"] == 1]) >= ALONE,
+                   alive=running, context=context)
+        survivor = _group_worker(launcher.pid, 0)
+        os.kill(survivor, signal.SIGSTOP)
+        frozen_at, offset = records(out / "group-0")[-1]["step"], len(log.read_text())
+        assert frozen_at < steps
+        wait_until("the restarted group 1 at the lighthouse", lambda: _group_line(log, offset, 1, "1 of 2"),
+                   alive=running, context=context)
+        os.kill(survivor, signal.SIGCONT)
+        survivor = None
         assert launcher.wait(timeout=SAFETY_TIMEOUT_S) == 0, log.read_text()[-4000:]
     finally:
+        if survivor is not None:
+            os.kill(survivor, signal.SIGCONT)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
@@ -213,7 +243,8 @@ def test_kiln_run_restarts_a_failed_group_and_it_heals_from_the_live_one(tmp_pat
     g0, g1 = records(out / "group-0"), records(out / "group-1")
     assert [r["step"] for r in g0] == list(range(1, steps + 1))
     healed = [r for r in g1 if r["ft_restore"] == "peer"]
-    assert healed and healed[0]["step"] > killed_at and healed[0]["ft_heals"] == 1, g1[killed_at - 1:killed_at + 2]
+    assert healed and healed[0]["step"] > frozen_at > killed_at and healed[0]["ft_heals"] == 1, \
+        g1[killed_at - 1:killed_at + 2]
     # group 1 logged up to the kill, then from the step it healed at: it never trained the steps between
     assert [r["step"] for r in g1] == list(range(1, killed_at + 1)) + list(range(healed[0]["step"], steps + 1))
     assert any(r["ft_participants"] == 1 for r in g0 if killed_at < r["step"] < healed[0]["step"])
