@@ -284,3 +284,17 @@ def test_the_ledger_counts_degraded_stepping_inside_productive_time_apart_from_s
     # degraded time is never more than the productive time credited with it (no time is invented)
     h = observe(Ledger(observed_at=0.0), 10.0, "Running", reported(5.0, 50.0))
     assert h.productive_s == 5.0 and h.degraded_s == 5.0
+
+
+def test_kiln_status_shows_each_group_and_the_last_quorum():
+    from kiln.cli.cluster_cmds import group_table, plain_table
+
+    jobs = [job(0, "Running"), job(1, "Running")]
+    lost = refresh(refresh({}, jobs, [pod(0), pod(1)], "2026-01-01T00:01:00Z").status, jobs,
+                   [pod(0), pod(1, "Failed")], "2026-01-01T00:01:10Z").status
+    lost["quorum"] = {"id": 5, "liveGroups": 1, "groups": 2, "changes": 1, "heals": 0}
+    text = plain_table(*group_table({"status": lost}))
+    assert "QUORUM 5: 1 OF 2 LIVE, 1 CHANGE(S), 0 HEAL(S)" in text
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert rows == [["0", "ft-g0", "Running", "1", "0"], ["1", "ft-g1", "Restarting", "0", "1"]]
+    assert group_table({"status": {"phase": "Running"}}) is None  # a run without replica groups: no table

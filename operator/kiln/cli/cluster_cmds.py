@@ -172,6 +172,21 @@ def condition_table(item: dict) -> tuple[list[str], list[list[str]]]:
         [c["type"], c["status"], c.get("reason", ""), c.get("message", "")] for c in conditions]
 
 
+def group_table(item: dict) -> tuple[list[str], list[list[str]]] | None:
+    """elastic.faultTolerance replicaGroups: each group's job, phase, pods and restarts (operator), and the
+    last quorum (trainer) in the header; None for a run without replica groups."""
+    st = item.get("status") or {}
+    groups = st.get("replicaGroups")
+    if not groups:
+        return None
+    quorum = st.get("quorum") or {}
+    live = (f"QUORUM {quorum['id']}: {quorum['liveGroups']} OF {quorum['groups']} LIVE, {quorum.get('changes', 0)} "
+            f"CHANGE(S), {quorum.get('heals', 0)} HEAL(S)") if quorum else "QUORUM (no trainer report yet)"
+    return ["GROUP", "JOB", "PHASE", "PODS", "RESTARTS", live], [
+        [str(g["group"]), g.get("job") or "", g["phase"], str(g.get("pods", 0)), str(g.get("restarts", 0)), ""]
+        for g in groups]
+
+
 def plain_table(header: list[str], rows: list[list[str]]) -> str:
     """Columns padded to their widest value, 3 spaces apart, nothing cut (as kubectl prints)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -238,6 +253,8 @@ def status(args) -> int:
     header, rows = status_table(items, all_namespaces=ns is None, wide=args.output == "wide")
     _print_table(console, header, rows, phase_column=header.index("PHASE"))
     if args.name:
+        if (groups := group_table(items[0])) is not None:
+            _print_table(console, *groups, phase_column=2)
         _print_table(console, *condition_table(items[0]))
     return 0
 
