@@ -71,3 +71,38 @@ def test_import_from_s3_and_export_to_s3_round_trip(rig, s3_prefix, tmp_path):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 assert torch.equal(exported[name], st.get_tensor(name)), name
+
+
+def test_chat_data_prepared_from_s3_to_s3_reads_back_with_its_masks(rig, s3_prefix, tmp_path, monkeypatch):
+    """kiln data prepare --format chat with the model folder (chat template in tokenizer_config.json), the
+    conversations and the output all in S3; the trainer's source fetches tokens and masks from S3 and gives the
+    same batches as a local prepare of the same files."""
+    import json
+
+    from kiln.cli.main import main
+    from kiln.trainer.data import GlobalBatchLoader, open_source
+    from tests.chat_models import CONVERSATIONS, save_chat_folder
+
+    model = save_chat_folder(tmp_path / "model")
+    (tmp_path / "src").mkdir()
+    lines = [json.dumps({"messages": [{**m, "content": f"{m['content']} {i}"} for m in c]})
+             for i in range(20) for c in CONVERSATIONS]
+    (tmp_path / "src" / "chat.jsonl").write_text("\n".join(lines))
+    for folder, prefix in ((model, "model/"), (tmp_path / "src", "src/")):
+        store = open_store(s3_prefix + prefix, endpoint=rig.s3_endpoint)
+        for f in folder.iterdir():
+            store.put_file(f.name, f)
+    common = ["data", "prepare", "--format", "chat", "--shard-tokens", "500"]
+    assert main(common + ["--input", s3_prefix + "src/", "--tokenizer", s3_prefix + "model/",
+                          "--output", s3_prefix + "out/", "--endpoint", rig.s3_endpoint]) == 0
+    assert main(common + ["--input", str(tmp_path / "src"), "--tokenizer", f"file://{model}",
+                          "--output", f"file://{tmp_path / 'local'}"]) == 0
+    names = {o.key for o in open_store(s3_prefix + "out/", endpoint=rig.s3_endpoint).list()}
+    assert {"manifest.json", "tokens-00000.npy", "mask-00000.npy", "tokens-00001.npy", "mask-00001.npy"} <= names
+    monkeypatch.setenv("KILN_DATA_CACHE", str(tmp_path / "cache"))
+    batches = []
+    for uri in (s3_prefix + "out/", f"file://{tmp_path / 'local'}"):
+        source = open_source(uri, seq_len=16, vocab_size=384, seed=0, endpoint=rig.s3_endpoint, chat=True)
+        batches.append(GlobalBatchLoader(source, seed=0).next_batch(8))
+    assert all(torch.equal(a, b) for a, b in zip(*batches))
+    assert (batches[0][1] == -100).any() and (batches[0][1] != -100).any()
