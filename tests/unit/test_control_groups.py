@@ -85,6 +85,15 @@ def test_the_lighthouse_is_a_deployment_and_service_from_the_trainer_image_reach
     assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["resources"]["requests"]["memory"]  # never BestEffort
+    # no GPU: neither the GPU product selector nor the GPU toleration; the spec's own pools, when it names some
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    pooled = copy.deepcopy(GROUPS)
+    pooled["spec"]["resources"].update(nodeSelector={"pool": "train"},
+                                       tolerations=[{"key": "team", "operator": "Exists", "effect": "NoSchedule"}])
+    [lh] = of(rendered(pooled), "Deployment")
+    assert lh["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "train"}
+    assert lh["spec"]["template"]["spec"]["tolerations"] == [{"key": "team", "operator": "Exists",
+                                                               "effect": "NoSchedule"}]
     # the lighthouse admits only the run's trainer pods, on its port; the trainers admit every pod of the run,
     # which is every group (groups reach each other: gradients, the managers' stores, heals from a peer)
     run = {"podSelector": {"matchLabels": {RUN_LABEL: "ft"}}}

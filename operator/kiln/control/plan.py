@@ -463,7 +463,10 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
         automount_service_account_token=False,  # it talks to no apiserver
         security_context=k.V1PodSecurityContext(run_as_non_root=True,
                                                 seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
-        # on the run's nodes' pools only if asked: no GPU, so no GPU toleration or selector
+        # the pools the spec names (resources.nodeSelector, tolerations), where the groups' pods reach it; not
+        # the GPU product selector nor the GPU toleration: it uses no GPU
+        node_selector=dict(s.resources.node_selector) or None,
+        tolerations=[k.V1Toleration(**t.model_dump(exclude_none=True)) for t in s.resources.tolerations] or None,
         priority_class_name=s.scheduling.priority_class_name,
     )
     template = {"metadata": {"labels": {**MANAGED_BY, **selector}}, "spec": ApiClient().sanitize_for_serialization(pod)}
