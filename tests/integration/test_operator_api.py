@@ -151,6 +151,11 @@ def specs(draw) -> dict:
         spec["parallelism"]["fsdp"] = False  # replicate then means nothing: no rule on it
     if draw(st.booleans()):
         spec["resources"]["gpuType"] = "NVIDIA-H200"
+    if draw(st.booleans()):  # chat data: folders only, and a tokenizer to take the chat template from
+        spec["data"]["format"] = draw(st.sampled_from(["chat", "text"]))
+        tokenizer = draw(st.sampled_from([None, "byte", "s3://m/llama/"]))
+        if tokenizer:
+            spec["data"]["tokenizer"] = tokenizer
     if draw(st.booleans()):
         spec["elastic"] = {"minNodes": draw(st.integers(1, 4)), "maxNodes": draw(st.integers(1, 6))}
         if draw(st.booleans()):
