@@ -205,3 +205,33 @@ def test_ignored_targets_add_nothing_to_the_loss_or_its_gradient(kernel):
     none = loss_of(torch.full_like(targets, IGNORE))
     none.backward()
     assert none.item() == 0 and (hidden.grad == 0).all()
+
+
+def test_kiln_eval_scores_chat_data_on_the_assistant_tokens(tmp_path, folders):
+    """kiln eval's mean loss of chat shards: the mean over all assistant tokens of the batches (each microbatch
+    weighted by its count), which a mean of microbatch means would not give."""
+    from kiln.api import ModelDims
+    from kiln.trainer.evaluate import mean_loss
+    from kiln.trainer.model import build_model
+
+    write_conversations(tmp_path / "src", [{"messages": c} for c in CONVERSATIONS * 4])
+    prepare([str(tmp_path / "src")], tokenizer_uri=f"file://{folders['plain']}", output=f"file://{tmp_path / 'out'}",
+            format="chat", dedup="none", log=lambda m: None)
+    dims = ModelDims(dim=32, layers=1, heads=2, kv_heads=2, vocab_size=384, seq_len=16, ffn_dim=64)
+    model = build_model(dims)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    loader = GlobalBatchLoader(open_source(f"file://{tmp_path / 'out'}", seq_len=16, vocab_size=384, seed=0, chat=True),
+                               seed=0)
+    with torch.no_grad():
+        loss, tokens = mean_loss(model, loader, batches=2, global_batch=4, micro_batch=1, device=torch.device("cpu"))
+        loader.samples_seen = 0
+        batches = [loader.next_batch(4) for _ in range(2)]
+        inputs, targets = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        logits = model(inputs)
+    keep = targets != IGNORE
+    want = torch.nn.functional.cross_entropy(logits[keep], targets[keep])
+    assert tokens == int(keep.sum()) and loss == pytest.approx(want.item(), rel=1e-5)
+    per_row = [torch.nn.functional.cross_entropy(logits[r][keep[r]], targets[r][keep[r]]) for r in range(8)
+               if keep[r].any()]
+    assert abs(torch.stack(per_row).mean().item() - want.item()) > 1e-3  # the rows' masks differ enough to tell

@@ -28,6 +28,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 
+from jinja2 import nodes, pass_eval_context
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from kiln.errors import KilnError
 from kiln.storage.store import ObjectNotFound
 
@@ -96,52 +101,42 @@ def load_chat_template(uri: str, endpoint: str | None = None) -> ChatTemplate:
     return ChatTemplate(store.url("tokenizer_config.json"), text, variables)
 
 
-class _Generation:
+class GenerationTracker(Extension):
     """The `{% generation %}` tag: renders its body unchanged and, while a tracker is active, records the
     [start, end) characters of the body in the output (the output so far is the blocks already yielded)."""
 
-    @staticmethod
-    def extension():
-        from jinja2 import nodes, pass_eval_context
-        from jinja2.ext import Extension
+    tags = {"generation"}
 
-        class GenerationTracker(Extension):
-            tags = {"generation"}
+    def __init__(self, environment):
+        super().__init__(environment)
+        self.tracking: ContextVar = ContextVar("kiln_generation", default=None)
+        environment.extend(generation_tracking=self.track)
 
-            def __init__(self, environment):
-                super().__init__(environment)
-                self.tracking: ContextVar = ContextVar("kiln_generation", default=None)
-                environment.extend(generation_tracking=self.track)
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_record"), [], [], body).set_lineno(lineno)
 
-            def parse(self, parser):
-                lineno = next(parser.stream).lineno
-                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return nodes.CallBlock(self.call_method("_record"), [], [], body).set_lineno(lineno)
+    @pass_eval_context
+    def _record(self, context, caller):
+        text = caller()
+        tracking = self.tracking.get()
+        if tracking is not None:
+            blocks, spans = tracking
+            start = sum(len(b) for b in blocks)
+            spans.append((start, start + len(text)))
+        return text
 
-            @pass_eval_context
-            def _record(self, context, caller):
-                text = caller()
-                tracking = self.tracking.get()
-                if tracking is not None:
-                    blocks, spans = tracking
-                    start = sum(len(b) for b in blocks)
-                    spans.append((start, start + len(text)))
-                return text
-
-            @contextmanager
-            def track(self, blocks: list[str], spans: list[tuple[int, int]]):
-                token = self.tracking.set((blocks, spans))
-                try:
-                    yield
-                finally:
-                    self.tracking.reset(token)
-
-        return GenerationTracker
+    @contextmanager
+    def track(self, blocks: list[str], spans: list[tuple[int, int]]):
+        token = self.tracking.set((blocks, spans))
+        try:
+            yield
+        finally:
+            self.tracking.reset(token)
 
 
 def _raise_exception(message):
-    from jinja2.exceptions import TemplateError
-
     raise TemplateError(message)
 
 
@@ -154,25 +149,20 @@ class ChatRenderer:
     file when it does not compile or fails for a reason other than the conversation's."""
 
     def __init__(self, template: ChatTemplate, max_chars: int = MAX_CHARS):
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         self.source, self.max_chars, self.variables = template.source, max_chars, template.variables
         self.env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                 extensions=[_Generation.extension(), jinja2.ext.loopcontrols])
+                                                 extensions=[GenerationTracker, loopcontrols])
         self.env.filters["tojson"] = _tojson
         self.env.globals.update(raise_exception=_raise_exception,
                                 strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
             self.template = self.env.from_string(template.text)
-        except jinja2.TemplateSyntaxError as err:
+        except TemplateSyntaxError as err:
             raise KilnError(f"chat template {self.source}: line {err.lineno}: {err.message}") from None
         self.has_generation = bool(GENERATION_TAG.search(template.text))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, spans: list | None = None) -> str:
         """The rendered text; `spans` collects the generation blocks' character ranges."""
-        from jinja2.exceptions import SecurityError, TemplateError
-
         blocks: list[str] = []
         size = 0
         try:

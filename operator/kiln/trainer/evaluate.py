@@ -21,6 +21,7 @@ from kiln.api import ModelDims, TrainingSpec
 from kiln.errors import KilnError
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_source
+from kiln.trainer.loss import IGNORE
 from kiln.trainer.loop import EVAL_BATCHES
 from kiln.trainer.model import build_model
 
@@ -67,7 +68,7 @@ def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None =
         source = open_source(uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
                              split="validation",
                              endpoint=os.environ.get("KILN_DATA_ENDPOINT") or endpoint or doc.spec.checkpoint.endpoint,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, chat=doc.spec.data.format == "chat")
     except KilnError as err:
         raise KilnError(f"--data: {err}" if data_uri else str(err)) from None
     return GlobalBatchLoader(source, seed=tr.seed)
@@ -115,10 +116,12 @@ def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, glob
     """(mean loss, tokens) over the first `batches` global batches of `loader`, `micro_batch` rows at a time.
 
     Like the training loop: the mean of the microbatch means, averaged over the batches (every sample has
-    the same length, so this is the mean over all tokens).
+    the same length, so this is the mean over all tokens). Chat data (data.format chat): the mean over the
+    assistant tokens, each microbatch's mean weighted by its count of them; `tokens` counts those.
     """
     loader.samples_seen = 0
     total, tokens = 0.0, 0
+    weighted, counted = 0.0, 0
     for _ in range(batches):
         inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
@@ -126,6 +129,12 @@ def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, glob
                      for i in range(0, len(inputs), micro_batch)]
         total += float(torch.stack(parts).mean())
         tokens += targets.numel()
+        if loader.masked:
+            counts = [int((targets[i:i + micro_batch] != IGNORE).sum()) for i in range(0, len(inputs), micro_batch)]
+            weighted += sum(float(p) * c for p, c in zip(parts, counts))
+            counted += sum(counts)
+    if loader.masked:
+        return weighted / max(counted, 1), counted
     return total / batches, tokens
 
 
