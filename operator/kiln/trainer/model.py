@@ -84,8 +84,9 @@ class Attention(nn.Module):
         q, k = kernels.apply_rope(q, k, cos[:seq], sin[:seq])
         # (bsz, heads, seq, head_dim) for SDPA; repeat each kv head for its group of query heads.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        k = k.repeat_interleave(self.n_rep, dim=1)
-        v = v.repeat_interleave(self.n_rep, dim=1)
+        if self.n_rep > 1:  # a copy of k and v, even for n_rep 1
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -141,6 +142,11 @@ class Transformer(nn.Module):
             h = block(h, self.rope_cos, self.rope_sin)
         if self.norm is None:
             return h
+        return self.head(h, targets)
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm, then the logits, or the loss when targets are given (kiln.trainer.parallel compiles it
+        when the reference kernels run)."""
         h = self.norm(h)
         if targets is not None and self.fused_loss:
             return kernels.fused_linear_cross_entropy(h, self.output.weight, targets)

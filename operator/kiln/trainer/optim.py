@@ -38,14 +38,16 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over every part; no weight decay on 1-D parameters (norm gains). Fused kernels on CUDA."""
+    """AdamW over every part; no weight decay on 1-D parameters (norm gains). The fused kernel on CUDA and CPU: on
+    CPU, foreach runs one kernel per parameter and per elementwise op (~10 passes over every parameter), the
+    fused one a single pass (bench_vs_torchtitan)."""
     decay, no_decay = [], []
     for part in model_parts:
         for p in part.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda"
+    fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=(0.9, 0.95), eps=1e-8, fused=fused,
                              foreach=None if fused else True)
 

@@ -163,9 +163,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (nn.Module.compile keeps parameter names)."""
+    """torch.compile each block in place (nn.Module.compile keeps parameter names), and the head (final norm,
+    output projection, loss) when the model computes its own loss with the reference kernels: fused there,
+    cross-entropy and its backward are one pass over the logits instead of several. The Triton kernels are
+    fused already, and under TP or PP the loss is taken outside."""
+    from kiln.trainer import kernels
+
     for block in model.layers.values():
         block.compile()
+    if model.norm is not None and model.fused_loss and kernels.reference_runs():
+        model.head = torch.compile(model.head)
 
 
 # --- data parallel ----------------------------------------------------------------------------------------
@@ -183,7 +190,8 @@ def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str, compressi
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if precision == "bf16" \
         else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     # Pipeline schedules run several microbatches forward before backward: keep params gathered meanwhile.
-    reshard = layout.pp == 1
+    # One shard per parameter (dp_shard 1): resharding frees no memory and costs a second gather in backward.
+    reshard = layout.pp == 1 and layout.dp_shard > 1
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -46,6 +46,11 @@ def _load_triton_ops() -> tuple[ModuleType | None, str]:
 _TRITON_OPS, _NO_TRITON_WHY = _load_triton_ops()
 
 
+def reference_runs() -> bool:
+    """True when no call can take the Triton kernels (mode reference, or no CUDA/Triton here)."""
+    return _MODE != "fused" or _TRITON_OPS is None
+
+
 def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, compiled: bool = False) -> str:
     """One line for the start of a run: which implementation the ops run with, and why when not Triton.
     Mirrors the per-call choice in `_fused` for a model of width `dim` on `device`."""
@@ -110,5 +115,5 @@ def fused_linear_cross_entropy(
     return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
 
 
-__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe", "reference",
-           "MODES"]
+__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe",
+           "reference_runs", "reference", "MODES"]
