@@ -10,7 +10,14 @@ as a slow one. Reported, against a reference run without kills measured in the s
   kill_to_step_s    mean and max time from a kill to the next completed step (restart + restore + one step)
   steps_redone      steps trained twice (done after the last commit before a kill)
   final_loss_diff   faulty - reference final loss (0: the resumes were exact)
-Each kill's time, killed rank, restored step, recovery time and redone steps are in faulty.kills.
+  restart_breakdown where kill → next step goes, from the trainer's own marks (`startup` in the first record
+                    of each process): respawn (kill → the new process exists: torchrun sees the dead worker,
+                    stops the others, starts a generation), imports (interpreter, torch, kiln), rendezvous
+                    (init_process_group), model (build, parallelize, initialise, optimizer), restore (data,
+                    checkpoint read and load), first_step (the first step, compile included when on); mean and
+                    max over the kills, and the same phases of the reference run's cold start (launch → first
+                    step) for scale, measured in the same invocation
+Each kill's time, killed rank, restored step, recovery time, redone steps and breakdown are in faulty.kills.
 
     python -m tests.bench.bench_faults [--steps 400] [--kill-every 100] [--out runs/bench/faults.json]
     python -m tests.bench.bench_faults --steps 1600 --kill-every 300 --max-kills 5   # 5 kills
@@ -33,6 +40,28 @@ def spec(path: Path, steps: int, interval: int) -> Path:
     return write_spec(path, nproc=2, training={"steps": steps, "globalBatchSize": 8, "microBatchSize": 2,
                                                "seed": 1, "logEvery": 1},
                       checkpoint={"intervalSteps": interval, "keep": 2})
+
+
+PHASES = (("respawn", None, "process_start"), ("imports", "process_start", "imports_done"),
+          ("rendezvous", "imports_done", "rendezvous_done"), ("model", "rendezvous_done", "model_built"),
+          ("restore", "model_built", "restored"), ("first_step", "restored", "first_step_done"))
+
+
+def breakdown(started_at: float, marks: dict | None) -> dict | None:
+    """Seconds of each phase of a start, from `started_at` (the kill, or the launch) through the trainer's marks."""
+    if not marks or marks.get("process_start") is None:
+        return None
+    out = {name: marks[end] - (started_at if begin is None else marks[begin]) for name, begin, end in PHASES}
+    out["total"] = marks["first_step_done"] - started_at
+    return out
+
+
+def summarize(parts: list[dict]) -> dict | None:
+    """Mean and max of each phase over several starts."""
+    if not parts:
+        return None
+    return {name: {"mean": sum(p[name] for p in parts) / len(parts), "max": max(p[name] for p in parts)}
+            for name in (*(n for n, _, _ in PHASES), "total")}
 
 
 def kill_steps(steps: int, every: int, max_kills: int) -> list[int]:
@@ -59,6 +88,10 @@ def main(argv=None) -> dict:
         faulty = torchrun_train_with_kills(run_spec, tmp / "faulty", log=Path(f"{logs}.faulty.log"),
                                            kill_at_steps=planned, total_steps=args.steps, max_restarts=100)
     rec = [k["kill_to_step_s"] for k in faulty["kills"] if "kill_to_step_s" in k]
+    for k in faulty["kills"]:
+        k["breakdown"] = breakdown(k["at_epoch"], k.get("startup"))
+    restarts = [k["breakdown"] for k in faulty["kills"] if k["breakdown"]]
+    cold, summary = breakdown(ref["t0_epoch"], ref.get("startup")), summarize(restarts)
     report = {
         "benchmark": "faults", "steps": args.steps, "checkpoint_interval_steps": args.interval,
         "kill_at_steps": planned, "reference": ref, "faulty": faulty,
@@ -68,6 +101,12 @@ def main(argv=None) -> dict:
         "mean_kill_to_step_s": sum(rec) / len(rec) if rec else None,
         "max_kill_to_step_s": max(rec) if rec else None,
         "steps_redone": sum(k.get("steps_redone", 0) for k in faulty["kills"]),
+        "restart_breakdown": summary,
+        "cold_start_breakdown": cold,
+        # share of a restart's time that is each phase, and a restart against the cold start of the reference
+        "restart_share": ({name: v["mean"] / summary["total"]["mean"] for name, v in summary.items()
+                           if name != "total"} if summary else None),
+        "restart_vs_cold_start": summary["total"]["mean"] / cold["total"] if summary and cold else None,
         "final_loss_diff": (faulty["final_loss"] - ref["final_loss"]
                             if None not in (faulty["final_loss"], ref["final_loss"]) else None),
         "both_finished": ref["rc"] == faulty["rc"] == 0 and ref["final_step"] == faulty["final_step"] == args.steps,

@@ -202,7 +202,8 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
     workers have logged a step. Returns rc (None: timed out, a hung restart), wall_s, final_step, final_loss,
     worker_group_failures (torchrun logs one per failed group) and per kill: at_s, at_step (the step reported
     when it struck), rank, kill_to_step_s (kill → first step of the new workers), resumed_from_step (the commit
-    restored) and steps_redone.
+    restored), steps_redone, at_epoch and startup (the new generation's rank 0's epoch marks from its first
+    record, kiln.trainer.loop); `startup` at the top level is the first generation's, t0_epoch the launch.
 
     Recovery is the first metrics line the *new* workers wrote: a resume rewrites metrics.jsonl (truncated to
     the restored commit, then appended), so a line count can drop and rise again mid-rewrite, and the killed
@@ -222,7 +223,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
            f"--max-restarts={max_restarts}", "-m", "kiln.cli.main", "train", "--config", str(spec),
            "--output", str(out)]
     metrics = out / "metrics.jsonl"
-    t0 = time.monotonic()
+    t0, t0_epoch = time.monotonic(), time.time()
     log.parent.mkdir(parents=True, exist_ok=True)
     log_file = log.open("w")  # torchrun's and the workers' output: why a generation failed, if one did
     proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -257,7 +258,8 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
                         victim = workers[len(kills) % len(workers)]
                         rank = _rank_of(victim)
                         os.kill(victim, signal.SIGKILL)
-                        pending = {"at_s": now - t0, "at_step": step, "rank": rank, "old": set(workers),
+                        pending = {"at_s": now - t0, "at_epoch": time.time(), "at_step": step, "rank": rank,
+                                   "old": set(workers),
                                    "lines": lines}
                         kills.append(pending)
                 continue
@@ -272,6 +274,8 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
                 continue  # restoring, or in the middle of rewriting the file
             pending.update(kill_to_step_s=now - t0 - pending["at_s"], resumed_from_step=first_new,
                            steps_redone=peak - first_new)
+            # the new generation's own marks of where its start went (kiln.trainer.loop: `startup`)
+            pending["startup"] = json.loads(lines[first_new]).get("startup")
             pending, peak = None, len(lines)
     finally:
         if proc.poll() is None:  # timed out, interrupted, or the watcher failed: leave no training behind
@@ -284,6 +288,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
         del k["old"], k["lines"]
     # torchrun's agent logs each failed worker group once: more failures than kills = failures of its own
     failures = log.read_text(errors="replace").count("failed (exitcode")
-    return {"rc": None if timed_out else proc.returncode, "wall_s": wall,
+    return {"rc": None if timed_out else proc.returncode, "wall_s": wall, "t0_epoch": t0_epoch,
+            "startup": records[0].get("startup") if records else None,  # the first generation's start
             "final_step": records[-1]["step"] if records else 0, "kills": kills,
             "worker_group_failures": failures, "final_loss": records[-1]["loss"] if records else None}
