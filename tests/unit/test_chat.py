@@ -235,3 +235,28 @@ def test_kiln_eval_scores_chat_data_on_the_assistant_tokens(tmp_path, folders):
     per_row = [torch.nn.functional.cross_entropy(logits[r][keep[r]], targets[r][keep[r]]) for r in range(8)
                if keep[r].any()]
     assert abs(torch.stack(per_row).mean().item() - want.item()) > 1e-3  # the rows' masks differ enough to tell
+
+
+def test_chat_batches_resume_at_another_world_size(tmp_path, folders):
+    """The masks are a pure function of the sample, like its tokens: a run resumed from the cursor on 2
+    data-parallel ranks reads the targets (and IGNOREs) a 1-rank run would have read."""
+    write_conversations(tmp_path / "src", [{"messages": c} for c in CONVERSATIONS * 3])
+    prepare([str(tmp_path / "src")], tokenizer_uri=f"file://{folders['plain']}", output=f"file://{tmp_path / 'out'}",
+            format="chat", dedup="none", log=lambda m: None)
+
+    def loader(rank: int = 0, size: int = 1) -> GlobalBatchLoader:
+        source = open_source(f"file://{tmp_path / 'out'}", seq_len=8, vocab_size=400, seed=5, chat=True)
+        return GlobalBatchLoader(source, seed=5, dp_rank=rank, dp_size=size)
+
+    one = loader()
+    one.next_batch(4)
+    state = one.state_dict()
+    want_inputs, want_targets = one.next_batch(4)
+    halves = []
+    for rank in range(2):
+        resumed = loader(rank, 2)
+        resumed.load_state_dict(state)
+        halves.append(resumed.next_batch(4))
+    assert torch.equal(torch.cat([h[0] for h in halves]), want_inputs)
+    assert torch.equal(torch.cat([h[1] for h in halves]), want_targets)
+    assert (want_targets == IGNORE).any() and (want_targets != IGNORE).any()
