@@ -132,9 +132,13 @@ def test_template_problems_are_named(tmp_path, folders):
     with pytest.raises(ChatRefused, match="only user turns") as refused:
         renderer("{{ raise_exception('only user turns') }}").assistant_spans(conversation)
     assert refused.value.reason == "template_refused"
-    with pytest.raises(ChatRefused) as refused:  # bounded output: stops once past max_chars
-        renderer("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}").assistant_spans(conversation)
-    assert refused.value.reason == "too_long"
+    for huge in ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # bounded output: stops past max_chars
+                 "{{ 'x' * 1000000000 }}", "{{ [1] * 1000000000 }}"):  # one value repeated past it: never built
+        with pytest.raises(ChatRefused) as refused:
+            renderer(huge).assistant_spans(conversation)
+        assert refused.value.reason == "too_long", huge
+    with pytest.raises(KilnError, match="refused by the sandbox: the exponent 1000000000 is past 4096"):
+        renderer("{{ 2 ** 1000000000 }}").assistant_spans(conversation)
     with pytest.raises(ChatRefused) as refused:  # renders only the last message: not an extension of the prefix
         renderer("{{ messages[-1].content }}").assistant_spans(conversation)
     assert refused.value.reason == "template_not_incremental"

@@ -5,7 +5,8 @@ OpenAI / Hugging Face format). The template is the Jinja string of the model fol
 `tokenizer_config.json` (`chat_template`), the file transformers' `apply_chat_template` reads. It is untrusted
 input: it is compiled and rendered only in jinja2's `ImmutableSandboxedEnvironment` (no attribute access to
 Python internals, no mutation of the data it is given), with the helpers transformers gives templates
-(`raise_exception`, `tojson`, `strftime_now`), and a rendering stops once it passes `max_chars`.
+(`raise_exception`, `tojson`, `strftime_now`); a rendering stops once it passes `max_chars`, as does a value
+repeated past it with `*`, and a `**` exponent past MAX_EXPONENT stops the template (`BoundedSandbox`).
 
 Which characters are the assistant's (`assistant_spans`):
 - a template with `{% generation %}` ... `{% endgeneration %}` blocks marks them itself (as transformers'
@@ -37,7 +38,6 @@ from kiln.errors import KilnError
 from kiln.storage.store import ObjectNotFound
 
 MAX_CHARS = 4_000_000  # a rendered conversation past this is refused: a template cannot make unbounded output
-TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -84,7 +84,7 @@ def load_chat_template(uri: str, endpoint: str | None = None) -> ChatTemplate:
     if not isinstance(config, dict):
         raise KilnError(f"data.tokenizer {uri}: {store.url('tokenizer_config.json')} is not a JSON object")
     variables = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
-    try:  # transformers >= 4.43 saves the template in its own file, which takes precedence
+    try:  # newer transformers versions save the template in its own file, which takes precedence
         text = store.get_bytes("chat_template.jinja").decode("utf-8")
         return ChatTemplate(store.url("chat_template.jinja"), text, variables)
     except ObjectNotFound:
@@ -144,14 +144,35 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+MAX_EXPONENT = 4096  # `**` past this in a template is refused: 2 ** 10 ** 9 would run (and grow) for ever
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, plus bounds on the operators that make huge values from small ones: a string
+    or list repeated with `*` past `max_chars` refuses the conversation, and a `**` exponent past MAX_EXPONENT
+    stops the template (the output itself is bounded in ChatRenderer._render)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+    max_chars = MAX_CHARS
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > self.max_chars:
+                    raise ChatRefused("too_long", f"repeats a value past {self.max_chars:,} characters")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise SecurityError(f"the exponent {right} is past {MAX_EXPONENT}")
+        return super().call_binop(context, operator, left, right)
+
+
 class ChatRenderer:
     """A compiled chat template: render(messages) and assistant_spans(messages). KilnError naming the template's
     file when it does not compile or fails for a reason other than the conversation's."""
 
     def __init__(self, template: ChatTemplate, max_chars: int = MAX_CHARS):
         self.source, self.max_chars, self.variables = template.source, max_chars, template.variables
-        self.env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                 extensions=[GenerationTracker, loopcontrols])
+        self.env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, loopcontrols])
+        self.env.max_chars = max_chars
         self.env.filters["tojson"] = _tojson
         self.env.globals.update(raise_exception=_raise_exception,
                                 strftime_now=lambda fmt: datetime.now().strftime(fmt))
