@@ -243,7 +243,7 @@ def placed(rig, kueue, ns: str, name: str, level: str) -> list[str]:
 
 
 def test_required_rack_lands_in_one_rack_and_a_run_no_rack_can_hold_waits_with_kueues_reason(
-        rig, kueue, ns, operator, racks):
+        rig, kueue, ns, operator, racks, capsys):
     try:
         submit(rig, ns, pool_run(rig, "one-rack", 2, {"level": kueue.RACK_LABEL, "mode": "required"}))
         submit(rig, ns, pool_run(rig, "too-wide", 3, {"level": kueue.RACK_LABEL}))  # a rack has 2 hosts
@@ -260,6 +260,9 @@ def test_required_rack_lands_in_one_rack_and_a_run_no_rack_can_hold_waits_with_k
         assert topology["levels"][-1] == kueue.HOST_LABEL, topology
         assert sorted(d.split("/")[-1] for d in topology["domains"]) == sorted(
             p["spec"]["nodeName"] for p in running_pods(rig, ns, "one-rack")), topology
+        assert main(["status", "one-rack", "-n", ns, "--kubeconfig", str(rig.kubeconfig)]) == 0
+        out = capsys.readouterr().out
+        assert kueue.POOL_FLAVOR in out and all(d in out for d in topology["domains"]), out
         # kiln's forced re-apply after a spec edit keeps the flavor's toleration Kueue added to the template:
         # a pod made again (a restart) must still tolerate the pool's taint
         flavor_toleration = kueue.pool_flavor()["spec"]["tolerations"][0]

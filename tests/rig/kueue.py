@@ -67,6 +67,13 @@ CONVERTED_CRDS = ("localqueues", "clusterqueues", "cohorts", "workloads", "multi
 METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
 
 
+# VisibilityOnDemand serves an aggregated API (an APIService the rig does not register): off.
+# TASReplaceNodeOnNodeTaints (beta, on in v0.17.0) judges a node's taints by the Workload's own pod templates,
+# not counting the tolerations the ResourceFlavor adds at admission (kubernetes-sigs/kueue#11152): it took
+# the topology pool's tainted nodes for failed and failed the pods of runs it had just placed there. Off.
+FEATURE_GATES = "VisibilityOnDemand=false,TASReplaceNodeOnNodeTaints=false"
+
+
 def kueue_dir() -> Path:
     return cluster.run_dir() / "kueue"
 
@@ -232,7 +239,7 @@ def running() -> bool:
     if not state or state.get("rig_started") != _rig_started() or "ready" not in state:
         return False
     info = state["procs"]["kueue"]
-    return cluster._alive(info["pid"], info["exe"]) and _ready()
+    return state.get("feature_gates") == FEATURE_GATES and cluster._alive(info["pid"], info["exe"]) and _ready()
 
 
 def _ready() -> bool:
@@ -284,10 +291,9 @@ def _start(rig: cluster.Rig) -> None:
     rig.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                 *[f"crd/{c['metadata']['name']}" for c in crds()])
     procs: dict = {}
-    state = {"procs": procs, "rig_started": _rig_started()}
+    state = {"procs": procs, "rig_started": _rig_started(), "feature_gates": FEATURE_GATES}
     exe = str(build.bin_dir(build.KUEUE) / "kueue")
-    # VisibilityOnDemand serves an aggregated API (an APIService the rig does not register): off.
-    cluster._start("kueue", [exe, f"--config={kd / 'config.yaml'}", "--feature-gates=VisibilityOnDemand=false",
+    cluster._start("kueue", [exe, f"--config={kd / 'config.yaml'}", f"--feature-gates={FEATURE_GATES}",
                              f"--kubeconfig={rig.kubeconfig}", "--zap-log-level=info"], procs)
     _state_path().write_text(json.dumps(state))
     try:

@@ -5,10 +5,11 @@ The same output through a real pipe from a real apiserver: tests/integration/tes
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
-from kiln.cli.cluster_cmds import _print_table, as_data, condition_table, plain_table, status_table
+from kiln.cli.cluster_cmds import _print_table, as_data, condition_table, plain_table, queue_table, status_table
 
 LONG = "llama-8b-pretrain-with-a-very-long-experiment-name-that-goes-on-0123456789"
 
@@ -65,3 +66,15 @@ def test_data_is_the_objects_without_managed_fields():
     assert one["status"] == STATUS and one["metadata"]["name"] == LONG and "managedFields" not in one["metadata"]
     many = as_data([_item("a"), _item("b")], name=None)
     assert many["kind"] == "List" and [i["metadata"]["name"] for i in many["items"]] == ["a", "b"]
+
+
+def test_one_queued_run_shows_its_queue_and_once_admitted_where_kueue_placed_it():
+    assert queue_table(_item("plain", **STATUS)) is None  # no scheduling.queue: no table
+    waiting = plain_table(*queue_table(_item("q", queue={"name": "team-a"})))
+    assert waiting.splitlines()[1].split() == ["team-a", "not", "yet"]
+    admitted = {"name": "team-a", "admittedAt": "2026-01-01T00:01:00Z", "clusterQueue": "gpus",
+                "flavors": ["h200-racks"], "topology": {"levels": ["kubernetes.io/hostname"],
+                                                        "domains": ["node-b0-r0-h0", "node-b0-r0-h1"]}}
+    row = plain_table(*queue_table(_item("q", queue=admitted))).splitlines()[1]
+    assert re.split(r"\s{3,}", row)[:4] == ["team-a", "gpus", "h200-racks", "2026-01-01T00:01:00Z"]
+    assert row.endswith("kubernetes.io/hostname: node-b0-r0-h0, node-b0-r0-h1")

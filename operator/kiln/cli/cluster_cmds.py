@@ -172,6 +172,20 @@ def condition_table(item: dict) -> tuple[list[str], list[list[str]]]:
         [c["type"], c["status"], c.get("reason", ""), c.get("message", "")] for c in conditions]
 
 
+def queue_table(item: dict) -> tuple[list[str], list[list[str]]] | None:
+    """scheduling.queue: the LocalQueue and, once Kueue admitted the run, its ClusterQueue, flavors, when,
+    and the topology domains it placed it in; None for a run without a queue (why it waits: condition Queued)."""
+    queue = (item.get("status") or {}).get("queue")
+    if not queue:
+        return None
+    topology = queue.get("topology") or {}
+    where = f"{', '.join(topology.get('levels') or [])}: {', '.join(topology['domains'])}" if topology.get(
+        "domains") else ""
+    return ["QUEUE", "CLUSTERQUEUE", "FLAVORS", "ADMITTED", "TOPOLOGY"], [
+        [queue["name"], queue.get("clusterQueue", ""), ", ".join(queue.get("flavors") or []),
+         queue.get("admittedAt") or "not yet", where]]
+
+
 def group_table(item: dict) -> tuple[list[str], list[list[str]]] | None:
     """elastic.faultTolerance replicaGroups: each group's job, phase, pods and restarts (operator), and the
     last quorum (trainer) in the header; None for a run without replica groups."""
@@ -255,6 +269,8 @@ def status(args) -> int:
     if args.name:
         if (groups := group_table(items[0])) is not None:
             _print_table(console, *groups, phase_column=2)
+        if (queue := queue_table(items[0])) is not None:
+            _print_table(console, *queue)
         _print_table(console, *condition_table(items[0]))
     return 0
 
