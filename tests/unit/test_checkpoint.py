@@ -17,6 +17,7 @@ from kiln.errors import KilnError
 from kiln.storage import FileStore
 from kiln.storage.commit import committed_steps
 from kiln.trainer import checkpoint as ckpt_mod
+from kiln.trainer import checkpoint_restore
 from kiln.trainer.checkpoint import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
 
 
@@ -269,7 +270,7 @@ def test_restore_from_a_remote_store_reads_each_shard_once_or_twice_when_memory_
     snaps = run(tmp_path, 2, interval_steps=2)
     store = RemoteLike(tmp_path)
     if memory == "short":
-        monkeypatch.setattr(ckpt_mod, "memory_available", lambda: 1 << 10)
+        monkeypatch.setattr(checkpoint_restore, "memory_available", lambda: 1 << 10)
     model, opt = make(seed=1)
     with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
         ck = Checkpointer(CheckpointSpec(uri=f"file://{tmp_path}"), default_uri="", rank=0, world_size=1, store=store)

@@ -1,0 +1,243 @@
+"""Restoring a checkpoint: the newest commit whose files match it, from host memory or the store; a file
+that would run code stops the restore (kiln.trainer.checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from kiln.errors import KilnError
+from kiln.storage.commit import (
+    committed_steps,
+    fetch_verified,
+    read_commit,
+    read_latest,
+    read_trainer_state,
+    step_dir,
+    verify_files,
+)
+from kiln.trainer.checkpoint_state import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, UnsafeCheckpoint
+from kiln.trainer.shm_copy import read_shm_copy
+
+log = logging.getLogger("kiln.checkpoint")
+
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's shard names: __<rank>_<n>.distcp
+
+
+def _reader_rank(name: str, world_size: int) -> int:
+    """The rank that verifies (and loads from its local copy) a checkpoint file on restore."""
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) % world_size if m else 0
+
+
+def memory_available() -> int:
+    """Bytes of host memory the kernel can hand out without swapping (MemAvailable); 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _unsafe(err: BaseException) -> UnsafeCheckpoint | None:
+    """The UnsafeCheckpoint behind a load failure: DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(err, UnsafeCheckpoint):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, UnsafeCheckpoint):
+            return inner
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+    return (lines[-1] if lines else type(err).__name__)[:300]
+
+
+class CheckpointRestore:
+    """Checkpointer's restores: the newest verified commit, from host memory or the store."""
+
+    def _bcast(self, obj):
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    def restore(self, model_parts, optimizers) -> dict | None:
+        """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
+        Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit."""
+        self.wait()
+        listing = None
+        if self.rank == 0:
+            try:
+                listing = committed_steps(self.store)
+            except (KilnError, OSError) as err:  # every rank raises it, none waits for rank 0
+                listing = f"cannot list checkpoints at {self.store.uri}: {err}"
+        candidates = self._bcast(listing)
+        if isinstance(candidates, str):
+            raise KilnError(candidates)
+        if self.rank == 0:
+            latest = read_latest(self.store)
+            if candidates and latest is not None and latest != candidates[0]:
+                log.warning(
+                    "checkpoint: 'latest' says step %s, but step %s is committed; using the commit",
+                    latest,
+                    candidates[0],
+                )
+        for step in candidates:
+            if step == candidates[0]:
+                trainer_state = self._restore_from_memory(step, model_parts, optimizers)
+                if trainer_state is not None:
+                    return trainer_state
+            t0 = time.perf_counter()
+            problems, fetched = self._fetch_verified(step)
+            if problems:
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint step %d at %s is damaged (%s); falling back to the previous commit",
+                        step,
+                        self.store.url(step_dir(step)),
+                        "; ".join(problems),
+                    )
+                continue
+            try:
+                self._load(step, model_parts, optimizers, StoreFS(self.store, fetched=fetched))
+            except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
+                self._refuse_if_unsafe(step, err)
+                raise KilnError(
+                    f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
+                    f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
+                ) from None
+            return self._restored(step, read_trainer_state(self.store, step), self.store.url(step_dir(step)), t0)
+        return None
+
+    def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
+        state, keys = collect_state(model_parts, optimizers)
+        reader = StoreReader(fs, step_dir(step))  # and its planner: nothing in the files runs as code
+        try:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except (Exception, CheckpointException):
+            if reader.refused is not None:  # what this rank refused, in its own words (DCP may fold it into text)
+                raise reader.refused from None
+            raise
+        for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
+            set_state_dict(
+                model,
+                opts,
+                model_state_dict={k: state["model"][k] for k in mkeys},
+                optim_state_dict={k: state["optim"][k] for k in okeys},
+                options=STATE_OPTIONS,
+            )
+
+    def _restored(self, step: int, trainer_state: dict, source: str, t0: float) -> dict:
+        meta = trainer_state.get("kiln", {})
+        book = meta.get("checkpoint", {})
+        self._run_seconds = float(book.get("run_seconds", 0.0))
+        # a restart from a non-final checkpoint means the previous process died: count it for the MTBF
+        self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
+        self.last_saved_step = self.last_committed_step = step
+        self.last_restore_source = "memory" if source == "memory" else self.store.url("")
+        if self.rank == 0:
+            log.info("checkpoint: restored step %d from %s in %.2fs", step, source, time.perf_counter() - t0)
+        return trainer_state
+
+    def _restore_from_memory(self, step: int, model_parts, optimizers) -> dict | None:
+        """Load the newest commit from the ranks' host-memory copies when every rank has a whole one for this
+        step and world size (all ranks agree, so all take the same path); else None and the store is used.
+        Only the small files (COMMIT, .metadata, trainer.json) and shards no rank on this node holds are read
+        from the store, each checked against COMMIT first."""
+        if self._shm is None and not self._distributed:
+            return None
+        t0 = time.perf_counter()
+        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        if isinstance(commit, str):
+            return None  # the store path reports it
+        mine = read_shm_copy(self._shm, step, self.world_size, commit) if self._shm is not None else "off"
+        reasons = [mine if isinstance(mine, str) else None]
+        if self._distributed:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, mine if isinstance(mine, str) else None, group=self._pg)
+        if any(reasons):
+            why = [f"rank {r}: {w}" for r, w in enumerate(reasons) if w and w != "off"]
+            if self.rank == 0 and why:
+                log.warning("checkpoint step %d: not restoring from host memory (%s); reading the store", step, "; ".join(why))
+            return None
+        local = dict(mine)
+        for other in sorted(self._shm.parent.glob("rank-*")):  # the other ranks on this node checked theirs
+            copy = read_shm_copy(other, step, self.world_size, commit, hash=False) if other != self._shm else {}
+            if not isinstance(copy, str):
+                local = {**copy, **local}
+        checked: set[str] = set()
+
+        def check_remote(name: str) -> None:
+            if name not in checked:
+                problems = verify_files(self.store, step, commit, [name])
+                if problems:
+                    raise KilnError(f"{self.store.url(step_dir(step))}: " + "; ".join(problems))
+                checked.add(name)
+
+        try:
+            fs = StoreFS(self.store, local_files=local, check_remote=check_remote)
+            self._load(step, model_parts, optimizers, fs)
+            check_remote("trainer.json")
+            trainer_state = read_trainer_state(self.store, step)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP fails on every rank alike
+            self._refuse_if_unsafe(step, err)
+            if self.rank == 0:
+                log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
+            return None
+        return self._restored(step, trainer_state, "memory", t0)
+
+    def _refuse_if_unsafe(self, step: int, err: BaseException) -> None:
+        """A file that would run code stops the restore, on every rank: no fallback to an older commit, which
+        the same writer may have prepared too."""
+        unsafe = _unsafe(err)
+        if unsafe is not None:
+            raise KilnError(f"checkpoint step {step} at {self.store.url(step_dir(step))}: {unsafe}") from None
+
+    def _fetch_verified(self, step: int) -> tuple[list[str], dict[str, list[bytes]]]:
+        """Every rank checks its share of the files (size + sha256) against COMMIT, reading each once and, from
+        a remote store, keeping the checked bytes for DCP to load: a rank's share is the shards it wrote
+        (`__<rank>_<n>.distcp`, what it loads again at the same world size), the rest goes to rank 0.
+        Returns the problems of all ranks (gathered, so all ranks agree) and this rank's verified bytes."""
+        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        if isinstance(commit, str):
+            return [commit], {}
+        names = [n for n in sorted(commit.files) if _reader_rank(n, self.world_size) == self.rank]
+        share = sum(commit.files[n].size for n in names)
+        # The checked bytes wait in host memory until DCP has loaded them; a share too big for that is checked
+        # here and read from the store a second time by the loader instead.
+        keep = share <= memory_available() // 2
+        if not keep:
+            log.warning(
+                "checkpoint step %d: rank %d's %d MiB do not fit in half the available host memory; checking "
+                "them, then downloading them again to load",
+                step,
+                self.rank,
+                share >> 20,
+            )
+        mine, fetched = fetch_verified(self.store, step, commit, names, keep=keep)
+        if not self._distributed:
+            return mine, fetched
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._pg)
+        return [p for part in everyone for p in part], fetched
+
+    def _read_commit_or_none(self, step: int):
+        try:
+            return read_commit(self.store, step)
+        except (KilnError, OSError) as err:
+            return f"COMMIT unreadable: {err}"
