@@ -27,12 +27,14 @@ quickstart: $(PY)
 	$(PY) -m pip install -q -e '.[train]'
 	$(VENV)/bin/kiln run manifests/samples/quickstart.yaml --output runs/quickstart
 
-# The rig's control plane and S3, its real node (kubelet, containerd, CNI, CoreDNS), and kiln's two images
-# built from images/ for that node: all cached under $(KILN_CACHE_DIR) (default .cache/), so a rerun is fast.
+# The rig's control plane and S3, its real node (kubelet, containerd, CNI, CoreDNS), kiln's two images
+# built from images/ for that node, and the Prometheus server and promtool the tests run (tests/prometheus.py):
+# all cached under $(KILN_CACHE_DIR) (default .cache/), so a rerun is fast.
 rig: install
 	$(PY) -m tests.rig build
 	$(PY) -m tests.rig build --node
 	$(PY) -m tests.rig.images
+	$(PY) -m tests.prometheus
 
 test: rig
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -216,3 +216,7 @@ def declared_families(prom: Prometheus) -> set[str]:
 def excused(selector: str, declared: set[str]) -> bool:
     name = metric_name(selector)
     return name in NO_SAMPLES_ON_CPU and family(name) in declared
+
+
+if __name__ == "__main__":  # `make rig`: build both before the tests, outside any test's timeout
+    print(server(), promtool(), sep="\n")
