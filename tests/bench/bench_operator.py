@@ -12,9 +12,10 @@ through a counting proxy while `--count-calls` TrainingSpecs are created at once
 
 Scale (`--scale-runs N --scale-pods M`): M pods that hold no GPU on a kwok node (the cluster's other work) and N
 running TrainingSpecs; each operator tree given with `--tree LABEL=PATH` (e.g. the code before a change, from
-`git worktree add`) runs cluster-wide against them in turn, through the counting proxy. Once every run has ticked,
-a window of `--window-ticks` elastic ticks (counted by the operator's own metric) measures its CPU seconds, RSS,
-API requests (and bytes read) per tick and per second. Cluster-wide operators act on every namespace: run this
+`git worktree add`) runs cluster-wide against them in turn, through the counting proxy. Once its first tick ran
+(kopf runs no handler before its watches delivered every pod), a window of `--window-ticks` elastic ticks
+(counted by the operator's own metric) measures its CPU seconds, RSS, API requests (and bytes read) per tick
+and per second; each tree's result is also printed as soon as it is measured. Cluster-wide operators act on every namespace: run this
 part on a rig of its own (tests/rig: KILN_CACHE_DIR and KILN_RIG_PORT_OFFSET), never on a shared one.
 
     python -m tests.bench.bench_operator [--count 200] [--count-calls 20] [--out runs/bench/operator.json]
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import ssl
@@ -45,6 +47,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 from kubernetes import client, config as kconfig, watch
+from kubernetes.client.exceptions import ApiException
 
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client, object_path
@@ -225,8 +228,15 @@ def create_specs(kube: Kube, namespace: str, bodies: list[dict]) -> dict[str, fl
 
 def create(kube: Kube, obj: dict) -> None:
     """POST one object of a kind kiln writes (kiln.control.kube.PLURALS) to its collection."""
-    kube.api.call_api(object_path(obj).rsplit("/", 1)[0], "POST", header_params={"Content-Type": "application/json"},
-                      body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+    released(kube.api.call_api(object_path(obj).rsplit("/", 1)[0], "POST",
+                               header_params={"Content-Type": "application/json"}, body=obj,
+                               auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True))
+
+
+def released(response) -> None:
+    """Read a raw response to its end and hand its connection back (else each request keeps a socket open)."""
+    response.data
+    response.release_conn()
 
 
 def reference_objects(namespace: str, count: int) -> dict[str, list[dict]]:
@@ -380,7 +390,9 @@ class TreeOperator:
 
 
 def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_ticks: int, log: Path) -> dict:
-    """Start the tree's operator; once every run has its job and has ticked, count a window of ticks."""
+    """Start the tree's operator; once every run has its job and the first tick ran, count a window of ticks."""
+    from kiln.control.handlers import TICK_S
+
     proxy = CountingProxy(rig.kubeconfig)
     start = time.monotonic()
     op = TreeOperator(tree, proxy.kubeconfig(log.with_suffix(".kubeconfig")), log, f"default/bench-{tree.name}")
@@ -389,11 +401,13 @@ def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_
             return len(kube.custom.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")
                        ["items"])
         wait_until(f"{runs} PyTorchJobs", lambda: jobs() >= runs, alive=op.alive)
-        wait_until(f"{runs} elastic ticks (every run once)", lambda: op.ticks() >= runs, alive=op.alive)
+        # started: its watches have delivered every pod (kopf runs no handler before its indexes are full)
+        wait_until("the first elastic tick", lambda: op.ticks() >= 1, alive=op.alive, timeout=3600)
         ready_s, startup_cpu = time.monotonic() - start, cpu_s(op.proc.pid)
         t0, cpu0, ticks0, calls0, bytes0 = time.monotonic(), cpu_s(op.proc.pid), op.ticks(), len(proxy.calls), \
             proxy.bytes_read
-        wait_until(f"{window_ticks} more elastic ticks", lambda: op.ticks() >= ticks0 + window_ticks, alive=op.alive)
+        wait_until(f"{window_ticks} more elastic ticks", lambda: op.ticks() >= ticks0 + window_ticks, alive=op.alive,
+                   timeout=3600)
         t1, cpu1, ticks1 = time.monotonic(), cpu_s(op.proc.pid), op.ticks()
         window = proxy.calls[calls0:]
         read = proxy.bytes_read - bytes0
@@ -403,25 +417,42 @@ def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_
         op.stop()
     ticks, secs = ticks1 - ticks0, t1 - t0
     kinds = Counter(call_kind(m, path) for _, m, path in window)
-    return {"startup_s": ready_s, "startup_cpu_s": startup_cpu, "window_s": secs, "ticks": ticks,
+    result = {"startup_s": ready_s, "startup_cpu_s": startup_cpu, "window_s": secs, "ticks": ticks,
             "tick_errors_total": errors, "cpu_s": cpu1 - cpu0, "cpu_ms_per_tick": 1000 * (cpu1 - cpu0) / ticks,
             "cpu_cores_busy": (cpu1 - cpu0) / secs, "requests": len(window), "requests_per_s": len(window) / secs,
             "requests_per_tick": len(window) / ticks, "mib_read_per_tick": read / ticks / 2**20,
             "by_kind_per_tick": {k: round(v / ticks, 3) for k, v in kinds.most_common()},
-            "rss_mib": rss / 1024, "peak_rss_mib": peak / 1024}
+            "rss_mib": rss / 1024, "peak_rss_mib": peak / 1024,
+            # what every run ticking every TICK_S would ask of the apiserver (the measured rate is lower when
+            # the operator cannot keep up)
+            "requests_per_s_at_tick_period": len(window) / ticks * runs / TICK_S}
+    print(f"{tree}: {json.dumps(result)}", file=sys.stderr, flush=True)  # kept even if a later part fails
+    return result
 
 
-def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_ticks: int, out: Path) -> dict:
-    """`runs` running TrainingSpecs among `pods` other pods; each tree's operator measured in turn."""
-    ns_pods, ns_runs = (f"bench-scale-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("pods", "runs"))
+def create_pod(kube: Kube, namespace: str, i: int) -> None:
+    try:
+        released(kube.core.create_namespaced_pod(namespace, background_pod(namespace, i), _preload_content=False))
+    except ApiException as err:
+        if err.status != 409:  # there already: a run that was interrupted left it
+            raise
+
+
+def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_ticks: int, out: Path,
+          ns_pods: str | None = None) -> dict:
+    """`runs` running TrainingSpecs among `pods` other pods (in ns_pods, made or topped up); each tree's operator
+    measured in turn. Everything is deleted afterwards, the node once its pods are gone."""
+    ns_runs = f"bench-scale-runs-{uuid.uuid4().hex[:5]}"
+    ns_pods = ns_pods or f"bench-scale-pods-{uuid.uuid4().hex[:5]}"
+    # A cluster-wide operator ticks every TrainingSpec: the burst's (being deleted) must be gone first.
+    wait_until("no TrainingSpec left in the cluster", lambda: not kube.trainingspecs(None))
     try:
         for ns in (ns_pods, ns_runs):
-            rig.kubectl("create", "namespace", ns)
+            rig.kubectl("create", "namespace", ns, check=False)  # ns_pods may exist (given)
         rig.apply(pods_node())
         t0 = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda i: kube.core.create_namespaced_pod(ns_pods, background_pod(ns_pods, i),
-                                                                    _preload_content=False), range(pods)))
+            list(pool.map(lambda i: create_pod(kube, ns_pods, i), range(pods)))
         pods_s = time.monotonic() - t0
         create_specs(kube, ns_runs, [running_spec(ns_runs, f"run-{i}") for i in range(runs)])
         results = {label: measure_tree(rig, kube, tree, ns_runs, runs, window_ticks,
@@ -430,7 +461,6 @@ def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_
     finally:
         for ns in (ns_pods, ns_runs):
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
     first, *rest = trees
     return {"runs": runs, "pods": pods, "window_ticks": window_ticks, "pods_created_in_s": pods_s, "trees": {
         label: {**results[label], "tree": str(trees[label])} for label in trees},
@@ -446,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-runs", type=int, default=0, help="running TrainingSpecs for the scale part (0: skip)")
     parser.add_argument("--scale-pods", type=int, default=20000, help="pods besides them (scale part)")
     parser.add_argument("--window-ticks", type=int, default=100, help="elastic ticks measured per tree (scale part)")
+    parser.add_argument("--scale-pods-namespace", help="make or top up the pods there (default: a new namespace)")
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                         help="an operator source tree for the scale part, in order (default: after=this checkout)")
     parser.add_argument("--out", default="runs/bench/operator.json")
@@ -472,13 +503,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.count_calls:
             calls = count_calls(rig, kube, ns_calls, args.count_calls,
                                 Path(args.out).with_suffix(".calls.log"))
+        for ns in namespaces:  # the scale part's cluster-wide operators would tick these runs too
+            rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         if args.scale_runs:  # last: its pods are still being deleted when it returns
-            scaled = scale(rig, kube, trees, args.scale_runs, args.scale_pods, args.window_ticks, Path(args.out))
+            scaled = scale(rig, kube, trees, args.scale_runs, args.scale_pods, args.window_ticks, Path(args.out),
+                           args.scale_pods_namespace)
     finally:
         for ns in namespaces:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
     write_report({**result, "api_calls": calls, "scale": scaled}, args.out)
+    if args.scale_runs:  # the node last: kwok finishes its pods' graceful deletion only while it manages it
+        wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
+            label_selector="app=bench-background", limit=1).items, timeout=3600)
+        rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
     return 0
 
 
