@@ -22,6 +22,8 @@ with block-causal masks for language models).
 
     python -m tests.bench.bench_vs_torchtitan                                    # CPU, TorchTitan's debugmodel
     python -m tests.bench.bench_vs_torchtitan --device cuda --preset llama-1b    # one GPU, bf16
+
+(llama-8b: both models' fp32 weights, gradients and AdamW state take 240 GiB, more than one H200 holds.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 
 from kiln.api import ModelDims, TrainingSpec, resolve_model
 from kiln.trainer.metrics import flops_per_token, peak_flops
+from kiln.trainer.model import count_params
 from tests.bench.report import write_report
 
 TORCHTITAN = "0.2.2"
@@ -191,7 +194,6 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
         os.environ.setdefault("LOCAL_RANK", "0")
     result = train(spec, output_dir=out_dir, hooks=hooks, checkpointing=False)
     n_params = sum(p.numel() for p in titan.model.parameters())
-    from kiln.trainer.model import count_params
     if n_params != count_params(dims):
         raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
     # kiln's first timed step starts after the first TorchTitan step: both sides drop `warmup` steps.
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="TorchTitan's debug model (CPU), or kiln's preset of that name (GPU)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on cpu, 1 on cuda)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 on cpu, 4 on cuda)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--steps", type=int, default=20, help="measured steps of each side")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured steps of each side first (compilation)")
@@ -217,8 +219,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    args.batch = args.batch or (1 if args.device == "cuda" else 8)
+    args.batch = args.batch or (4 if args.device == "cuda" else 8)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # both models live in this process, each with fp32 weights, grads and AdamW state
+        need = 2 * 16 * count_params(resolve_model(make_spec(args).spec.model))
+        if need > torch.cuda.get_device_properties(0).total_memory:
+            p.error(f"--preset {args.preset}: the two models' weights, gradients and AdamW state alone take "
+                    f"{need / 2**30:.0f} GiB, more than this GPU has")
     ensure_torchtitan()
 
     load_before = os.getloadavg()
