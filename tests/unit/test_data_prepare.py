@@ -192,5 +192,6 @@ def test_parquet_rows_are_documents_and_bad_files_are_counted(tmp_path, tokenize
     res = prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / 'out'}",
                   log=lambda m: None, progress=lambda *a: calls.append(a))
     assert (res.documents_out, res.documents_in) == (2, 6)  # 4 rows + 2 rows without the column
-    assert calls == [(1, 3, 2), (2, 3, 2), (3, 3, 2)]  # (files done, files, documents kept) after each file
+    # (files done, files, documents kept, shards written) after each file and each tokenized batch
+    assert calls == [(1, 3, 2, 0), (2, 3, 2, 0), (3, 3, 2, 0), (3, 3, 2, 0)]
     assert res.removed == {"duplicate": 1, "missing_field": 3, "unreadable_file": 1}

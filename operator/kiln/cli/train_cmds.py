@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "near-duplicate (default 0.8)")
     pr.add_argument("--eos", default=None, help="a token appended to every document, e.g. '<|end_of_text|>'")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    pr.add_argument("--max-doc-bytes", type=int, default=None,
+                    help="a .txt file or .jsonl line longer than this is skipped unread and counted as too_large "
+                    "(default 32 MiB): what bounds a record's memory")
     pr.add_argument("--endpoint", default=None, help="S3 endpoint URL; keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     pr.set_defaults(func=cmd_data_prepare)
 
@@ -459,25 +463,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def prepare_progress(console):
+    """A progress bar of `kiln data prepare` on `console` (input files done of all, documents kept, shards
+    written, updated after every tokenized batch); yields the callback prepare() takes. Off when the console
+    is not a terminal: rich draws nothing there, and being transient it leaves nothing behind on one."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("kiln data prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
+                  TextColumn("{task.fields[docs]:,} documents kept, {task.fields[shards]:,} shards"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("prepare", total=None, docs=0, shards=0)
+        yield lambda done, total, docs, shards: bar.update(task, completed=done, total=total, docs=docs,
+                                                           shards=shards)
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from kiln.trainer.prepare import prepare
 
-    if args.shard_tokens < 1 or args.min_chars < 0:
-        raise KilnError("--shard-tokens must be at least 1 and --min-chars at least 0")
+    if args.shard_tokens < 1 or args.min_chars < 0 or (args.max_doc_bytes is not None and args.max_doc_bytes < 1):
+        raise KilnError("--shard-tokens and --max-doc-bytes must be at least 1 and --min-chars at least 0")
     if not args.output.startswith(("file://", "s3://")):
         raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    # a bar over the input files on a terminal; rich prints nothing of it when stderr is not one
-    with Progress(TextColumn("kiln data prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
-                  TextColumn("{task.fields[docs]:,} documents kept"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("prepare", total=None, docs=0)
+    with prepare_progress(Console(stderr=True)) as progress:
         result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
                          min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
                          eos=args.eos, shard_tokens=args.shard_tokens, endpoint=args.endpoint, format=args.format,
-                         progress=lambda done, total, docs: bar.update(task, completed=done, total=total, docs=docs))
+                         progress=progress,
+                         **({} if args.max_doc_bytes is None else {"max_doc_bytes": args.max_doc_bytes}))
     if result is not None:
         removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"
         print(f"kiln: {result.documents_out:,} of {result.documents_in:,} documents, {result.tokens:,} tokens in "

@@ -30,11 +30,13 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
+from kiln.storage.reader import open_reader
 from kiln.trainer.chat import ChatRefused, check_messages, token_mask
 from kiln.storage.store import ObjectNotFound
 
@@ -105,22 +107,33 @@ def _inputs(uri: str, endpoint: str | None) -> Iterator[tuple[ObjectStore, str]]
         yield store, key
 
 
-def documents(raw: bytes, key: str, text_field: str, counts: Counter, want: type = str) -> Iterator:
-    """The texts of one file (not yet normalised), or with want=list its conversations (the `text_field` of
-    each record being a list of messages); what cannot be read is counted under its reason."""
+MAX_DOC_BYTES = 32 << 20  # a record (a .txt file, a .jsonl line) past this is skipped and counted as too_large
+BATCH_CHARS = 8_000_000  # a tokenizer batch is cut here too: 1,000 long documents must not all be in memory
+
+
+def documents(stream: BinaryIO, key: str, text_field: str, counts: Counter, want: type = str,
+              max_bytes: int = MAX_DOC_BYTES) -> Iterator:
+    """The texts of one file, read from `stream` record by record (not yet normalised), or with want=list its
+    conversations (the `text_field` of each record being a list of messages); what cannot be read is counted
+    under its reason. At most one record of `max_bytes` (a parquet file: one record batch) is in memory: a
+    longer record is skipped unread and counted as too_large."""
     if key.endswith(".parquet"):
-        yield from _parquet_documents(raw, text_field, counts, want)
+        yield from _parquet_documents(stream, text_field, counts, want)
         return
     if key.endswith(".txt"):
         if want is not str:  # a text file holds no conversation
             counts["missing_field"] += 1
+            return
+        raw = stream.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            counts["too_large"] += 1
             return
         try:
             yield raw.decode("utf-8")
         except UnicodeDecodeError:
             counts["undecodable"] += 1
         return
-    for line in raw.splitlines():
+    for line in _lines(stream, max_bytes, counts):
         if not line.strip():
             continue
         try:
@@ -138,23 +151,38 @@ def documents(raw: bytes, key: str, text_field: str, counts: Counter, want: type
         yield text
 
 
-def _parquet_documents(raw: bytes, text_field: str, counts: Counter, want: type = str) -> Iterator:
-    """The `text_field` column of a parquet file (pyarrow); a row without a string there is missing_field, a
-    file pyarrow cannot read is unreadable_file."""
+def _lines(stream: BinaryIO, max_bytes: int, counts: Counter) -> Iterator[bytes]:
+    """The lines of a stream; one longer than max_bytes is read past in pieces, never whole, and counted."""
+    while line := stream.readline(max_bytes + 1):
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            counts["too_large"] += 1
+            while (rest := stream.readline(max_bytes)) and not rest.endswith(b"\n"):
+                pass
+            continue
+        yield line
+
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def _parquet_documents(stream: BinaryIO, text_field: str, counts: Counter, want: type = str) -> Iterator:
+    """The `text_field` column of a parquet file, record batch by record batch (pyarrow reads one row group's
+    column at a time); a row without a string there is missing_field, a file pyarrow cannot read is
+    unreadable_file."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise KilnError("parquet input needs pyarrow: pip install 'kiln[train]'") from None
     try:
-        parquet = pq.ParquetFile(pa.BufferReader(raw))
+        parquet = pq.ParquetFile(stream)
     except (pa.ArrowException, OSError):
         counts["unreadable_file"] += 1
         return
     if text_field not in parquet.schema_arrow.names:
         counts["missing_field"] += parquet.metadata.num_rows
         return
-    for batch in parquet.iter_batches(columns=[text_field]):
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
         for value in batch.column(0).to_pylist():
             if isinstance(value, want):
                 yield value
@@ -259,11 +287,17 @@ def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
 def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str | None = None, min_chars: int = 1,
             dedup: str = "exact", minhash_threshold: float = 0.8, eos: str | None = None,
             shard_tokens: int = 100_000_000, batch_docs: int = 1000, endpoint: str | None = None,
-            format: str = "text", log=print, progress=None) -> Prepared | None:
+            format: str = "text", max_doc_bytes: int = MAX_DOC_BYTES, log=print, progress=None) -> Prepared | None:
     """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
     interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
     (they are read, filtered and hashed again, which rebuilds the dedup set and the counts). `progress`, when
-    given, is called as progress(files done, files in all, documents kept so far) after each input file.
+    given, is called as progress(files done, files in all, documents kept so far, shards written so far) after
+    each tokenized batch and each input file.
+
+    Memory is bounded: inputs are streamed (kiln.storage.reader; s3:// in ranged GETs), a record past
+    `max_doc_bytes` is skipped and counted as too_large, a tokenizer batch holds at most `batch_docs` documents
+    and about BATCH_CHARS characters, and the shard being filled holds at most `shard_tokens` tokens. What grows
+    with the data is the dedup state (docs/models.md gives the bytes per kept document).
 
     format "chat": each record's `text_field` (default "messages") is a conversation, rendered with the
     tokenizer's chat template (kiln.trainer.chat) and written with its assistant mask (mask-NNNNN.npy); a
@@ -313,11 +347,13 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         log(f"kiln: resuming {output} after {len(result.shards)} finished shard(s) ({skip:,} documents)")
     seen: set[bytes] = set()
     batch: list[str] = []
+    batch_chars = 0
     spans: list[list[tuple[int, int]]] = []  # chat: each batched text's assistant character spans
 
     tail = [eos_id] if eos_id is not None else []
 
     def flush() -> None:
+        nonlocal batch_chars
         if batch:
             encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
             docs = [enc.ids + tail for enc in encoded]
@@ -326,55 +362,63 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
             if chat:  # an appended --eos is not the assistant's: no loss on it
                 masks = [token_mask(enc.offsets, s) + [0] * len(tail) for enc, s in zip(encoded, spans)]
             writer.add(docs, masks)
+            if progress is not None:
+                progress(done, len(files), result.documents_out, len(result.shards))
         batch.clear()
         spans.clear()
+        batch_chars = 0
 
     files = [(store, key) for uri in inputs for store, key in _inputs(uri, endpoint)]
-    for done, (store, key) in enumerate(files, 1):
-        for doc in documents(store.get_bytes(key), key, text_field, result.removed, list if chat else str):
-            result.documents_in += 1
-            if chat:
-                try:
-                    messages = normalise_messages(doc)
-                except ChatRefused as refused:
-                    result.removed[refused.reason] += 1
+    done = 0
+    for store, key in files:
+        with open_reader(store, key) as stream:
+            for doc in documents(stream, key, text_field, result.removed, list if chat else str, max_doc_bytes):
+                result.documents_in += 1
+                if chat:
+                    try:
+                        messages = normalise_messages(doc)
+                    except ChatRefused as refused:
+                        result.removed[refused.reason] += 1
+                        continue
+                    text = "\n".join(m["content"] for m in messages)  # what length and near-dedup look at
+                    key_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)  # what exact dedup compares
+                else:
+                    text = key_text = normalise(doc)
+                if len(text) < min_chars:
+                    result.removed["too_short"] += 1
                     continue
-                text = "\n".join(m["content"] for m in messages)  # what length and near-dedup look at
-                key_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)  # what exact dedup compares
-            else:
-                text = key_text = normalise(doc)
-            if len(text) < min_chars:
-                result.removed["too_short"] += 1
-                continue
-            if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
-                digest = hashlib.sha256(key_text.encode()).digest()[:16]
-                if digest in seen:
-                    result.removed["duplicate"] += 1
-                    continue
-                seen.add(digest)
-                if near is not None and near.seen_before(text):
-                    result.removed["near_duplicate"] += 1
-                    continue
-            if chat:  # rendered before it counts as kept: a refusal must not shift the resume point
-                try:
-                    text, doc_spans = renderer.assistant_spans(messages)
-                except ChatRefused as refused:
-                    result.removed[refused.reason] += 1
-                    continue
-            result.documents_out += 1
-            if result.documents_out <= skip:
-                continue  # its tokens are in a finished shard or the carried-over remainder
-            batch.append(text)
-            if chat:
-                spans.append(doc_spans)
-            if len(batch) >= batch_docs:
-                flush()
+                if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
+                    digest = hashlib.sha256(key_text.encode()).digest()[:16]
+                    if digest in seen:
+                        result.removed["duplicate"] += 1
+                        continue
+                    seen.add(digest)
+                    if near is not None and near.seen_before(text):
+                        result.removed["near_duplicate"] += 1
+                        continue
+                if chat:  # rendered before it counts as kept: a refusal must not shift the resume point
+                    try:
+                        text, doc_spans = renderer.assistant_spans(messages)
+                    except ChatRefused as refused:
+                        result.removed[refused.reason] += 1
+                        continue
+                result.documents_out += 1
+                if result.documents_out <= skip:
+                    continue  # its tokens are in a finished shard or the carried-over remainder
+                batch.append(text)
+                batch_chars += len(text)
+                if chat:
+                    spans.append(doc_spans)
+                if len(batch) >= batch_docs or batch_chars >= BATCH_CHARS:
+                    flush()
+        done += 1
         if progress is not None:
-            progress(done, len(files), result.documents_out)
+            progress(done, len(files), result.documents_out, len(result.shards))
     flush()
     writer.close()
     # what could not be read never became a document, but it came in as one
-    result.documents_in += sum(result.removed[k] for k in ("undecodable", "invalid_json", "missing_field"))
+    result.documents_in += sum(result.removed[k] for k in ("undecodable", "invalid_json", "missing_field",
+                                                             "too_large"))
     # (an unreadable_file counts as one removal, not as documents: how many it held is unknown)
     manifest = {
         "tokenizer": tokenizer_uri, "vocab_size": vocab, "dtype": str(writer.dtype), "eos": eos,
