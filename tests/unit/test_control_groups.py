@@ -307,3 +307,27 @@ def test_kiln_status_shows_each_group_and_the_last_quorum():
     rows = [line.split() for line in text.splitlines()[1:]]
     assert rows == [["0", "ft-g0", "Running", "1", "0"], ["1", "ft-g1", "Restarting", "0", "1"]]
     assert group_table({"status": {"phase": "Running"}}) is None  # a run without replica groups: no table
+
+
+class FakeKube:
+    """The two reads `kiln logs` makes (pods of a run, a pod's log), from dicts: no apiserver here."""
+
+    def __init__(self, pods: dict[str, dict], logs: dict[str, str]):
+        self._pods, self._logs = pods, logs
+
+    def pods(self, namespace: str, run: str) -> list[dict]:
+        return [{"metadata": {"name": name, "labels": labels}} for name, labels in self._pods.items()]
+
+    def logs(self, namespace: str, pod: str, tail: int | None = None) -> str:
+        return self._logs.get(pod, "")
+
+
+def test_kiln_logs_reads_a_replica_groups_pods():
+    from kiln.cli.cluster_cmds import _worker_logging_steps, job_of
+
+    grouped = FakeKube({f"ft-g{g}-worker-{w}": {RUN_LABEL: "ft", GROUP_LABEL: str(g)} for g in (0, 1) for w in (0, 1)},
+                       {"ft-g1-worker-1": "kiln: ft: group 1 ...\nstep 7/100  loss 2.1\n"})
+    assert job_of(grouped, "ml", "ft", None) == "ft-g0" and job_of(grouped, "ml", "ft", 1) == "ft-g1"
+    assert _worker_logging_steps(grouped, "ml", "ft", "ft-g1") == 1  # the worker holding the group's rank 0
+    plain = FakeKube({"run-worker-0": {RUN_LABEL: "run"}}, {})
+    assert job_of(plain, "ml", "run", None) == "run"

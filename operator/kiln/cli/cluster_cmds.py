@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker", type=int, default=None,
                    help="worker index (default: the worker holding global rank 0, which logs the steps; after a "
                    "restart that can be any worker, since the rendezvous deals the ranks anew)")
+    p.add_argument("--group", type=int, default=None,
+                   help="elastic.faultTolerance replicaGroups: the replica group whose pods to read (default 0)")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int, default=None, help="last N lines")
     p.set_defaults(func=logs)
@@ -307,8 +309,9 @@ def logs(args) -> int:
 
     kube = _kube(args)
     ns = _namespace(args)
-    worker = args.worker if args.worker is not None else _worker_logging_steps(kube, ns, args.name)
-    pod = f"{args.name}-worker-{worker}"
+    job = job_of(kube, ns, args.name, args.group)
+    worker = args.worker if args.worker is not None else _worker_logging_steps(kube, ns, args.name, job)
+    pod = f"{job}-worker-{worker}"
     try:
         out = kube.logs(ns, pod, follow=args.follow, tail=args.tail)
     except ApiException as err:
@@ -327,11 +330,22 @@ def logs(args) -> int:
 STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.metrics prints these on rank 0 only
 
 
-def _worker_logging_steps(kube, namespace: str, run: str) -> int:
-    """The index of the worker pod whose log has the trainer's step lines (global rank 0), else 0."""
+def job_of(kube, namespace: str, run: str, group: int | None) -> str:
+    """The PyTorchJob whose pods `kiln logs` reads: the run's, or with replica groups `<run>-g<group>` (group 0
+    unless asked; each group's rank 0 logs its steps)."""
+    from kiln.control.plan import GROUP_LABEL, job_names
+
+    if group is None and not any(GROUP_LABEL in (p["metadata"].get("labels") or {}) for p in kube.pods(namespace, run)):
+        return run
+    return job_names(run, max(2, (group or 0) + 1))[group or 0]
+
+
+def _worker_logging_steps(kube, namespace: str, run: str, job: str | None = None) -> int:
+    """The index of the worker pod (of `job`, default the run's) whose log has the trainer's step lines (its
+    rank 0), else 0."""
     from kubernetes.client.exceptions import ApiException
 
-    prefix = f"{run}-worker-"
+    prefix = f"{job or run}-worker-"
     names = sorted((p["metadata"]["name"] for p in kube.pods(namespace, run)
                     if p["metadata"]["name"].startswith(prefix) and p["metadata"]["name"][len(prefix):].isdigit()),
                    key=lambda n: int(n[len(prefix):]))
