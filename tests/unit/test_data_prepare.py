@@ -4,6 +4,7 @@ complete output is left alone."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -195,3 +196,86 @@ def test_parquet_rows_are_documents_and_bad_files_are_counted(tmp_path, tokenize
     # (files done, files, documents kept, shards written) after each file and each tokenized batch
     assert calls == [(1, 3, 2, 0), (2, 3, 2, 0), (3, 3, 2, 0), (3, 3, 2, 0)]
     assert res.removed == {"duplicate": 1, "missing_field": 3, "unreadable_file": 1}
+
+
+def _peak_rss_mib(args: list[str]) -> float:
+    """Peak resident memory of `kiln` run with args in a subprocess of its own (its rusage alone, from wait4)."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", *args])
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def test_memory_stays_bounded_on_inputs_much_larger_than_the_bound(tmp_path, tokenizer_file):
+    """Every input file is streamed: a jsonl whose one line is 64 MiB, a 64 MiB .txt, 25 MB of jsonl lines and
+    a 25 MB parquet file of small row groups raise kiln's peak memory by less than 32 MiB over the same command
+    on a tiny input, where reading the largest file whole would add 64 MiB (reading alone, before parsing it).
+    The long records are skipped and counted; the rest are read and deduplicated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    (small / "a.jsonl").write_text(json.dumps({"text": "A small document."}) + "\n")
+    doc = "The same paragraph, over and over. " * 30  # ~1 KB: after the first copy, each is a duplicate
+    line = json.dumps({"text": doc}) + "\n"
+    with open(big / "a-long-line.jsonl", "w") as f:
+        f.write(json.dumps({"text": "A short document before the long line."}) + "\n")
+        f.write('{"text": "' + "x" * (64 << 20) + '"}\n')
+        f.write(json.dumps({"text": "And one after it."}) + "\n")
+    with open(big / "b-lines.jsonl", "w") as f:
+        f.writelines([line] * (24 << 10))
+    (big / "c-huge.txt").write_bytes(b"y" * (64 << 20))
+    pq.write_table(pa.table({"text": [doc] * (24 << 10)}), big / "d.parquet", row_group_size=1024,
+                   use_dictionary=False, compression="none")
+    assert (big / "d.parquet").stat().st_size > 24e6
+
+    common = ["data", "prepare", "--tokenizer", f"file://{tokenizer_file}", "--max-doc-bytes", str(1 << 20)]
+    baseline = _peak_rss_mib(common + ["--input", str(small), "--output", f"file://{tmp_path / 'out-small'}"])
+    peak = _peak_rss_mib(common + ["--input", str(big), "--output", f"file://{tmp_path / 'out-big'}"])
+    manifest = json.loads((tmp_path / "out-big" / "manifest.json").read_text())
+    assert manifest["removed"] == {"too_large": 2, "duplicate": 2 * (24 << 10) - 1}
+    assert manifest["documents_out"] == 3 and manifest["documents_in"] == 4 + 2 * (24 << 10)
+    assert peak - baseline < 32, (baseline, peak)
+
+
+def test_progress_bar_reports_documents_and_shards_on_a_terminal_only(tmp_path, tokenizer_file):
+    from rich.console import Console
+
+    from kiln.cli.train_cmds import prepare_progress
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("\n".join(json.dumps({"text": f"Document {i} of the progress test."})
+                                           for i in range(40)))
+    for terminal in (True, False):
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=terminal, width=200)
+        seen: list[tuple] = []
+        with prepare_progress(console) as progress:
+            def recorded(*state):
+                seen.append(state)
+                progress(*state)
+            prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / str(terminal)}",
+                    shard_tokens=60, batch_docs=10, log=lambda m: None, progress=recorded)
+        text = out.getvalue()
+        # after every batch of 10 kept documents, the documents and the shards written so far
+        assert [s[2] for s in seen[:4]] == [10, 20, 30, 40]
+        shards = [s[3] for s in seen]
+        assert shards == sorted(shards) and 0 < shards[-1] <= len(list((tmp_path / str(terminal)).glob("tokens-*")))
+        if terminal:  # each state drawn as it came
+            for done, total, docs, shards in seen:
+                assert f"{done}/{total} files {docs:,} documents kept, {shards:,} shards" in _plain(text)
+        else:  # not a terminal: nothing of the bar
+            assert text.strip() == ""
+
+
+def _plain(rich_output: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", rich_output)

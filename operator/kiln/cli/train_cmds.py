@@ -466,7 +466,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def prepare_progress(console):
     """A progress bar of `kiln data prepare` on `console` (input files done of all, documents kept, shards
-    written, updated after every tokenized batch); yields the callback prepare() takes. Off when the console
+    written, drawn after every tokenized batch); yields the callback prepare() takes. Off when the console
     is not a terminal: rich draws nothing there, and being transient it leaves nothing behind on one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -474,8 +474,9 @@ def prepare_progress(console):
                   TextColumn("{task.fields[docs]:,} documents kept, {task.fields[shards]:,} shards"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("prepare", total=None, docs=0, shards=0)
+        # drawn at each call, not only at rich's next tick: a batch is far apart from the next on a big input
         yield lambda done, total, docs, shards: bar.update(task, completed=done, total=total, docs=docs,
-                                                           shards=shards)
+                                                           shards=shards, refresh=True)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:

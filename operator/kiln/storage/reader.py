@@ -40,9 +40,9 @@ class RangedReader(io.RawIOBase):
         return len(data)
 
 
-def open_reader(store: ObjectStore, key: str, chunk: int = CHUNK) -> io.BufferedIOBase:
-    """A binary, seekable stream of `key` (close it after use)."""
+def open_reader(store: ObjectStore, key: str, chunk: int | None = None) -> io.BufferedIOBase:
+    """A binary, seekable stream of `key` (close it after use), read `chunk` (default CHUNK) bytes at a time."""
     path = store.local_path(key)
     if path is not None:
         return open(path, "rb")
-    return io.BufferedReader(RangedReader(store, key, store.size(key)), buffer_size=chunk)
+    return io.BufferedReader(RangedReader(store, key, store.size(key)), buffer_size=chunk or CHUNK)
