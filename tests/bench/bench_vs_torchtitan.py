@@ -196,8 +196,9 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
     n_params = sum(p.numel() for p in titan.model.parameters())
     if n_params != count_params(dims):
         raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
-    # kiln's first timed step starts after the first TorchTitan step: both sides drop `warmup` steps.
-    return kiln_s[args.warmup - 1:], titan_s[args.warmup:], titan, result.losses
+    # kiln's first timed step starts after the first TorchTitan step: the last `steps` of each (the loop ran
+    # warmup + steps + 1, so both drop their first warmup + 1).
+    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses
 
 
 def main(argv: list[str] | None = None) -> dict:
