@@ -27,6 +27,7 @@ import itertools
 import json
 import unicodedata
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,69 +353,88 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
 
     tail = [eos_id] if eos_id is not None else []
 
+    # text needs no character offsets: the tokenizers library's encode_batch_fast skips computing them
+    encode = tokenizer.encode_batch if chat else getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    encoding: tuple | None = None  # (the batch being encoded in the background, its spans)
+
+    def collect() -> None:
+        """Write the batch in the background once encoded (kept documents, in order)."""
+        nonlocal encoding
+        if encoding is None:
+            return
+        future, batch_spans = encoding
+        encoding = None
+        encoded = future.result()
+        docs = [enc.ids + tail for enc in encoded]
+        result.tokens += sum(len(d) for d in docs)
+        masks = None
+        if chat:  # an appended --eos is not the assistant's: no loss on it
+            masks = [token_mask(enc.offsets, s) + [0] * len(tail) for enc, s in zip(encoded, batch_spans)]
+        writer.add(docs, masks)
+        if progress is not None:
+            progress(done, len(files), result.documents_out, len(result.shards))
+
     def flush() -> None:
-        nonlocal batch_chars
+        """Start encoding the batch (the library runs it on every core, without the GIL) and write the one before
+        it meanwhile: reading, normalising and hashing the next documents overlap the tokenizer."""
+        nonlocal batch_chars, encoding
         if batch:
-            encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
-            docs = [enc.ids + tail for enc in encoded]
-            result.tokens += sum(len(d) for d in docs)
-            masks = None
-            if chat:  # an appended --eos is not the assistant's: no loss on it
-                masks = [token_mask(enc.offsets, s) + [0] * len(tail) for enc, s in zip(encoded, spans)]
-            writer.add(docs, masks)
-            if progress is not None:
-                progress(done, len(files), result.documents_out, len(result.shards))
+            future = encoder.submit(encode, list(batch), add_special_tokens=False)
+            collect()
+            encoding = (future, list(spans))
         batch.clear()
         spans.clear()
         batch_chars = 0
 
     files = [(store, key) for uri in inputs for store, key in _inputs(uri, endpoint)]
     done = 0
-    for store, key in files:
-        with open_reader(store, key) as stream:
-            for doc in documents(stream, key, text_field, result.removed, list if chat else str, max_doc_bytes):
-                result.documents_in += 1
-                if chat:
-                    try:
-                        messages = normalise_messages(doc)
-                    except ChatRefused as refused:
-                        result.removed[refused.reason] += 1
+    with ThreadPoolExecutor(1) as encoder:  # one batch encoding while the next is read
+        for store, key in files:
+            with open_reader(store, key) as stream:
+                for doc in documents(stream, key, text_field, result.removed, list if chat else str, max_doc_bytes):
+                    result.documents_in += 1
+                    if chat:
+                        try:
+                            messages = normalise_messages(doc)
+                        except ChatRefused as refused:
+                            result.removed[refused.reason] += 1
+                            continue
+                        text = "\n".join(m["content"] for m in messages)  # what length and near-dedup look at
+                        key_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)  # what exact dedup compares
+                    else:
+                        text = key_text = normalise(doc)
+                    if len(text) < min_chars:
+                        result.removed["too_short"] += 1
                         continue
-                    text = "\n".join(m["content"] for m in messages)  # what length and near-dedup look at
-                    key_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)  # what exact dedup compares
-                else:
-                    text = key_text = normalise(doc)
-                if len(text) < min_chars:
-                    result.removed["too_short"] += 1
-                    continue
-                if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
-                    digest = hashlib.sha256(key_text.encode()).digest()[:16]
-                    if digest in seen:
-                        result.removed["duplicate"] += 1
-                        continue
-                    seen.add(digest)
-                    if near is not None and near.seen_before(text):
-                        result.removed["near_duplicate"] += 1
-                        continue
-                if chat:  # rendered before it counts as kept: a refusal must not shift the resume point
-                    try:
-                        text, doc_spans = renderer.assistant_spans(messages)
-                    except ChatRefused as refused:
-                        result.removed[refused.reason] += 1
-                        continue
-                result.documents_out += 1
-                if result.documents_out <= skip:
-                    continue  # its tokens are in a finished shard or the carried-over remainder
-                batch.append(text)
-                batch_chars += len(text)
-                if chat:
-                    spans.append(doc_spans)
-                if len(batch) >= batch_docs or batch_chars >= BATCH_CHARS:
-                    flush()
-        done += 1
-        if progress is not None:
-            progress(done, len(files), result.documents_out, len(result.shards))
-    flush()
+                    if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
+                        digest = hashlib.sha256(key_text.encode()).digest()[:16]
+                        if digest in seen:
+                            result.removed["duplicate"] += 1
+                            continue
+                        seen.add(digest)
+                        if near is not None and near.seen_before(text):
+                            result.removed["near_duplicate"] += 1
+                            continue
+                    if chat:  # rendered before it counts as kept: a refusal must not shift the resume point
+                        try:
+                            text, doc_spans = renderer.assistant_spans(messages)
+                        except ChatRefused as refused:
+                            result.removed[refused.reason] += 1
+                            continue
+                    result.documents_out += 1
+                    if result.documents_out <= skip:
+                        continue  # its tokens are in a finished shard or the carried-over remainder
+                    batch.append(text)
+                    batch_chars += len(text)
+                    if chat:
+                        spans.append(doc_spans)
+                    if len(batch) >= batch_docs or batch_chars >= BATCH_CHARS:
+                        flush()
+            done += 1
+            if progress is not None:
+                progress(done, len(files), result.documents_out, len(result.shards))
+        flush()
+        collect()
     writer.close()
     # what could not be read never became a document, but it came in as one
     result.documents_in += sum(result.removed[k] for k in ("undecodable", "invalid_json", "missing_field",
