@@ -1,13 +1,14 @@
-"""`kiln data prepare`: text files → token shards that `data.uri` reads (a first cut; docs/models.md says what
-it does not do yet).
+"""`kiln data prepare`: text files → token shards that `data.uri` reads, in bounded memory (docs/models.md).
 
 Documents come from .txt files (one document per file), .jsonl files (one per line, the text in
 `text_field`) and .parquet files (one per row of the `text_field` column, read with pyarrow), in local
-folders, file:// or s3:// prefixes, in sorted order. Each document is decoded as UTF-8,
+folders, file:// or s3:// prefixes, in sorted order, each streamed (kiln.storage.reader; a record past
+max_doc_bytes is skipped and counted as too_large). Each document is decoded as UTF-8,
 normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filtered (too short, a missing field,
 an undecodable or unparsable line: counted, never a crash), deduplicated (exactly by sha256 of the normalised
 text; with dedup minhash also near-duplicates, `NearDuplicates`), tokenized in batches with the `tokenizers`
-library (its batch encoding runs on every core) and appended, with an optional end-of-document token, to
+library (its batch encoding runs on every core, in a background thread while the next batch is read) and
+appended, with an optional end-of-document token, to
 `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
 filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
 of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
