@@ -56,6 +56,7 @@ LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's own default
 # nodes. A new quorum waits this long for groups still joining once one group is ready.
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 2000
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
+LIGHTHOUSE_MEMORY = "1Gi"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.shm_copy)
@@ -451,8 +452,10 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
                  "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
         env=[k.V1EnvVar(name="RUST_LOG", value="warn")],  # torchft logs every quorum at info
         ports=[k.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT)],
-        # a small Rust server: a Burstable pod, never BestEffort (the first evicted)
-        resources=k.V1ResourceRequirements(requests={"cpu": "100m", "memory": "64Mi"}, limits={"memory": "256Mi"}),
+        # a small Rust server, but its console script imports torchft and so torch: ~620 MB resident (measured;
+        # 256Mi was OOMKilled on the rig's real node). Burstable, never BestEffort (the first evicted).
+        resources=k.V1ResourceRequirements(requests={"cpu": "100m", "memory": LIGHTHOUSE_MEMORY},
+                                           limits={"memory": LIGHTHOUSE_MEMORY}),
         readiness_probe=k.V1Probe(tcp_socket=k.V1TCPSocketAction(port=LIGHTHOUSE_PORT), period_seconds=5),
         security_context=k.V1SecurityContext(allow_privilege_escalation=False,
                                              capabilities=k.V1Capabilities(drop=["ALL"]),
