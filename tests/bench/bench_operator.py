@@ -344,6 +344,20 @@ def running_spec(namespace: str, name: str) -> dict:
     return dump_for_apply(doc)
 
 
+def pods_stored(kube: Kube) -> int:
+    """Pods the apiserver holds (its apiserver_storage_objects gauge: no list of them needed)."""
+    text = released_text(kube.api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False,
+                                           _return_http_data_only=True))
+    return int(next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("apiserver_storage_objects{") and 'resource="pods"' in line))
+
+
+def released_text(response) -> str:
+    text = response.data.decode()
+    response.release_conn()
+    return text
+
+
 def metric(port: int, name: str, labels: str) -> float:
     """The sum of a counter's series whose labels contain `labels` (e.g. 'handler="elastic"')."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
@@ -406,9 +420,11 @@ def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_
         ready_s, startup_cpu = time.monotonic() - start, cpu_s(op.proc.pid)
         t0, cpu0, ticks0, calls0, bytes0 = time.monotonic(), cpu_s(op.proc.pid), op.ticks(), len(proxy.calls), \
             proxy.bytes_read
+        pods0 = pods_stored(kube)
         wait_until(f"{window_ticks} more elastic ticks", lambda: op.ticks() >= ticks0 + window_ticks, alive=op.alive,
                    timeout=3600)
         t1, cpu1, ticks1 = time.monotonic(), cpu_s(op.proc.pid), op.ticks()
+        pods1 = pods_stored(kube)
         window = proxy.calls[calls0:]
         read = proxy.bytes_read - bytes0
         errors = metric(op.metrics, "kiln_operator_reconciles_total", 'handler="elastic",outcome="error"')
@@ -417,7 +433,7 @@ def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_
         op.stop()
     ticks, secs = ticks1 - ticks0, t1 - t0
     kinds = Counter(call_kind(m, path) for _, m, path in window)
-    result = {"startup_s": ready_s, "startup_cpu_s": startup_cpu, "window_s": secs, "ticks": ticks,
+    result = {"pods_in_cluster": [pods0, pods1], "startup_s": ready_s, "startup_cpu_s": startup_cpu, "window_s": secs, "ticks": ticks,
             "tick_errors_total": errors, "cpu_s": cpu1 - cpu0, "cpu_ms_per_tick": 1000 * (cpu1 - cpu0) / ticks,
             "cpu_cores_busy": (cpu1 - cpu0) / secs, "requests": len(window), "requests_per_s": len(window) / secs,
             "requests_per_tick": len(window) / ticks, "mib_read_per_tick": read / ticks / 2**20,
@@ -451,8 +467,9 @@ def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_
             rig.kubectl("create", "namespace", ns, check=False)  # ns_pods may exist (given)
         rig.apply(pods_node())
         t0 = time.monotonic()
+        there = {p.metadata.name for p in kube.core.list_namespaced_pod(ns_pods).items}
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda i: create_pod(kube, ns_pods, i), range(pods)))
+            list(pool.map(lambda i: create_pod(kube, ns_pods, i), (i for i in range(pods) if f"bg-{i}" not in there)))
         pods_s = time.monotonic() - t0
         create_specs(kube, ns_runs, [running_spec(ns_runs, f"run-{i}") for i in range(runs)])
         results = {label: measure_tree(rig, kube, tree, ns_runs, runs, window_ticks,
