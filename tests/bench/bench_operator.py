@@ -414,8 +414,9 @@ def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_
         def jobs() -> int:
             return len(kube.custom.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")
                        ["items"])
-        wait_until(f"{runs} PyTorchJobs", lambda: jobs() >= runs, alive=op.alive)
-        # started: its watches have delivered every pod (kopf runs no handler before its indexes are full)
+        # started: its watches have delivered every pod (kopf runs no handler before its indexes are full),
+        # which takes minutes with many pods on a loaded machine
+        wait_until(f"{runs} PyTorchJobs", lambda: jobs() >= runs, alive=op.alive, timeout=3600)
         wait_until("the first elastic tick", lambda: op.ticks() >= 1, alive=op.alive, timeout=3600)
         ready_s, startup_cpu = time.monotonic() - start, cpu_s(op.proc.pid)
         t0, cpu0, ticks0, calls0, bytes0 = time.monotonic(), cpu_s(op.proc.pid), op.ticks(), len(proxy.calls), \
