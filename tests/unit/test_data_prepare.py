@@ -215,10 +215,11 @@ def _peak_rss_mib(args: list[str]) -> float:
 
 
 def test_memory_stays_bounded_on_inputs_much_larger_than_the_bound(tmp_path, tokenizer_file):
-    """Every input file is streamed: a jsonl whose one line is 64 MiB, a 64 MiB .txt, 25 MB of jsonl lines and
-    a 25 MB parquet file of small row groups raise kiln's peak memory by less than 32 MiB over the same command
-    on a tiny input, where reading the largest file whole would add 64 MiB (reading alone, before parsing it).
-    The long records are skipped and counted; the rest are read and deduplicated."""
+    """Every input file is streamed: a jsonl whose one line is 256 MiB, a 256 MiB .txt, 25 MB of jsonl lines
+    and a 25 MB parquet file of small row groups raise kiln's peak memory by less than 64 MiB over the same
+    command on a tiny input (whose peak, ~0.7 GB, is its imports'), where reading one long record whole adds
+    over 200 MiB to that peak (measured with --max-doc-bytes past it). The long records are skipped and counted;
+    the rest are read and deduplicated."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -230,11 +231,11 @@ def test_memory_stays_bounded_on_inputs_much_larger_than_the_bound(tmp_path, tok
     line = json.dumps({"text": doc}) + "\n"
     with open(big / "a-long-line.jsonl", "w") as f:
         f.write(json.dumps({"text": "A short document before the long line."}) + "\n")
-        f.write('{"text": "' + "x" * (64 << 20) + '"}\n')
+        f.write('{"text": "' + "x" * (256 << 20) + '"}\n')
         f.write(json.dumps({"text": "And one after it."}) + "\n")
     with open(big / "b-lines.jsonl", "w") as f:
         f.writelines([line] * (24 << 10))
-    (big / "c-huge.txt").write_bytes(b"y" * (64 << 20))
+    (big / "c-huge.txt").write_bytes(b"y" * (256 << 20))
     pq.write_table(pa.table({"text": [doc] * (24 << 10)}), big / "d.parquet", row_group_size=1024,
                    use_dictionary=False, compression="none")
     assert (big / "d.parquet").stat().st_size > 24e6
@@ -245,7 +246,7 @@ def test_memory_stays_bounded_on_inputs_much_larger_than_the_bound(tmp_path, tok
     manifest = json.loads((tmp_path / "out-big" / "manifest.json").read_text())
     assert manifest["removed"] == {"too_large": 2, "duplicate": 2 * (24 << 10) - 1}
     assert manifest["documents_out"] == 3 and manifest["documents_in"] == 4 + 2 * (24 << 10)
-    assert peak - baseline < 32, (baseline, peak)
+    assert peak - baseline < 64, (baseline, peak)
 
 
 def test_progress_bar_reports_documents_and_shards_on_a_terminal_only(tmp_path, tokenizer_file):
