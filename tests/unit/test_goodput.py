@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kiln.api.spec import TrainingSpecStatus
-from kiln.control.goodput import CAUSES, PREEMPTED, Ledger, counters, held, observe
+from kiln.control.goodput import CAUSES, PREEMPTED, Ledger, counters, held, observe, settled
 
 
 def trainer(productive: float = 0.0, stall: float = 0.0, rollback: float = 0.0) -> dict:
@@ -95,3 +95,23 @@ def test_never_invents_time(steps):
         assert g.productive_s >= -1e-9 and all(g.lost_s[c] >= -1e-9 for c in CAUSES)
         assert g.productive_s + sum(g.lost_s.values()) <= g.wall_s + 1e-6
         assert 0.0 <= g.goodput <= 1.0 + 1e-9
+
+
+def gpu_condition(reason: str) -> dict:
+    return {"type": "GPUHealthy", "status": "False" if reason == "MovingOffNode" else "True", "reason": reason}
+
+
+def test_a_write_that_ends_a_gpu_move_prices_the_move_before_it_clears_it():
+    """The tick clears MovingOffNode when the trainer reports from the new node; the ledger must charge the move
+    to gpuFailover then, whenever the last refresh wrote it (a refresh after the clear sees only Running)."""
+    moving = {"phase": "Running", "conditions": [gpu_condition("MovingOffNode")], "trainerTime": trainer(50.0),
+              **observe(Ledger(observed_at=0.0), 100.0, "Running", trainer(50.0)).as_status()}
+    patch = {"conditions": [gpu_condition("GPUsHealthy")]}
+    written = settled(moving, patch, now=130.0, created=0.0)
+    assert written["conditions"] == patch["conditions"]
+    detail = written["goodputDetail"]
+    assert (detail["lostSeconds"]["gpuFailover"], detail["wallSeconds"]) == (30.0, 130.0)
+    # a patch that changes nothing the ledger prices by is written as it is
+    running = {**moving, "conditions": [gpu_condition("GPUsHealthy")]}
+    same = {"conditions": [gpu_condition("GPUsHealthy"), {"type": "Elastic", "status": "True", "reason": "Steady"}]}
+    assert settled(running, same, now=130.0, created=0.0) == same

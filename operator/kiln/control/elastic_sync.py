@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from kiln.api.layout import replica_groups
 from kiln.api.spec import TrainingSpec
-from kiln.control import elastic, failover, kueue
+from kiln.control import elastic, failover, goodput, kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_state import ANNOTATION, avoided, encode, state_of  # noqa: F401 (state_of: for tests)
 from kiln.control.kube import Kube, now
@@ -196,7 +196,8 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         if gpu.condition is not None:
             conditions = set_condition(conditions, "GPUHealthy", *gpu.condition, now(), old.get("observedGeneration"))
         if conditions != (old.get("conditions") or []):
-            kube.patch_status(namespace, name, {"conditions": conditions})
+            created = goodput.epoch(body["metadata"].get("creationTimestamp") or now())
+            kube.patch_status(namespace, name, goodput.settled(old, {"conditions": conditions}, now_s, created))
         return f"{namespace}/{name}: {decision.reason}"
 
 

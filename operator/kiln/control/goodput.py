@@ -131,6 +131,18 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
                    degraded_s=degraded, lost_s=lost, credited=credited)
 
 
+def settled(old: dict | None, update: dict, now: float, created: float) -> dict:
+    """`update` (a status patch) with the ledger observed up to `now` when the patch changes what held.
+
+    The ledger prices each interval by what held during it, at the next write; a write that ends a state
+    (a GPU move's MovingOffNode cleared by the tick) must price the interval it ends first, or the next
+    refresh would charge it to what holds then."""
+    if held(old) == held({**(old or {}), **update}):
+        return update
+    ledger = observe(Ledger.from_status(old, created), now, held(old), counters(old))
+    return {**update, **ledger.as_status()}
+
+
 def rfc3339(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
