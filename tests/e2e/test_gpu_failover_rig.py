@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
-from tests.e2e.test_suspend_rig import Trainer, endless_run, pod_env
+from tests.e2e.test_suspend_rig import (  # noqa: F401 - the autouse fixture that stops a failed test's trainers
+    Trainer,
+    endless_run,
+    no_trainer_outlives_its_test,
+    pod_env,
+)
 from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module fixtures: RBAC'd operator, namespace
     condition,
     events,

@@ -73,6 +73,8 @@ def endless_run(rig, run: str, ckpt: Path, interval_steps: int) -> dict:
 class Trainer:
     """One rank of `kiln train`, as torchrun starts it in the pod."""
 
+    started: list[Trainer] = []  # every trainer a test started; `no_trainer_outlives_its_test` stops them
+
     def __init__(self, env: dict[str, str], out: Path):
         self.out = out
         full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
@@ -80,6 +82,7 @@ class Trainer:
         self.log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - outlives this call, like the process
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "train", "--config", env["KILN_SPEC"],
                                       "--output", str(out)], env=full, stdout=self.log, stderr=subprocess.STDOUT)
+        Trainer.started.append(self)
 
     def records(self) -> list[dict]:
         path = self.out / "metrics.jsonl"
@@ -102,6 +105,19 @@ class Trainer:
         if not self.log.closed:
             self.log.flush()
         return (self.out.parent / f"{self.out.name}.log").read_text()[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def no_trainer_outlives_its_test():
+    """A test that fails midway leaves its trainers running (the kubelet that would stop them is the test): stop
+    them, so that an endless run does not hold its rendezvous port and a core for the rest of the session."""
+    yield
+    while Trainer.started:
+        trainer = Trainer.started.pop()
+        if trainer.proc.poll() is None:
+            trainer.proc.kill()
+            trainer.proc.wait()
+        trainer.log.close()
 
 
 def test_suspend_checkpoints_releases_every_gpu_and_resume_continues_at_the_saved_step(rig, ns, operator,  # noqa: F811 - fixtures
