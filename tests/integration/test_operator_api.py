@@ -325,6 +325,6 @@ def test_apply_sends_each_content_once_and_again_after_forget(kube, namespace):
 
 
 def test_apply_names_a_kind_it_does_not_write():
-    with pytest.raises(ValueError, match="kiln does not write apps/v1 Deployment"):
+    with pytest.raises(ValueError, match="kiln does not write apps/v1 StatefulSet"):
         Kube(k8s.ApiClient()).apply(
-            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x", "namespace": "y"}})
+            {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "x", "namespace": "y"}})
