@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+from tests.distributed.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = "v0.316.0"  # github.com/prometheus/prometheus: Prometheus 3.x's module version (promtool's too)
@@ -82,9 +83,7 @@ class Prometheus:
     def __init__(self, exe: Path, workdir: Path, config: dict, start_timeout: float = 120):
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        with socket.socket() as s:  # a free port for the server (released just before it binds)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()  # released just before the server binds it
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / "prometheus.log"
         self.started = time.time()
