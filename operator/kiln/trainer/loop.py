@@ -421,7 +421,8 @@ def _accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     m = layout.micro_batch
     for i in range(layout.grad_accum):
         # Reduce gradients across data parallel only once, after the last microbatch.
-        model.set_requires_gradient_sync(i == layout.grad_accum - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # no data-parallel wrapper at dp 1: nothing to sync
+            model.set_requires_gradient_sync(i == layout.grad_accum - 1)
         batch = targets[i * m:(i + 1) * m]
         loss = microbatch_loss(model(inputs[i * m:(i + 1) * m], batch), batch, denominator, layout, layout.grad_accum)
         loss.backward()
