@@ -141,9 +141,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         mesh = build_mesh(layout, device.type)
         model = parallelize(build_model(dims), mesh, layout, spec)
         model.to_empty(device=device)
-        if spec.model.from_:
-            model.init_buffers()  # the weights come from model.from, or from this run's commit (below)
-        else:
+        model.init_buffers()  # the weights: from model.from, a peer, this run's commit, or init_weights (below)
+        if ft_enabled(spec) and not spec.model.from_:  # a group with no peer and no commit starts from the seed
             model.init_weights(tr.seed)
         model.train()
         if rank == 0:  # what runs, and what the numbers are measured against, once per run
@@ -198,6 +197,8 @@ def train(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
             state = checkpointer.restore(model_parts, optimizers)
         if state is None and spec.model.from_ and ft is None:  # a new run starts from the model folder; a resumed one from its commit
             hf.load_weights(model, spec.model.from_, dims, endpoint=hf.storage_endpoint(spec))
+        elif state is None and ft is None:  # a new run; a resumed one skips it: the commit holds every weight
+            model.init_weights(tr.seed)
         if state is not None:
             start_step, tokens_seen = _resume(state, loader, device, hooks)
         if ft is not None:
