@@ -27,11 +27,14 @@ torchrun's and the workers' output go next to the report (<out>.reference.log, <
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
 from tests.bench.report import write_report
-from tests.distributed.ranks import torchrun_train_with_kills
+from tests.distributed.ranks import TORCHRUN_ENV, torchrun_train_with_kills
 from tests.distributed.trainer_helpers import write_spec
 
 
@@ -70,31 +73,48 @@ def kill_steps(steps: int, every: int, max_kills: int) -> list[int]:
     return at[:max_kills] if max_kills else at
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--interval", type=int, default=10, help="checkpoint.intervalSteps")
-    ap.add_argument("--kill-every", type=int, default=100, help="kill when the run reports step N, 2N, ...")
-    ap.add_argument("--max-kills", type=int, default=0, help="stop killing after this many (0: no limit)")
-    ap.add_argument("--out", default="runs/bench/faults.json")
-    args = ap.parse_args(argv)
-    planned = kill_steps(args.steps, args.kill_every, args.max_kills)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        run_spec = spec(tmp / "spec.yaml", args.steps, args.interval)
-        logs = Path(args.out).with_suffix("")
-        ref = torchrun_train_with_kills(run_spec, tmp / "ref", log=Path(f"{logs}.reference.log"),
-                                        total_steps=args.steps)
-        faulty = torchrun_train_with_kills(run_spec, tmp / "faulty", log=Path(f"{logs}.faulty.log"),
-                                           kill_at_steps=planned, total_steps=args.steps, max_restarts=100)
+ENTRIES = {"cold": "kiln.cli.main", "warm": "kiln.trainer.warm"}  # what torchrun runs per rank (warm: forked)
+
+
+def variants(text: str) -> list[tuple[str, str, str]]:
+    """"before=REV:cold,after=HEAD:warm" -> [(name, rev, entry module)]; REV "" or "." is the working tree."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, rest = item.partition("=")
+        rev, _, entry = rest.partition(":")
+        if not name or entry not in ENTRIES:
+            raise SystemExit(f"--variants: {item!r}: want NAME=REV:cold or NAME=REV:warm")
+        out.append((name, rev if rev != "." else "", ENTRIES[entry]))
+    return out
+
+
+def source_tree(rev: str, into: Path) -> str:
+    """kiln's package as committed at `rev` (git archive of operator/), for PYTHONPATH: the variants' code
+    without the working tree's uncommitted edits; "" = the installed (working tree) package."""
+    if not rev:
+        return ""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev, "operator"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return str(into / "operator")
+
+
+def run_pair(run_spec: Path, tmp: Path, logs: Path, args, planned: list[int], *, pythonpath: str = "",
+             entry: str = ENTRIES["cold"]) -> dict:
+    """A reference run (no kills) and a faulty one (the planned kills) with one code version and entry."""
+    env = {**TORCHRUN_ENV, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    ref = torchrun_train_with_kills(run_spec, tmp / "ref", log=Path(f"{logs}.reference.log"),
+                                    total_steps=args.steps, torchrun_env=env, entry=entry)
+    faulty = torchrun_train_with_kills(run_spec, tmp / "faulty", log=Path(f"{logs}.faulty.log"),
+                                       kill_at_steps=planned, total_steps=args.steps, max_restarts=100,
+                                       torchrun_env=env, entry=entry)
     rec = [k["kill_to_step_s"] for k in faulty["kills"] if "kill_to_step_s" in k]
     for k in faulty["kills"]:
         k["breakdown"] = breakdown(k["at_epoch"], k.get("startup"))
     restarts = [k["breakdown"] for k in faulty["kills"] if k["breakdown"]]
     cold, summary = breakdown(ref["t0_epoch"], ref.get("startup")), summarize(restarts)
-    report = {
-        "benchmark": "faults", "steps": args.steps, "checkpoint_interval_steps": args.interval,
-        "kill_at_steps": planned, "reference": ref, "faulty": faulty,
+    return {
+        "reference": ref, "faulty": faulty,
         "kills": len(faulty["kills"]),
         "recovered": len(rec),
         "goodput": ref["wall_s"] / faulty["wall_s"],
@@ -112,7 +132,73 @@ def main(argv=None) -> dict:
         "both_finished": ref["rc"] == faulty["rc"] == 0 and ref["final_step"] == faulty["final_step"] == args.steps,
         "all_kills_done": len(faulty["kills"]) == len(planned) == len(rec),
     }
-    write_report(report, args.out)
+
+
+def compare(rounds: list[dict[str, dict]], base: str) -> dict:
+    """Each variant against `base`, round by round (the variants of a round ran back to back, under about
+    the same load): the ratio of the mean kill → next step and of each phase's mean, and their medians."""
+    out = {}
+    for name in rounds[0]:
+        per_round = []
+        for r in rounds:
+            a, b = r[name]["restart_breakdown"], r[base]["restart_breakdown"]
+            if a and b:
+                per_round.append({phase: a[phase]["mean"] / b[phase]["mean"] if b[phase]["mean"] > 0 else None
+                                  for phase in b})
+        out[name] = {"ratio_to_" + base: per_round,
+                     "median_total_ratio": statistics.median(p["total"] for p in per_round) if per_round else None}
+    return out
+
+
+def load_average() -> list[float]:
+    return list(os.getloadavg())
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--interval", type=int, default=10, help="checkpoint.intervalSteps")
+    ap.add_argument("--kill-every", type=int, default=100, help="kill when the run reports step N, 2N, ...")
+    ap.add_argument("--max-kills", type=int, default=0, help="stop killing after this many (0: no limit)")
+    ap.add_argument("--variants", default="",
+                    help="compare code versions and entries, e.g. 'before=REV:cold,after=HEAD:warm' (the first is "
+                         "the base of the ratios); each round runs every variant back to back")
+    ap.add_argument("--rounds", type=int, default=1, help="with --variants: how many alternating rounds")
+    ap.add_argument("--out", default="runs/bench/faults.json")
+    args = ap.parse_args(argv)
+    planned = kill_steps(args.steps, args.kill_every, args.max_kills)
+    logs = Path(args.out).with_suffix("")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        run_spec = spec(tmp / "spec.yaml", args.steps, args.interval)
+        if not args.variants:
+            report = {"benchmark": "faults", "steps": args.steps, "checkpoint_interval_steps": args.interval,
+                      "kill_at_steps": planned, "load_average_before": load_average(),
+                      **run_pair(run_spec, tmp, logs, args, planned), "load_average_after": load_average()}
+            write_report(report, args.out)
+            return report
+        chosen = variants(args.variants)
+        trees = {name: source_tree(rev, tmp / "src" / name) for name, rev, _ in chosen}
+        rounds = []
+        for i in range(args.rounds):
+            this = {}
+            for name, rev, entry in (chosen if i % 2 == 0 else chosen[::-1]):  # alternate who goes first
+                load = load_average()
+                this[name] = {"rev": rev, "entry": entry, "load_average_before": load,
+                              **run_pair(run_spec, tmp / f"{name}-{i}", Path(f"{logs}.{name}-{i}"), args, planned,
+                                         pythonpath=trees[name], entry=entry),
+                              "load_average_after": load_average()}
+            rounds.append(this)
+    base = chosen[0][0]
+    report = {"benchmark": "faults", "steps": args.steps, "checkpoint_interval_steps": args.interval,
+              "kill_at_steps": planned, "variants": [{"name": n, "rev": r, "entry": e} for n, r, e in chosen],
+              "rounds": rounds, "compare": compare(rounds, base)}
+    summary = {"compare": report["compare"],
+               "rounds": [{name: {k: v[k] for k in ("rev", "entry", "load_average_before", "mean_kill_to_step_s",
+                                                      "restart_breakdown", "cold_start_breakdown", "goodput",
+                                                      "final_loss_diff", "both_finished", "all_kills_done")}
+                           for name, v in r.items()} for r in rounds]}
+    write_report(report, args.out, summary=summary)
     return report
 
 

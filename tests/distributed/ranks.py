@@ -192,10 +192,12 @@ def _rank_of(pid: int) -> int | None:
 
 def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps: list[int] = (),
                               total_steps: int = 0, nproc: int = 2, max_restarts: int = 0,
-                              torchrun_env: dict[str, str] = TORCHRUN_ENV, timeout_s: float = SAFETY_TIMEOUT_S) -> dict:
+                              torchrun_env: dict[str, str] = TORCHRUN_ENV, timeout_s: float = SAFETY_TIMEOUT_S,
+                              entry: str = "kiln.cli.main") -> dict:
     """`kiln train --config spec` on `nproc` gloo workers under torchrun's elastic agent (--max-restarts); each
     time the run reports one of `kill_at_steps` in metrics.jsonl, SIGKILL one worker (ranks in turn: rank 0 also
     commits and logs), as on a lost GPU. The agent restarts the worker group, which resumes from the last commit.
+    `entry` is the module torchrun runs (kiln.trainer.warm: ranks forked from a process holding the imports).
 
     Every kill step must be below `total_steps` (the run's training.steps): the run cannot end before reporting
     it, so every kill happens whatever the machine's pace. The next kill is armed only once the restarted
@@ -220,7 +222,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
     # or a wait of up to the 30 min store timeout). Opting out gives every attempt a fresh store.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **torchrun_env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "kiln.cli.main", "train", "--config", str(spec),
+           f"--max-restarts={max_restarts}", "-m", entry, "train", "--config", str(spec),
            "--output", str(out)]
     metrics = out / "metrics.jsonl"
     t0, t0_epoch = time.monotonic(), time.time()

@@ -8,7 +8,6 @@ global_batch_tokens, tokens_seen, and the step-time breakdown (data_s, fwd_bwd_s
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -18,6 +17,7 @@ import torch
 
 from kiln.api import ModelDims
 from kiln.trainer.model import count_params
+from kiln.trainer.warm import process_start_time  # noqa: F401  the first startup mark (kiln.trainer.loop's import)
 
 # Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
 # without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start
@@ -80,19 +80,6 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux: the process's peak resident memory.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def process_start_time() -> float | None:
-    """When this process was started (epoch seconds, from /proc; None where there is no /proc): the first mark
-    of a start-up's cost breakdown (`startup` in the first record of each process, kiln.trainer.loop)."""
-    try:
-        with open("/proc/self/stat") as f:  # field 22, after the parenthesised name: start time in clock ticks
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 class StepTimer:

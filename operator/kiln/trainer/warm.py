@@ -1,0 +1,246 @@
+"""Warm starts: a rank that torchrun (re)starts is forked from a process that has already imported torch and kiln.
+
+    torchrun ... -m kiln.trainer.warm train --config spec.yaml     # instead of -m kiln.cli.main train ...
+
+A restart of the worker group costs about what a cold start does, and most of it is starting Python and
+importing torch (torch._dynamo included: DeviceMesh slicing and the optimizer's step import it) before any
+training code runs (docs/resilience.md, "Where a restart's seconds go"). Here the rank torchrun starts is a
+small launcher (no torch). The first one on a node starts a server that imports what `kiln train` needs
+once, then waits; every launcher, the first generation's and each restarted one's, asks it to fork a
+rank, hands it its stdin/stdout/stderr, environment, arguments and working directory, forwards the
+signals torchrun sends, and exits with the rank's exit code. The server lives as long as the torchrun agent
+that started its first launcher (one server per agent) and holds no rank state: a restarted rank is a fresh
+fork of the imported modules, never a survivor of the dead generation.
+
+The launcher falls back to a cold start in this process (exec of `python -m kiln.cli.main`) when the server
+cannot be started or reached, so the worst case is today's cost. The launcher stays the process torchrun
+watches: killing it (SIGKILL) kills its rank (the rank watches the launcher's socket), and a rank that dies
+of a signal makes its launcher die of SIGKILL.
+
+The server imports torch with the environment of the first launcher on its node; what torch reads from the
+environment at import time (TORCH_*/TORCHINDUCTOR_* settings) is the job's, which torchrun does not change
+between generations. What changes per generation (RANK, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) is
+read at run time from the rank's own environment, which is the launcher's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+PROCESS_START_ENV = "KILN_PROCESS_START"  # a forked rank's start: its launcher's (kiln.trainer.metrics)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# What a cold rank spends its start on, imported once by the server: torch._dynamo is imported on first use by
+# DeviceMesh slicing and by the optimizer's step, so a cold rank pays for it while building the model.
+PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "kiln.cli.main",
+           "kiln.cli.train_cmds", "kiln.trainer.checkpoint", "kiln.trainer.loop")
+SERVER_START_TIMEOUT_S = 600.0  # a safety net: the server reports ready (or dies) long before on any machine
+
+
+def process_start_time() -> float | None:
+    """When this process was started (epoch seconds; None where there is no /proc), or for a rank forked here
+    its launcher's: the first mark of a start-up's cost breakdown (`startup` in each process's first record)."""
+    if os.environ.get(PROCESS_START_ENV):
+        return float(os.environ[PROCESS_START_ENV])
+    try:
+        with open("/proc/self/stat") as f:  # field 22, after the parenthesised name: start time in clock ticks
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def socket_path(agent_pid: int) -> str:
+    """One server per torchrun agent (the launchers' parent), in TMPDIR (the pod's writable /tmp)."""
+    return os.path.join(tempfile.gettempdir(), f"kiln-warm-{os.getuid()}-{agent_pid}.sock")
+
+
+def _connect(path: str) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def _server(path: str, agent_pid: int) -> socket.socket | None:
+    """A connection to this agent's server, starting it first if no launcher on this node has."""
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the node's launchers start at once: one of them starts the server
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        ready_r, ready_w = os.pipe()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kiln.trainer.warm", "--serve", path, str(agent_pid), str(ready_w)],
+            pass_fds=(ready_w,), start_new_session=True,  # torchrun's killpg of a generation must not reach it
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "ab"))
+        os.close(ready_w)
+        # the server writes one byte once it listens, or exits (EOF) if it cannot
+        ready, _, _ = select.select([ready_r], [], [], SERVER_START_TIMEOUT_S)
+        ok = bool(ready) and os.read(ready_r, 1) == b"1"
+        os.close(ready_r)
+        if not ok:
+            server.kill()
+            return None
+        return _connect(path)
+
+
+def _send(conn: socket.socket, obj: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(obj).encode() + b"\n"
+    if fds:
+        socket.send_fds(conn, [data], list(fds))
+    else:
+        conn.sendall(data)
+
+
+def _recv_line(conn: socket.socket, buf: bytearray) -> dict | None:
+    while b"\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return json.loads(line)
+
+
+def launch(argv: list[str]) -> int:
+    """The launcher: run `kiln <argv>` as a rank forked from the warm server, or cold in this process."""
+    conn = None
+    try:
+        conn = _server(socket_path(os.getppid()), os.getppid())
+    except OSError as err:
+        print(f"kiln: warm start unavailable ({err}); starting cold", file=sys.stderr, flush=True)
+    if conn is None:
+        os.execv(sys.executable, [sys.executable, "-m", "kiln.cli.main", *argv])
+    _send(conn, {"argv": argv, "env": {**os.environ, PROCESS_START_ENV: str(process_start_time())}, "cwd": os.getcwd()},
+          fds=[0, 1, 2])
+    buf = bytearray()
+    hello = _recv_line(conn, buf)
+    if hello is None:  # the server could not fork
+        os.execv(sys.executable, [sys.executable, "-m", "kiln.cli.main", *argv])
+    rank_pid = hello["pid"]
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: os.kill(rank_pid, signum))
+    done = _recv_line(conn, buf)
+    if done is None:  # the rank died without reporting: killed by a signal, as a cold rank would be
+        os.kill(os.getpid(), signal.SIGKILL)
+    return int(done["rc"])
+
+
+def _run_rank(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become the launcher's rank, run `kiln <argv>`, report the exit code, exit."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    for stream in (sys.stdout, sys.stderr):  # as torchrun's `python -u` ranks: nothing held back in a buffer
+        stream.reconfigure(line_buffering=True, write_through=True)
+    for sig in FORWARDED + (signal.SIGCHLD,):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def launcher_gone() -> None:  # torchrun killed the launcher (SIGKILL): the rank goes with it
+        while conn.recv(1):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=launcher_gone, daemon=True, name="kiln-warm-launcher").start()
+    _send(conn, {"pid": os.getpid()})
+    from kiln.cli.main import main
+
+    sys.argv = ["kiln", *request["argv"]]
+    try:
+        rc = main(request["argv"])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # as an uncaught exception in a cold rank: the traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _send(conn, {"rc": rc})
+    os._exit(rc)
+
+
+def serve(path: str, agent_pid: int, ready_fd: int) -> None:
+    """Import what a rank needs, listen on `path`, fork a rank per request; exit once the agent is gone."""
+    import importlib
+
+    import torch
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use: stay cold
+        raise SystemExit("kiln warm server: CUDA initialised while importing; not serving")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the ranks are reaped at once (their launchers hold the rc)
+    tmp = f"{path}.{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(tmp)
+    os.replace(tmp, path)  # a launcher connects to a listening server or to nothing
+    mine = os.stat(path).st_ino
+    listener.listen(64)
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    try:
+        while True:
+            readable, _, _ = select.select([listener], [], [], 1.0)
+            if not _alive(agent_pid):  # torchrun ended: nothing will ask again
+                return
+            if not readable:
+                continue
+            conn, _ = listener.accept()
+            try:
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(msg.decode().partition("\n")[0])
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            if os.fork() == 0:
+                listener.close()
+                _run_rank(conn, request, fds)
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == mine:  # not a newer server's socket
+                for leftover in (path, path + ".lock"):
+                    os.unlink(leftover)
+                if os.path.getsize(path + ".log") == 0:  # kept when it says why the server failed
+                    os.unlink(path + ".log")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        sys.exit(launch(sys.argv[1:]))
