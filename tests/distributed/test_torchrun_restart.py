@@ -3,14 +3,19 @@ each kill costs exactly one restart of the worker group, and the run finishes wh
 would (the workers resume from the last commit each time).
 
 The kills strike when the run reports steps 8 and 20 of 40 (ranks in turn), so both land before the end
-on a machine of any pace."""
+on a machine of any pace. The same with the operator's entry, kiln.trainer.warm: every generation's ranks
+are forked from the one process that holds the imports, and it is gone once torchrun has ended."""
 
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from kiln.control.plan import TORCHRUN_ENV
-from tests.distributed.ranks import torchrun_train_with_kills
+from tests.distributed.ranks import torchrun_train_with_kills, wait_until
 from tests.distributed.trainer_helpers import write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -18,12 +23,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS, INTERVAL, KILLS = 40, 5, [8, 20]  # 20 steps after the last kill: far more than one 20 ms look
 
 
-def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path):
+def _warm_servers() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(f"kiln-warm-{os.getuid()}-*.sock"))
+
+
+@pytest.mark.parametrize("entry", ["kiln.cli.main", "kiln.trainer.warm"])
+def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path, entry):
     log = tmp_path / "torchrun.log"
     spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": STEPS, "logEvery": 1},
                       checkpoint={"intervalSteps": INTERVAL, "keep": 2})
+    servers = _warm_servers()
     result = torchrun_train_with_kills(spec, tmp_path / "run", log=log, kill_at_steps=KILLS, total_steps=STEPS,
-                                       max_restarts=4, torchrun_env=TORCHRUN_ENV, timeout_s=600)
+                                       max_restarts=4, torchrun_env=TORCHRUN_ENV, timeout_s=600, entry=entry)
     text = log.read_text(errors="replace")
     assert result["rc"] == 0, text[-3000:]  # None: a restarted generation hung (the 600 s safety net)
     kills = result["kills"]
@@ -36,3 +47,6 @@ def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path):
     # one failed worker group per kill: no restart that failed on its own (stale gloo addresses)
     assert result["worker_group_failures"] == 2, text[-3000:]
     assert result["final_step"] == STEPS
+    if entry == "kiln.trainer.warm":  # three generations, each forked from the warm process, none cold
+        assert text.count("kiln: warm start: rank 0 forked") == 3 and "starting cold" not in text, text[-3000:]
+        wait_until("the warm process ends with torchrun", lambda: not _warm_servers() - servers, timeout=60)

@@ -10,7 +10,7 @@ from kubeflow.training import ApiClient
 from kubeflow.training import models as k
 
 from kiln.api.load import parse
-from kiln.cli.main import main
+from kiln.cli.main import build_parser, main
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, Observed, dump, plan, resolve
 from kiln.errors import KilnError
@@ -47,8 +47,9 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
     pod = worker(job)["template"]["spec"]
     (c,) = pod["containers"]
     assert c["name"] == "pytorch" and c["image"] == "registry.test/trainer:1"
-    assert c["command"] == ["kiln", "torchrun", "--no-python", "kiln", "train", "--config", "/etc/kiln/spec.yaml",
-                            "--output", "/var/lib/kiln/run"]
+    assert c["command"] == ["kiln", "torchrun", "-m", "kiln.trainer.warm", "train",
+                            "--config", "/etc/kiln/spec.yaml", "--output", "/var/lib/kiln/run"]
+    assert build_parser().parse_args(c["command"][4:]).command == "train"  # the warm launcher runs `kiln train`
     # no cpu/memory in the spec: the operator's defaults (a cpu request, memory request = limit)
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "8", "memory": "4Gi", "ephemeral-storage": "50Gi"},
                               "requests": {"nvidia.com/gpu": "8", "memory": "4Gi", "ephemeral-storage": "50Gi",

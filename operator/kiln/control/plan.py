@@ -346,7 +346,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
         # that the training-operator sets from elasticPolicy and nprocPerNode.
         # `kiln torchrun`: torchrun, exiting 128+signal when the pod is stopped, so the ExitCode policy retries.
-        command=["kiln", "torchrun", "--no-python", "kiln", "train", "--config", SPEC_PATH,
+        # kiln.trainer.warm: `kiln train`, each rank forked from a process that holds the imports, so a restart
+        # of the ranks in place does not pay for importing torch again (docs/resilience.md).
+        command=["kiln", "torchrun", "-m", "kiln.trainer.warm", "train", "--config", SPEC_PATH,
                  "--output", f"{config.scratch_dir}/run"],
         env=env,
         ports=ports,

@@ -83,19 +83,26 @@ def _server(path: str, agent_pid: int) -> socket.socket | None:
         conn = _connect(path)
         if conn is not None:
             return conn
+        if os.path.exists(path + ".cold"):  # a server refused (why is in the file): the later ranks go cold
+            with open(path + ".cold") as f:
+                raise OSError(f.read().strip())
         ready_r, ready_w = os.pipe()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kiln.trainer.warm", "--serve", path, str(agent_pid), str(ready_w)],
-            pass_fds=(ready_w,), start_new_session=True,  # torchrun's killpg of a generation must not reach it
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "ab"))
+        with open(path + ".log", "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "kiln.trainer.warm", "--serve", path, str(agent_pid), str(ready_w)],
+                pass_fds=(ready_w,), start_new_session=True,  # torchrun's killpg of a generation must not reach it
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
         os.close(ready_w)
-        # the server writes one byte once it listens, or exits (EOF) if it cannot
+        # the server writes "1" once it listens, or "0" and why it will not serve, or dies (EOF)
         ready, _, _ = select.select([ready_r], [], [], SERVER_START_TIMEOUT_S)
-        ok = bool(ready) and os.read(ready_r, 1) == b"1"
+        answer = os.read(ready_r, 4096) if ready else b""
         os.close(ready_r)
-        if not ok:
+        if answer != b"1":
             server.kill()
-            return None
+            reason = answer[1:].decode(errors="replace") or "the warm server did not start (see " + path + ".log)"
+            with open(path + ".cold", "w") as f:
+                f.write(reason + "\n")
+            raise OSError(reason)
         return _connect(path)
 
 
@@ -124,7 +131,8 @@ def launch(argv: list[str]) -> int:
     try:
         conn = _server(socket_path(os.getppid()), os.getppid())
     except OSError as err:
-        print(f"kiln: warm start unavailable ({err}); starting cold", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"kiln: warm start unavailable ({err}); starting cold", file=sys.stderr, flush=True)
     if conn is None:
         os.execv(sys.executable, [sys.executable, "-m", "kiln.cli.main", *argv])
     _send(conn, {"argv": argv, "env": {**os.environ, PROCESS_START_ENV: str(process_start_time())}, "cwd": os.getcwd()},
@@ -134,6 +142,9 @@ def launch(argv: list[str]) -> int:
     if hello is None:  # the server could not fork
         os.execv(sys.executable, [sys.executable, "-m", "kiln.cli.main", *argv])
     rank_pid = hello["pid"]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"kiln: warm start: rank 0 forked from the process holding the imports (pid {hello['server']})",
+              file=sys.stderr, flush=True)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: os.kill(rank_pid, signum))
     done = _recv_line(conn, buf)
@@ -162,7 +173,7 @@ def _run_rank(conn: socket.socket, request: dict, fds: list[int]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=launcher_gone, daemon=True, name="kiln-warm-launcher").start()
-    _send(conn, {"pid": os.getpid()})
+    _send(conn, {"pid": os.getpid(), "server": os.getppid()})
     from kiln.cli.main import main
 
     sys.argv = ["kiln", *request["argv"]]
@@ -189,8 +200,11 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    if torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use: stay cold
-        raise SystemExit("kiln warm server: CUDA initialised while importing; not serving")
+    with open("/proc/self/maps") as maps:  # CUDA is not fork-safe once its driver is loaded: then stay cold
+        cuda = torch.cuda.is_initialized() or any("libcuda.so" in line for line in maps)
+    if cuda:
+        os.write(ready_fd, b"0the CUDA driver was loaded while importing torch and kiln, and CUDA cannot be forked")
+        return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the ranks are reaped at once (their launchers hold the rc)
     tmp = f"{path}.{os.getpid()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -201,11 +215,18 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     try:
+        try:
+            agent = os.pidfd_open(agent_pid)  # readable once torchrun has ended: nothing will ask again
+        except ProcessLookupError:
+            return
+        except OSError:  # no pidfd (an old kernel, a seccomp filter): look every second instead
+            agent = None
         while True:
-            readable, _, _ = select.select([listener], [], [], 1.0)
-            if not _alive(agent_pid):  # torchrun ended: nothing will ask again
+            readable, _, _ = select.select([listener] + ([agent] if agent is not None else []), [], [],
+                                           None if agent is not None else 1.0)
+            if agent in readable or (agent is None and not _alive(agent_pid)):
                 return
-            if not readable:
+            if listener not in readable:
                 continue
             conn, _ = listener.accept()
             try:
@@ -216,6 +237,8 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
                 continue
             if os.fork() == 0:
                 listener.close()
+                if agent is not None:
+                    os.close(agent)
                 _run_rank(conn, request, fds)
             conn.close()
             for fd in fds:
