@@ -72,11 +72,11 @@ def worker(folder: str, out: str) -> None:
     """One torchrun rank: build the FSDP2 model, then time and measure load_weights."""
     from kiln.api.spec import TrainingSpecSpec
     from kiln.trainer import hf
-    from kiln.trainer.loop import _init_distributed
+    from kiln.trainer.run import init_distributed
     from kiln.trainer.model import build_model
     from kiln.trainer.parallel import build_mesh, parallelize, plan_layout
 
-    rank, world, device = _init_distributed()
+    rank, world, device = init_distributed()
     spec = TrainingSpecSpec.model_validate({
         "model": {"from": f"file://{folder}", "seqLen": 128},
         "training": {"globalBatchSize": world, "microBatchSize": 1, "precision": "fp32", "steps": 1},

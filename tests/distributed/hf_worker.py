@@ -21,11 +21,11 @@ import torch.distributed as dist
 def main(cases_path: str, out_dir: str) -> None:
     from kiln.api.spec import TrainingSpecSpec
     from kiln.trainer import hf, kernels
-    from kiln.trainer.loop import _init_distributed
+    from kiln.trainer.run import init_distributed
     from kiln.trainer.model import build_model
     from kiln.trainer.parallel import build_mesh, parallelize, plan_layout
 
-    rank, world, device = _init_distributed()
+    rank, world, device = init_distributed()
     kernels.set_mode("reference")
     for case in json.loads(Path(cases_path).read_text()):
         spec = TrainingSpecSpec.model_validate({

@@ -1,6 +1,6 @@
 """data.format chat's loss: the mean over the assistant tokens of the whole global batch, whatever the layout.
 
-Two real gloo ranks run the trainer's own step functions (kiln.trainer.loop `_accumulate_step` / `_pipeline_step`
+Two real gloo ranks run the trainer's own step functions (kiln.trainer.run `accumulate_step` / `pipeline_step`
 with kiln.trainer.loss) on one global batch whose assistant tokens are spread very unevenly over ranks and
 microbatches (one microbatch has none). Their gradients, gathered by parameter name, must equal those of the
 single-process reference: sum of the assistant tokens' cross-entropy / their count, over the full batch. The
@@ -50,10 +50,10 @@ def layout_grads(rank: int, world: int, out: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from kiln.trainer import hf, kernels
-    from kiln.trainer.loop import _accumulate_step, _global_loss, _pipeline_step
-    from kiln.trainer.loss import PipelineLoss, global_count
+    from kiln.trainer.loss import PipelineLoss, global_count, global_loss
     from kiln.trainer.model import build_model, cross_entropy
     from kiln.trainer.parallel import build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
+    from kiln.trainer.run import accumulate_step, pipeline_step
 
     losses = {}
     for name, parallelism in LAYOUTS.items():
@@ -76,11 +76,11 @@ def layout_grads(rank: int, world: int, out: str) -> dict:
             pp_loss = PipelineLoss(cross_entropy, layout)
             pp_loss.denominator = denominator
             schedule = build_pipeline_schedule(model, mesh, layout, torch.device("cpu"), pp_loss)
-            local = _pipeline_step(schedule, inputs, targets, is_first, is_last)
+            local = pipeline_step(schedule, inputs, targets, is_first, is_last)
         else:
-            local = _accumulate_step(model, inputs, targets, layout, denominator)
-        losses[name] = _global_loss(local if is_last and mesh["tp"].get_local_rank() == 0 else None, layout,
-                                    torch.device("cpu"))
+            local = accumulate_step(model, inputs, targets, layout, denominator)
+        losses[name] = global_loss(local if is_last and mesh["tp"].get_local_rank() == 0 else None, layout,
+                                   torch.device("cpu"))
         grads = {}
         for pname, p in model.named_parameters():
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

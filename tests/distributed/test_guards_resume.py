@@ -44,7 +44,8 @@ def _rank(rank, world, spec_path, out, ckpt_uri, kill_at, legacy):
             ctx.loss = pending.pop(ctx.step)
         return True
 
-    hooks = StepHooks(before_update=[inject])
+    restarts = []
+    hooks = StepHooks(before_update=[inject], on_restart=[restarts.append])
     guards = GuardHooks(GuardConfig(min_history=4, spike_limit=3, spike_window=6), sdc_every=0, health_every=0)
     if legacy:  # how kiln wired the guards before their state was checkpointed
         hooks.before_update.append(guards.before_update)
@@ -52,7 +53,8 @@ def _rank(rank, world, spec_path, out, ckpt_uri, kill_at, legacy):
     else:
         guards.install(hooks)
     result = train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks, checkpoint_uri=ckpt_uri)
-    return {"start": result.start_step, "final": result.final_step}
+    return {"start": result.start_step, "final": result.final_step,
+            "restarts": [[e.step, e.tokens_seen] for e in restarts]}
 
 
 def _run(spec, out, ckpt, *, kill_at=None, legacy=False) -> tuple[list[dict], list[dict]]:
@@ -77,7 +79,8 @@ def spec(tmp_path):
 
 
 def test_resumed_run_detects_the_spike_right_after_resume_like_the_uninterrupted_run(tmp_path, spec):
-    whole, _ = _run(spec, tmp_path / "whole", tmp_path / "ckpt-whole")
+    whole, results = _run(spec, tmp_path / "whole", tmp_path / "ckpt-whole")
+    assert [r["restarts"] for r in results] == [[], []]  # a fresh start, and a rollback, are no restart
     assert _actions(whole) == [(1, "ok"), (2, "ok"), (3, "ok"), (4, "ok"), (5, "skip"), (6, "ok"), (7, "skip"),
                                (8, "rollback"), (7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
 
@@ -87,7 +90,8 @@ def test_resumed_run_detects_the_spike_right_after_resume_like_the_uninterrupted
     assert saved["counters"]["skipped_spike"] == 1 and saved["spikes"] == [5] and len(saved["history"]) == 5
 
     after, results = _run(spec, tmp_path / "after", tmp_path / "ckpt")
-    assert results == [{"start": 6, "final": 10}] * 2
+    # every rank's restart hook fired once, for the step-6 commit (6 steps × 4 sequences × 32 tokens)
+    assert results == [{"start": 6, "final": 10, "restarts": [[6, 6 * 4 * 32]]}] * 2
     assert _actions(after) == _actions(whole)[6:]  # step 7 is a spike at once: no warm-up after the resume
     for got, want in zip(after, whole[6:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
@@ -106,7 +110,7 @@ def test_checkpoint_without_guard_state_still_resumes_and_the_detector_warms_up(
     assert "guards" not in trainer_state.get("hooks", {})
 
     after, results = _run(spec, tmp_path / "after", tmp_path / "ckpt")
-    assert results == [{"start": 6, "final": 10}] * 2
+    assert [(r["start"], r["final"]) for r in results] == [(6, 10)] * 2
     # A fresh detector has fewer than min_history losses at step 7 and 8: both spikes pass unnoticed.
     assert _actions(after) == [(7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
     assert _counters(after[-1]) == (0, 0, 0)

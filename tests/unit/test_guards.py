@@ -173,7 +173,8 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
                                        optimizers=[opt], mesh=None, record={})
 
         first = GuardHooks(sdc_every=2, health_every=0)
-        first.record_incidents(store)
+        first.install(hooks := StepHooks())
+        hooks.record_incidents(store)  # as the run hands every hook its checkpoint store (kiln.trainer.run)
         step1 = ctx(1)
         assert first.before_update(step1)
         first.after_update(step1)  # seals the weights for step 2's check
@@ -187,7 +188,8 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
         assert json.loads(store.get_bytes(incident.key))["ranks"] == [0]
 
         second = GuardHooks(sdc_every=2, health_every=0)  # the restarted trainer, resumed from the commit
-        second.record_incidents(store)
+        second.install(hooks := StepHooks())
+        hooks.record_incidents(store)
         again = ctx(1)
         second.before_update(again)
         second.after_update(again)

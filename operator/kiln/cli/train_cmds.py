@@ -365,7 +365,8 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, hooks=None) -> int:
+    """One rank of `kiln train`; `hooks` (kiln.trainer.hooks.StepHooks, None: the guards) for callers in Python."""
     from kiln.trainer.checkpoint import sigterm_received
     from kiln.trainer.loop import train
 
@@ -380,7 +381,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(note, flush=True)
     output = Path(args.output or f"runs/{doc.metadata.name}")
     try:
-        result = train(doc, output_dir=output)
+        result = train(doc, output_dir=output, hooks=hooks)
     except KeyboardInterrupt:
         return 130  # the launcher reports the interruption once
     return stop_exit_code(result.final_step, doc.spec.training.steps, signalled=sigterm_received())

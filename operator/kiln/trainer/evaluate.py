@@ -21,9 +21,10 @@ from kiln.api import ModelDims, TrainingSpec
 from kiln.errors import KilnError
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_source
-from kiln.trainer.loss import IGNORE
-from kiln.trainer.loop import EVAL_BATCHES
+from kiln.trainer.loss import IGNORE, global_loss
 from kiln.trainer.model import build_model
+
+EVAL_BATCHES = 4  # global batches of the validation split: the trainer's val_loss and `kiln eval`'s default
 
 # Sources whose validation split is held out from training (data.py): other URIs need their own held-out data.
 HELD_OUT = ("builtin:pydoc", "synthetic")
@@ -136,6 +137,26 @@ def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, glob
     if loader.masked:
         return weighted / max(counted, 1), counted
     return total / batches, tokens
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, schedule, loader: GlobalBatchLoader, global_batch: int, layout, device,
+                    *, is_first: bool, is_last: bool, reports_loss: bool) -> float:
+    """The training run's `val_loss`, on its parallel model: the mean loss over the first EVAL_BATCHES global
+    batches of the validation split (the same every time), each rank on its share of them."""
+    loader.samples_seen = 0
+    total = 0.0
+    for _ in range(EVAL_BATCHES):
+        inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
+        if schedule is not None:
+            losses: list[torch.Tensor] = []
+            schedule.eval(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
+            local = torch.stack(losses).mean() if is_last else None
+        else:
+            m = layout.micro_batch
+            local = torch.stack([model(inputs[i:i + m], targets[i:i + m]) for i in range(0, len(inputs), m)]).mean()
+        total += global_loss(local if reports_loss else None, layout, device)
+    return total / EVAL_BATCHES
 
 
 def default_device() -> torch.device:

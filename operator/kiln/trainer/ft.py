@@ -39,6 +39,7 @@ from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
 from kiln.trainer.checkpoint import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.hooks import MembershipChange
 
 TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
 # At a fresh start (or a whole-job restart) wait this long for every group before stepping with fewer: a group
@@ -53,12 +54,13 @@ def _local(t: Any) -> Any:
 
 
 class ReplicaGroups:
-    """One replica group's side of the job: its torchft Manager and the few calls the loop makes.
+    """One replica group's side of the job: its torchft Manager and the few calls the run makes (kiln.trainer.run).
 
-    `snapshot()` returns the trainer state a healing peer receives (the loop's, as in a checkpoint)."""
+    `snapshot()` returns the trainer state a healing peer receives (the run's, as in a checkpoint);
+    `on_membership_change` is called with each new quorum after the first (kiln.trainer.hooks)."""
 
     def __init__(self, spec, *, rank: int, world: int, device: torch.device, model_parts, optimizers,
-                 snapshot: Callable[[], dict]):
+                 snapshot: Callable[[], dict], on_membership_change: Callable[[MembershipChange], None]):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         lighthouse = os.environ.get(contract.FT_LIGHTHOUSE)
@@ -73,6 +75,7 @@ class ReplicaGroups:
         self.per_group = spec.training.global_batch_size // self.groups
         self.rank, self.device = rank, device
         self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
+        self.on_membership_change = on_membership_change
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
         self.manager = Manager(
@@ -122,14 +125,17 @@ class ReplicaGroups:
         self._healed = None
         self.manager.start_quorum()  # synchronous: a heal is applied before it returns
         rank, k = self.manager.participating_rank(), self.manager.num_participants()
-        quorum_id = self.manager._quorum_id
-        if quorum_id != self.quorum_id:
-            if self.quorum_id != -1:
-                self.quorum_changes += 1
-            if self.rank == 0:
-                print(f"kiln: ft: group {self.group}: quorum {quorum_id}: {k} of {self.groups} group(s) live, "
-                      f"this group is replica rank {rank}", flush=True)
+        quorum_id, first = self.manager._quorum_id, self.quorum_id == -1
+        changed = quorum_id != self.quorum_id
+        if changed and self.rank == 0:
+            print(f"kiln: ft: group {self.group}: quorum {quorum_id}: {k} of {self.groups} group(s) live, "
+                  f"this group is replica rank {rank}", flush=True)
         self.quorum_id, self.replica_rank, self.participants = quorum_id, rank if rank is not None else 0, k
+        if changed and not first:  # the one place a membership change is seen
+            self.quorum_changes += 1
+            self.on_membership_change(MembershipChange(step=self.manager.current_step(), quorum_id=quorum_id,
+                                                       participants=k, groups=self.groups,
+                                                       replica_rank=self.replica_rank))
         if self._healed is not None:
             self.heals += 1
             self.restore_source = "peer"

@@ -446,7 +446,7 @@ def _local_and_replica_groups(p, default_group):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The trainer loop's hooks (kiln.trainer.loop.StepHooks): duck-typed on its StepContext.
+# The trainer's hooks (kiln.trainer.hooks.StepHooks): duck-typed on its StepContext.
 
 
 class GuardHooks:
@@ -554,6 +554,7 @@ class GuardHooks:
     def install(self, hooks) -> None:
         hooks.before_update.append(self.before_update)
         hooks.after_update.append(self.after_update)
+        hooks.incident_stores.append(self.record_incidents)
         hooks.state["guards"] = self
 
 

@@ -54,3 +54,13 @@ class PipelineLoss:
             return mean
         # x microbatches: undoes the schedule's division, which the plain mean relies on
         return microbatch_loss(mean, targets, self.denominator, self.layout, 1) * self.layout.pp_microbatches
+
+
+def global_loss(local: torch.Tensor | None, layout, device: torch.device) -> float:
+    """The mean loss over data-parallel replicas, the same on every rank: `local` from the one rank per replica
+    that reports it (the last pipeline stage, tensor rank 0), None from the others."""
+    value = local.detach().float().reshape(()) if local is not None else torch.zeros((), device=device)
+    if layout.world > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return float(value) / layout.dp

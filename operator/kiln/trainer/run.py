@@ -1,0 +1,453 @@
+"""One training process's run: `setup()` builds it, `Run.step()` takes one optimizer step, `Run.close()` ends it
+(the shape of TorchTitan's Trainer: a constructor that builds everything, a train step, a loop that calls it).
+
+setup: join the process group -> model (meta, parallelize, allocate, initialise) -> optimizer -> data ->
+checkpointer -> replica groups (torchft) -> restore (a live peer's state, else the newest commit, else
+model.from or the seed) -> metrics and status. One call per process (rank); torchrun or the training-operator
+provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. Every rank runs the same code; the mesh decides what
+each one holds.
+
+Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a resume from a commit in
+`Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in `Run._membership_changed`
+(called by kiln.trainer.ft), the checkpoint store in `Run._build_checkpointer`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.api import TrainingSpec, contract
+from kiln.api.layout import replica_group_spec
+from kiln.trainer import hf, kernels
+from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
+from kiln.trainer.evaluate import validation_loss
+from kiln.trainer.hooks import Heal, MembershipChange, Restart, StepContext, StepHooks
+from kiln.trainer.loss import PipelineLoss, global_count, global_loss, microbatch_loss
+from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, process_start_time,
+                                  peak_memory_gib)
+from kiln.trainer.model import build_model, cross_entropy
+from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
+from kiln.trainer.rng import rng_state, set_rng_state
+from kiln.trainer.status_report import StatusReporter
+
+
+def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
+          checkpoint_uri: str | None = None, checkpointing: bool = True) -> Run:
+    """Build (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0.
+
+    hooks: None installs the training-health guards (kiln.trainer.guards), as do hooks with no step hooks.
+    checkpointing=False neither restores nor saves (throughput benchmarks of models too big to save often).
+    """
+    hooks = hooks or StepHooks()
+    if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
+        from kiln.trainer.guards import GuardHooks
+
+        GuardHooks().install(hooks)
+    # where a (re)start's seconds go, as epoch times: in the first record of each process (bench_faults)
+    startup = {"process_start": process_start_time(), "imports_done": time.time()}
+    rank, world, device = init_distributed()
+    startup["rendezvous_done"] = time.time()
+    try:
+        return Run(spec_doc, output_dir=output_dir, hooks=hooks, checkpoint_uri=checkpoint_uri,
+                   checkpointing=checkpointing, rank=rank, world=world, device=device, startup=startup)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up (or a world of one without torchrun)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a plain `kiln train` without torchrun
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
+    return rank, world, device
+
+
+def ft_enabled(spec) -> bool:
+    ft = spec.elastic.fault_tolerance
+    return ft is not None and ft.mode == "replicaGroups"
+
+
+class Run:
+    """Everything one process trains with, and where it is: `last_step` (restored or taken), `tokens_seen`,
+    the loss of every step taken (`losses`). Built by `setup()`."""
+
+    def __init__(self, spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks,
+                 checkpoint_uri: str | None, checkpointing: bool, rank: int, world: int, device: torch.device,
+                 startup: dict):
+        self.spec_doc, self.spec = spec_doc, spec_doc.spec
+        self.tr = self.spec.training
+        self.hooks, self.rank, self.world, self.device = hooks, rank, world, device
+        self.startup: dict | None = startup  # None once the first step has logged it
+        self.last_step = self.start_step = self.tokens_seen = 0
+        self.losses: list[float] = []
+        self.stopped = False  # a stop was requested (SIGTERM) and saved
+        self._closed = False
+
+        self._build_model()
+        self._build_data()
+        self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
+        self.ft = None
+        if ft_enabled(self.spec):  # replica groups: a group that joins live peers heals from one, not from a commit
+            from kiln.trainer.ft import ReplicaGroups
+
+            self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, model_parts=self.model_parts,
+                                    optimizers=self.optimizers, snapshot=self.trainer_state,
+                                    on_membership_change=self._membership_changed)
+            if self.spec.model.from_:  # overwritten below by a peer's or a commit's weights, if there are any
+                hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
+        restored = self._restore()
+        self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank, restored=restored)  # rank 0 → status
+        self.startup["restored"] = time.time()
+
+        self.global_tokens = self.tr.global_batch_size * self.dims.seq_len
+        self.flops_step = flops_per_token(self.dims) * self.global_tokens
+        self.peak = peak_flops(device, self.tr.precision)  # None: no known peak, no MFU (kiln.trainer.metrics)
+        self.logger = MetricsLogger(output_dir, rank=rank, total_steps=self.tr.steps, start_step=self.start_step,
+                                    exporter=_exporter(spec_doc.metadata.name) if rank == 0 else None)
+        self.timer = StepTimer(device)
+        self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
+
+    # ---- setup, in order --------------------------------------------------------------------------------------
+
+    def _build_model(self) -> None:
+        """Shapes on meta, parallelize, then allocate on the device and initialise by parameter name."""
+        spec, tr, par, device = self.spec, self.tr, self.spec.parallelism, self.device
+        self.dims = dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
+        self.tokenizer = hf.training_tokenizer(spec, dims)
+        # elastic.faultTolerance replicaGroups: this job is one replica group, with its share of the batch
+        self.layout = layout = plan_layout(replica_group_spec(spec), dims, self.world,
+                                           int(os.environ.get("LOCAL_WORLD_SIZE") or self.world))
+        kernels.set_mode(par.kernels)
+        torch.manual_seed(tr.seed)
+
+        self.mesh = mesh = build_mesh(layout, device.type)
+        self.model = model = parallelize(build_model(dims), mesh, layout, spec)
+        model.to_empty(device=device)
+        model.init_buffers()  # the weights: from model.from, a peer, this run's commit, or init_weights (_restore)
+        if ft_enabled(spec) and not spec.model.from_:  # a group with no peer and no commit starts from the seed
+            model.init_weights(tr.seed)
+        model.train()
+        if self.rank == 0:  # what runs, and what the numbers are measured against, once per run
+            print(f"kiln: {kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile)}",
+                  flush=True)
+            print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
+        self.model_parts = [model]
+        self.optimizer = build_optimizer(self.model_parts, tr, device)
+        self.optimizers = [self.optimizer]
+        self.startup["model_built"] = time.time()
+
+        pp_rank = mesh["pp"].get_local_rank()
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
+        self.pp_loss = PipelineLoss(cross_entropy, layout)
+        self.schedule = build_pipeline_schedule(model, mesh, layout, device, self.pp_loss) if layout.pp > 1 else None
+        self.pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
+        # Exactly one rank per data-parallel replica reports the loss: the last stage, tensor rank 0.
+        self.reports_loss = self.is_last and mesh["tp"].get_local_rank() == 0
+
+    def _build_data(self) -> None:
+        spec, tr, dims = self.spec, self.tr, self.dims
+        self.dp_rank, self.dp_size = dp_coordinates(self.mesh)
+        source = open_data(spec.data, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                           endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint,
+                           tokenizer=self.tokenizer)
+        self.loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        # Held-out loss at the end of the run, for the corpus that has a validation split.
+        self.val_loader = GlobalBatchLoader(
+            open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
+                        split="validation", tokenizer=self.tokenizer), seed=tr.seed, dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
+
+    def _build_checkpointer(self, checkpoint_uri: str | None, output_dir: Path | None, checkpointing: bool) -> None:
+        from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
+
+        if threading.current_thread() is threading.main_thread():
+            install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
+        default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
+        self.checkpointer = Checkpointer(self.spec.checkpoint, default_uri=default_uri, rank=self.rank,
+                                         world_size=self.world) if checkpointing else _NoCheckpoints()
+        if checkpointing:
+            self.hooks.record_incidents(self.checkpointer.store)  # e.g. SDC mismatches outlive the process
+
+    def _restore(self) -> dict | None:
+        """Where the weights come from: a live peer's (replica groups, when one is ahead), else the newest
+        commit, else model.from (a new run) or the seed. The trainer state restored, or None."""
+        state = self.ft.join() if self.ft is not None else None
+        from_commit = False
+        if state is not None:
+            self._heal(state, at_start=True)
+        else:
+            state = self.checkpointer.restore(self.model_parts, self.optimizers)
+            from_commit = state is not None
+            if from_commit:
+                self._restart(state)
+            elif self.spec.model.from_ and self.ft is None:  # a resumed run's weights are its commit's
+                hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
+            elif self.ft is None:  # a new run; a resumed one skips it: the commit holds every weight
+                self.model.init_weights(self.tr.seed)
+        self.start_step = self.last_step
+        if self.ft is not None:
+            self.ft.restored(self.last_step, from_checkpoint=from_commit)
+        return state
+
+    # ---- the events hooks see, one place each -----------------------------------------------------------------
+
+    def _restart(self, state: dict) -> None:
+        """Resumed from a commit (not a guard's rollback, which keeps the data cursor: see step)."""
+        self._load_trainer_state(state)
+        self.hooks.restarted(Restart(self.last_step, self.tokens_seen))
+
+    def _heal(self, state: dict, *, at_start: bool) -> None:
+        """A live peer's state (its weights and optimizer state are loaded already, by kiln.trainer.ft)."""
+        self._load_trainer_state(state)
+        self.hooks.healed(Heal(self.last_step, self.tokens_seen, at_start=at_start))
+
+    def _membership_changed(self, change: MembershipChange) -> None:
+        self.hooks.membership_changed(change)
+
+    # ---- trainer state: what a commit carries and a healing peer receives -------------------------------------
+
+    def trainer_state(self) -> dict:
+        return {"step": self.last_step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
+                "rng": rng_state(self.device), "lr": lr_at(self.last_step, self.tr), "layout": self.layout.as_dict(),
+                "model": self.dims.model_dump(), "goodput": self.reporter.state_dict(),
+                "hooks": {name: obj.state_dict() for name, obj in self.hooks.state.items()}}
+
+    def _load_trainer_state(self, state: dict) -> None:
+        """Continue from a trainer state (a commit's, or a live peer's): data cursor, RNG, hook state."""
+        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"], self.device)
+        saved_hooks = state.get("hooks", {})
+        for name, obj in self.hooks.state.items():
+            obj.load_state_dict(saved_hooks.get(name))
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or self.last_step >= self.tr.steps
+
+    def step(self) -> None:
+        """One optimizer step: data, forward/backward, (replica groups: average, vote), clip, hooks, optimizer,
+        metrics and status, a checkpoint when due. Replica groups: a step the groups did not commit is not
+        taken (`last_step` stays; the next call redoes it), and a group that fell behind heals first."""
+        tr, ft, layout, device, timer = self.tr, self.ft, self.layout, self.device, self.timer
+        if ft is not None and (healed := ft.begin_step(self.last_step)) is not None:  # fell behind: a peer's state
+            self._heal(healed, at_start=False)
+            if self.done:
+                return
+        step = self.last_step + 1
+        timer.start()
+        if ft is not None:  # this group's slot in the quorum's share of the batch
+            inputs, targets = (t.to(device) for t in ft.next_batch(self.loader, self.dp_rank, self.dp_size))
+        else:
+            inputs, targets = (t.to(device) for t in self.loader.next_batch(tr.global_batch_size))
+        timer.mark("data_s")
+        lr = lr_at(step, tr)
+        set_lr(self.optimizer, lr)
+        # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.loss)
+        denominator = global_count(targets, layout) if self.loader.masked else None
+        if self.schedule is not None:
+            self.pp_loss.denominator = denominator
+            local_loss = pipeline_step(self.schedule, inputs, targets, self.is_first, self.is_last)
+        else:
+            local_loss = accumulate_step(self.model, inputs, targets, layout, denominator)
+        timer.mark("fwd_bwd_s")
+        if ft is not None:  # average with the live groups before clipping: every group clips alike
+            ft.average_gradients(self.model_parts)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, tr.grad_clip, pp_group=self.pp_group)
+        loss = global_loss(local_loss if self.reports_loss else None, layout, device)
+        if ft is not None:
+            loss = ft.average_loss(loss)
+            if not ft.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
+                self.optimizer.zero_grad(set_to_none=True)
+                return
+        self.last_step = step
+        self.tokens_seen += self.global_tokens if ft is None else ft.step_tokens(self.dims.seq_len)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+        if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all)
+            record["assistant_tokens"] = int(denominator)
+        if ft is not None:
+            record.update(ft.metrics())
+        ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record)
+        if all(hook(ctx) for hook in self.hooks.before_update):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for hook in self.hooks.after_update:
+            hook(ctx)
+        if ctx.rollback:  # repeated loss spikes: back to the last commit; the loader keeps its
+            # cursor, skipping the bad data; hook state (guard counters) is not rolled back
+            state = self.checkpointer.restore(self.model_parts, self.optimizers)
+            if state is not None:
+                step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+                self.last_step = step
+                set_rng_state(state["rng"], device)
+            record["rolled_back_to"] = step
+        timer.mark("optim_s")
+        self.losses.append(loss)
+        if ft is not None and step == tr.steps:  # every group must end with the same weights
+            record["ft_weights_digest"] = ft.weights_digest()
+        self._finish_step(step, record)
+
+    def _finish_step(self, step: int, record: dict) -> None:
+        """The step's record, status and checkpoint (when due), and the held-out loss after the last step."""
+        tr, timer = self.tr, self.timer
+        step_s = sum(timer.times.values())
+        record.update(timer.times, step_s=step_s, tokens_per_second=self.global_tokens / step_s,
+                      mfu=self.flops_step / step_s / (self.peak * self.world) if self.peak else None,
+                      world_size=self.world, global_batch_tokens=self.global_tokens,
+                      tokens_seen=self.tokens_seen, peak_memory_gib=peak_memory_gib(self.device),
+                      **self.layout.as_dict())
+        if (mix := self.loader.mix()) is not None:
+            record["data_mix"] = mix
+        if self.startup is not None:  # the first step of this process (compile, if any, happens in it)
+            record["startup"], self.startup = {**self.startup, "first_step_done": time.time()}, None
+        checkpointer = self.checkpointer
+        ckpt = checkpointer.status()  # before the save: it carries the time counters
+        if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
+            record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
+            record["steps_since_commit"] = step - (ckpt.get("lastCheckpoint") or {}).get("step", self.start_step)
+        self.reporter.update(record, ckpt)
+        stop = checkpointer.stop_requested(step)
+        final = step == tr.steps or stop
+        # elastic.plan switches the node count once its untilStep is committed: always commit it
+        # replica groups: one writer, the group at replica rank 0 of this step's quorum
+        if (final or step in self.plan_steps or checkpointer.should_save(step)) and \
+                (self.ft is None or self.ft.writes_checkpoints):
+            checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
+            record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+            self.reporter.stalled(record["checkpoint_stall_s"])
+        if step == tr.steps and self.val_loader is not None:
+            record["val_loss"] = validation_loss(self.model, self.schedule, self.val_loader, tr.global_batch_size,
+                                                 self.layout, self.device, is_first=self.is_first,
+                                                 is_last=self.is_last, reports_loss=self.reports_loss)
+        if step % tr.log_every == 0 or final:
+            self.logger.log(record)
+        elif "gpu_health" in record:  # the gauge follows every health reading, logged or not
+            self.logger.export(record)
+        if stop:
+            self.stopped = True
+            if self.rank == 0:
+                print(f"kiln: stop requested; saved step {step}, rerun to resume", flush=True)
+
+    # ---- the end ----------------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """After the last step: wait for the last save, close, and leave together. Every rank leaves after rank
+        0's last commit, status report and log lines: on a cluster, the first worker pod to exit 0 ends the
+        elastic job, and a pod still running then may be stopped."""
+        self.checkpointer.wait()
+        self._close_parts()
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        """Close whatever finish() did not (after an error), and leave the process group."""
+        try:
+            self._close_parts()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _close_parts(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpointer.close()
+            self.reporter.close(self.checkpointer.status())
+            self.logger.close()
+        finally:
+            if self.ft is not None:
+                self.ft.close()
+
+
+class _NoCheckpoints:
+    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
+
+    last_blocking_s = last_wait_s = 0.0
+
+    def restore(self, model_parts, optimizers):
+        return None
+
+    def should_save(self, step: int) -> bool:
+        return False
+
+    def status(self) -> dict:
+        return {}
+
+    def stop_requested(self, step: int) -> bool:
+        return False
+
+    def save(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _exporter(run: str):
+    """Prometheus metrics on rank 0 when KILN_METRICS_PORT is set (the operator sets it in pods)."""
+    port = os.environ.get(contract.METRICS_PORT)
+    if not port:
+        return None
+    from kiln.trainer.exporter import TrainerExporter
+
+    exporter = TrainerExporter(run)
+    exporter.start(int(port))
+    return exporter
+
+
+# ---- forward and backward -------------------------------------------------------------------------------------
+
+
+def accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
+                    denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP), or
+    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.loss)."""
+    total = torch.zeros((), device=inputs.device)
+    m = layout.micro_batch
+    for i in range(layout.grad_accum):
+        # Reduce gradients across data parallel only once, after the last microbatch.
+        if hasattr(model, "set_requires_gradient_sync"):  # no data-parallel wrapper at dp 1: nothing to sync
+            model.set_requires_gradient_sync(i == layout.grad_accum - 1)
+        batch = targets[i * m:(i + 1) * m]
+        loss = microbatch_loss(model(inputs[i * m:(i + 1) * m], batch), batch, denominator, layout, layout.grad_accum)
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def pipeline_step(schedule, inputs, targets, is_first: bool, is_last: bool) -> torch.Tensor | None:
+    """One 1F1B pass over this rank's batch; the last stage returns the mean microbatch loss."""
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if is_first else ()
+    kwargs = {"target": targets, "losses": losses} if is_last else {}
+    schedule.step(*args, **kwargs)
+    return torch.stack([l.detach() for l in losses]).mean() if is_last else None
