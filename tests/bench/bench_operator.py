@@ -82,6 +82,23 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+RIG_PARTS = ("kube-apiserver", "etcd", "training-operator")
+
+
+def rig_cpu() -> dict[str, float]:
+    """CPU seconds used so far by the rig's apiserver, etcd and training-operator (from the rig's state.json):
+    what a client costs the control plane, beside what it costs itself."""
+    from tests.rig import cluster
+
+    procs = json.loads((cluster.run_dir() / "state.json").read_text())["procs"]
+    return {part: cpu_s(procs[part]["pid"]) for part in RIG_PARTS if part in procs}
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float], runs: int) -> dict[str, float]:
+    """ms of CPU per run by part, from two rig_cpu() readings (with 'client' when the caller adds its own)."""
+    return {part: round(1000 * (after[part] - before[part]) / runs, 1) for part in before}
+
+
 class JobWatcher:
     """Records when each PyTorchJob of a namespace is first seen by a watch."""
 
@@ -506,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.rig import cluster
 
     rig, started = cluster.up(lease_pid=os.getpid())
+    load = {"start": os.getloadavg()}  # the machine is shared: say how busy it was
     namespaces = [f"bench-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("ref", "kiln", "calls")]
     ns_ref, ns_kiln, ns_calls = namespaces
     calls = scaled = None
@@ -530,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         for ns in namespaces:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
-    write_report({**result, "api_calls": calls, "scale": scaled}, args.out)
+    load["end"] = os.getloadavg()
+    write_report({**result, "api_calls": calls, "scale": scaled, "load_avg_1_5_15": load}, args.out)
     if args.scale_runs:  # the node last: kwok finishes its pods' graceful deletion only while it manages it
         wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
             label_selector="app=bench-background", limit=1).items, timeout=3600)
@@ -546,10 +565,12 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
     try:
         # Reference: a client creating what the operator writes per run, the same way (16 runs at a time).
         watcher = JobWatcher(kube, ns_ref)
-        t0 = time.monotonic()
-        created = create_all(reference_objects(ns_ref, args.count), lambda b: create(kube, b))
+        objects = reference_objects(ns_ref, args.count)
+        rig0, t0 = {**rig_cpu(), "client": time.process_time()}, time.monotonic()
+        created = create_all(objects, lambda b: create(kube, b))
         watcher.wait(list(created))
         ref_total = max(watcher.seen.values()) - t0
+        ref_cpu = cpu_used(rig0, {**rig_cpu(), "client": time.process_time()}, args.count)
         ref = latencies(created, watcher.seen, {n: n for n in created})
         watcher.stop()
 
@@ -567,13 +588,14 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
         idle_rss = rss_kib(op.proc.pid, "VmRSS")
         cpu0 = cpu_s(op.proc.pid)
         bodies = specs(ns_kiln, args.count)
-        t0 = time.monotonic()
+        rig0, t0 = {**rig_cpu(), "client": cpu0}, time.monotonic()
         created = create_specs(kube, ns_kiln, bodies)
         watcher.wait(list(created), alive=alive)
         kiln_total = max(watcher.seen.values()) - t0
         lat = latencies(created, watcher.seen, {n: n for n in created})
         peak_rss = rss_kib(op.proc.pid, "VmHWM")
         op_cpu = cpu_s(op.proc.pid) - cpu0
+        kiln_cpu = cpu_used(rig0, {**rig_cpu(), "client": cpu0 + op_cpu}, args.count)
         watcher.stop()
     finally:
         if op:
@@ -584,9 +606,13 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
                  "all_jobs_exist_after_s": kiln_total, "runs_per_s": args.count / kiln_total,
                  # the operator's own CPU until the last job existed, per run: less sensitive than the times
                  # to whatever else shares the machine
-                 "operator_cpu_ms_per_run": 1000 * op_cpu / args.count},
+                 "operator_cpu_ms_per_run": 1000 * op_cpu / args.count,
+                 # until the last job existed, per run: the operator ('client') and the control plane
+                 "cpu_ms_per_run": kiln_cpu},
         "reference_same_objects": {"p50_s": percentile(ref, 0.5), "p99_s": percentile(ref, 0.99),
-                                   "all_jobs_exist_after_s": ref_total},
+                                   "all_jobs_exist_after_s": ref_total,
+                                   # 'client': this process (the 16 creating threads and the job watch)
+                                   "cpu_ms_per_run": ref_cpu},
         "ratio_p50": percentile(lat, 0.5) / percentile(ref, 0.5),
         "ratio_p99": percentile(lat, 0.99) / percentile(ref, 0.99),
         "ratio_all_jobs_exist": kiln_total / ref_total,

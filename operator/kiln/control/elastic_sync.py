@@ -113,9 +113,14 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
     seen: nodes, GPU-holding pods, the run's job and pods, as the operator's watches hold them (or `listed`).
     GPUs in use are counted from the pods the operator may watch: all of them cluster-wide; under a namespaced
     install only the watched namespaces' pods, so GPUs that other namespaces' pods hold look free
-    (docs/security.md, item 2). The one request a tick always makes is a GET of the TrainingSpec, whose
-    annotation holds the loop's state.
+    (docs/security.md, item 2). The one request a tick of a running job makes is a GET of the TrainingSpec,
+    whose annotation holds the loop's state; a run whose job is missing, suspended or finished costs none.
     """
+    job = seen.job
+    if job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
+        # decided from the watch's job alone: no request, no wait for the run's lock (a burst of new or
+        # suspended runs ticks often before their jobs run)
+        return f"{namespace}/{name}: not running"
     with kube.runs[(namespace, name)].lock:
         body = kube.trainingspec(namespace, name)
         if body is None:
@@ -126,8 +131,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             return f"{namespace}/{name}: invalid spec, left to reconcile"
         if replica_groups(doc.spec) > 1:  # each group's PyTorchJob is of a fixed size and restarts alone
             return f"{namespace}/{name}: replica groups: no node-count elasticity, each group restarts alone"
-        job = seen.job
-        if doc.spec.suspend or job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
+        if doc.spec.suspend:
             return f"{namespace}/{name}: not running"
         state = state_of(body)
         views = free_gpus(seen.nodes, seen.held, (namespace, name))

@@ -16,11 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 import kopf
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control import elastic_sync, leader, metrics, sync
+from kiln.control import elastic_sync, kopf_fix, leader, metrics, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import GROUP_LABEL, RUN_LABEL
 from kiln.control.status import Event
+
+kopf_fix.apply()  # kopf's startup with indexes is O(pods^2) without it
 
 # The process's singletons: config, the Kube client (which holds every run's state, kube.runs), kopf's
 # indexes for the ticks, the watched namespaces (None: all) and the tick task.

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import yaml
-from kubeflow.training import ApiClient
-from kubeflow.training import models as k
+from kubeflow.training import ApiClient, Configuration
+from kubeflow.training import models as _models
 
 from kiln.api.presets import resolve_model
 from kiln.api import contract
@@ -34,6 +35,23 @@ from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.policy import violations
 from kiln.errors import KilnError
+
+
+
+class _SharedConfigModels:
+    """kubeflow.training.models (and the kubernetes models it re-exports), each made with one shared
+    Configuration. Without one, every model makes its own, and Configuration() sets two loggers' levels, which
+    clears the level cache of every logger in the process under logging's global lock: ~40 models per
+    PyTorchJob cost a new run ~30 of the operator's ~43 ms of CPU in a burst, and stalled the threads that log."""
+
+    _config = Configuration()
+
+    def __getattr__(self, name: str):
+        return partial(getattr(_models, name), local_vars_configuration=self._config)
+
+
+k = _SharedConfigModels()
+_SERIALIZER = ApiClient(Configuration())  # sanitize_for_serialization only: it sends nothing
 
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
 SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -346,9 +364,9 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         # torchrun takes nnodes, nproc-per-node, rendezvous and max-restarts from the PET_* variables
         # that the training-operator sets from elasticPolicy and nprocPerNode.
         # `kiln torchrun`: torchrun, exiting 128+signal when the pod is stopped, so the ExitCode policy retries.
-        # kiln.trainer.warm: `kiln train`, each rank forked from a process that holds the imports, so a restart
+        # kiln.cli.warm: `kiln train`, each rank forked from a process that holds the imports, so a restart
         # of the ranks in place does not pay for importing torch again (docs/resilience.md).
-        command=["kiln", "torchrun", "-m", "kiln.trainer.warm", "train", "--config", SPEC_PATH,
+        command=["kiln", "torchrun", "-m", "kiln.cli.warm", "train", "--config", SPEC_PATH,
                  "--output", f"{config.scratch_dir}/run"],
         env=env,
         ports=ports,
@@ -422,7 +440,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
                 replicas=replicas, restart_policy="ExitCode", template=template)},
         ),
     )
-    body = ApiClient().sanitize_for_serialization(job)
+    body = _SERIALIZER.sanitize_for_serialization(job)
     labels = {KUEUE_QUEUE_LABEL: s.scheduling.queue} if s.scheduling.queue else {}
     if s.scheduling.priority:
         labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
@@ -474,7 +492,7 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
         tolerations=[k.V1Toleration(**t.model_dump(exclude_none=True)) for t in s.resources.tolerations] or None,
         priority_class_name=s.scheduling.priority_class_name,
     )
-    template = {"metadata": {"labels": {**MANAGED_BY, **selector}}, "spec": ApiClient().sanitize_for_serialization(pod)}
+    template = {"metadata": {"labels": {**MANAGED_BY, **selector}}, "spec": _SERIALIZER.sanitize_for_serialization(pod)}
     return [
         {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata(name),
          "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
