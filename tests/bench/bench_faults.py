@@ -73,7 +73,7 @@ def kill_steps(steps: int, every: int, max_kills: int) -> list[int]:
     return at[:max_kills] if max_kills else at
 
 
-ENTRIES = {"cold": "kiln.cli.main", "warm": "kiln.trainer.warm"}  # what torchrun runs per rank (warm: forked)
+ENTRIES = {"cold": "kiln.cli.main", "warm": "kiln.cli.warm"}  # what torchrun runs per rank (warm: forked)
 
 
 def variants(text: str) -> list[tuple[str, str, str]]:

@@ -197,7 +197,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
     """`kiln train --config spec` on `nproc` gloo workers under torchrun's elastic agent (--max-restarts); each
     time the run reports one of `kill_at_steps` in metrics.jsonl, SIGKILL one worker (ranks in turn: rank 0 also
     commits and logs), as on a lost GPU. The agent restarts the worker group, which resumes from the last commit.
-    `entry` is the module torchrun runs (kiln.trainer.warm: ranks forked from a process holding the imports).
+    `entry` is the module torchrun runs (kiln.cli.warm: ranks forked from a process holding the imports).
 
     Every kill step must be below `total_steps` (the run's training.steps): the run cannot end before reporting
     it, so every kill happens whatever the machine's pace. The next kill is armed only once the restarted

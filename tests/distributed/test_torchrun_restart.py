@@ -3,7 +3,7 @@ each kill costs exactly one restart of the worker group, and the run finishes wh
 would (the workers resume from the last commit each time).
 
 The kills strike when the run reports steps 8 and 20 of 40 (ranks in turn), so both land before the end
-on a machine of any pace. The same with the operator's entry, kiln.trainer.warm: every generation's ranks
+on a machine of any pace. The same with the operator's entry, kiln.cli.warm: every generation's ranks
 are forked from the one process that holds the imports, and it is gone once torchrun has ended."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _warm_servers() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"kiln-warm-{os.getuid()}-*.sock"))
 
 
-@pytest.mark.parametrize("entry", ["kiln.cli.main", "kiln.trainer.warm"])
+@pytest.mark.parametrize("entry", ["kiln.cli.main", "kiln.cli.warm"])
 def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path, entry):
     log = tmp_path / "torchrun.log"
     spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": STEPS, "logEvery": 1},
@@ -47,6 +47,6 @@ def test_two_kills_cost_two_restarts_and_the_run_finishes(tmp_path, entry):
     # one failed worker group per kill: no restart that failed on its own (stale gloo addresses)
     assert result["worker_group_failures"] == 2, text[-3000:]
     assert result["final_step"] == STEPS
-    if entry == "kiln.trainer.warm":  # three generations, each forked from the warm process, none cold
+    if entry == "kiln.cli.warm":  # three generations, each forked from the warm process, none cold
         assert text.count("kiln: warm start: rank 0 forked") == 3 and "starting cold" not in text, text[-3000:]
         wait_until("the warm process ends with torchrun", lambda: not _warm_servers() - servers, timeout=60)

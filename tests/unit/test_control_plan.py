@@ -47,7 +47,7 @@ def test_pytorchjob_carries_gpus_selector_elastic_and_command():
     pod = worker(job)["template"]["spec"]
     (c,) = pod["containers"]
     assert c["name"] == "pytorch" and c["image"] == "registry.test/trainer:1"
-    assert c["command"] == ["kiln", "torchrun", "-m", "kiln.trainer.warm", "train",
+    assert c["command"] == ["kiln", "torchrun", "-m", "kiln.cli.warm", "train",
                             "--config", "/etc/kiln/spec.yaml", "--output", "/var/lib/kiln/run"]
     assert build_parser().parse_args(c["command"][4:]).command == "train"  # the warm launcher runs `kiln train`
     # no cpu/memory in the spec: the operator's defaults (a cpu request, memory request = limit)

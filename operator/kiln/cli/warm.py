@@ -1,6 +1,6 @@
 """Warm starts: a rank that torchrun (re)starts is forked from a process that has already imported torch and kiln.
 
-    torchrun ... -m kiln.trainer.warm train --config spec.yaml     # instead of -m kiln.cli.main train ...
+    torchrun ... -m kiln.cli.warm train --config spec.yaml     # instead of -m kiln.cli.main train ...
 
 A restart of the worker group costs about what a cold start does, and most of it is starting Python and
 importing torch (torch._dynamo included: DeviceMesh slicing and the optimizer's step import it) before any
@@ -37,28 +37,14 @@ import sys
 import tempfile
 import threading
 
-PROCESS_START_ENV = "KILN_PROCESS_START"  # a forked rank's start: its launcher's (kiln.trainer.metrics)
+from kiln.trainer.startup import PROCESS_START_ENV, process_start_time  # no torch: the launcher stays small
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 # What a cold rank spends its start on, imported once by the server: torch._dynamo is imported on first use by
 # DeviceMesh slicing and by the optimizer's step, so a cold rank pays for it while building the model.
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "kiln.cli.main",
            "kiln.cli.train_cmds", "kiln.trainer.checkpoint", "kiln.trainer.loop")
 SERVER_START_TIMEOUT_S = 600.0  # a safety net: the server reports ready (or dies) long before on any machine
-
-
-def process_start_time() -> float | None:
-    """When this process was started (epoch seconds; None where there is no /proc), or for a rank forked here
-    its launcher's: the first mark of a start-up's cost breakdown (`startup` in each process's first record)."""
-    if os.environ.get(PROCESS_START_ENV):
-        return float(os.environ[PROCESS_START_ENV])
-    try:
-        with open("/proc/self/stat") as f:  # field 22, after the parenthesised name: start time in clock ticks
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def socket_path(agent_pid: int) -> str:
@@ -89,7 +75,7 @@ def _server(path: str, agent_pid: int) -> socket.socket | None:
         ready_r, ready_w = os.pipe()
         with open(path + ".log", "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "kiln.trainer.warm", "--serve", path, str(agent_pid), str(ready_w)],
+                [sys.executable, "-m", "kiln.cli.warm", "--serve", path, str(agent_pid), str(ready_w)],
                 pass_fds=(ready_w,), start_new_session=True,  # torchrun's killpg of a generation must not reach it
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
         os.close(ready_w)
