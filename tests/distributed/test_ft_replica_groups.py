@@ -3,11 +3,14 @@ own torchrun job (1 gloo rank), kill one group at a step it reports, the other k
 group comes back and heals from its live peer (no checkpoint read), both end with the same weights.
 
 The groups run `kiln train` through tests/distributed/ft_group_entry.py, which holds each worker at a gate
-after its imports; the test releases a group when the run reports a given step, never after a delay.
+after its imports; the test releases a group when the run reports a given step, never after a delay. The entry
+also logs the run events the trainer's hooks receive (kiln.trainer.hooks): the tests check that a quorum change,
+a heal and a restart from a commit each reach them, once, at the step where they happened.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -33,6 +36,13 @@ def lighthouse():
     server = lighthouse_server()
     yield server.address()
     server.shutdown()
+
+
+def events(out: Path, kind: str) -> list[dict]:
+    """The run events of `kind` the group's hooks received (ft_group_entry.py), in order."""
+    path = out / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e.pop("event") == kind]
 
 
 def ft_spec(tmp: Path, name: str) -> Path:
@@ -104,6 +114,17 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
     # The cursor moved by exactly the samples the live groups read: none skipped, none read twice.
     assert run0[-1]["tokens_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP * SEQ
     assert ref0[-1]["tokens_seen"] == STEPS * 2 * PER_GROUP * SEQ
+    # The hooks saw each event once, where it happened: group 0 the quorum without group 1 after its last step
+    # with it and the quorum with it again after its last step alone; the returning group the heal, at the step
+    # of that quorum (it takes part in the next one); neither a restart from a commit.
+    changes, (heal,) = events(g0.out, "membership_change"), events(g1b.out, "heal")
+    assert len(changes) == run0[-1]["ft_quorum_changes"] and {c["participants"] for c in changes} == {1, 2}
+    drop, rejoin = next(c for c in changes if c["participants"] == 1), changes[-1]
+    assert drop["step"] == degraded[0] - 1 and drop["groups"] == 2, changes
+    assert rejoin["participants"] == 2 and rejoin["step"] == degraded[-1] == heal["step"] == first["step"] - 1
+    assert heal["at_start"] and heal["tokens_seen"] == run0[heal["step"] - 1]["tokens_seen"]
+    assert not events(g0.out, "heal") and not events(g1b.out, "membership_change")
+    assert not events(g0.out, "restart") and not events(g1b.out, "restart")
     # Only one group wrote the final commit, and it holds the last step.
     assert (tmp_path / "ft" / "ckpt" / "latest").read_text().strip() == f"step-{STEPS:08d}"
 
@@ -160,6 +181,10 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
         got = records(tmp_path / "ft" / f"g{i}")
         resumed = [r for r in got if r["step"] > latest]
         assert resumed[0]["ft_restore"] == "checkpoint" and resumed[0]["ft_heals"] == 0, resumed[0]
+        # the restarted group's hooks saw one restart, from the newest commit; no heal (both runs log here)
+        out = tmp_path / "ft" / f"g{i}"
+        assert events(out, "restart") == [{"step": latest, "tokens_seen": latest * 2 * PER_GROUP * SEQ}]
+        assert events(out, "heal") == []
         assert [r["step"] for r in got] == list(range(1, steps + 1))
         want = records(tmp_path / "ref" / f"g{i}")
         assert all(r["ft_participants"] == 2 for r in want + resumed)
