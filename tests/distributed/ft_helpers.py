@@ -72,6 +72,15 @@ class Group:
     def ready(self) -> int:
         return wait_until(f"{self.name} at its gate", self._open_gate, alive=self.alive, context=self.log)
 
+    def release_if_ready(self) -> bool:
+        """Let it go if its worker waits at the gate now; False (nothing done) while it is still importing."""
+        fd = self._open_gate()
+        if fd is None:
+            return False
+        os.write(fd, b"go")
+        os.close(fd)
+        return True
+
     @staticmethod
     def release(*groups: "Group") -> None:
         """Once every one is imported and waiting, let them all go at once."""

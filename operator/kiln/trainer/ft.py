@@ -45,6 +45,11 @@ TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer tr
 # At a fresh start (or a whole-job restart) wait this long for every group before stepping with fewer: a group
 # that comes later still joins, but heals from a peer and the first steps average a smaller batch.
 START_WAIT_ENV = "KILN_FT_START_WAIT_SECONDS"  # default 120
+# The lighthouse may die and come back (its Deployment restarts it): each group's torchft manager then retries
+# the step's quorum, reconnecting meanwhile, for up to this long before the trainer fails. Without retries the
+# manager dropped the failed request and the quorum hung until its timeout, then every group failed at once.
+LIGHTHOUSE_WAIT_ENV = "KILN_FT_LIGHTHOUSE_WAIT_SECONDS"  # default 300
+QUORUM_RETRY_S = 0.5  # torchft waits quorum_timeout / (retries + 1) between tries; this sets the retries
 
 
 def _local(t: Any) -> Any:
@@ -77,6 +82,8 @@ class ReplicaGroups:
         self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
         self.on_membership_change = on_membership_change
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
+        # a quorum waits for the lighthouse (its restart) as well as for the other groups' steps
+        quorum_timeout = max(timeout, timedelta(seconds=float(os.environ.get(LIGHTHOUSE_WAIT_ENV, "300"))))
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None,
@@ -84,7 +91,8 @@ class ReplicaGroups:
             use_async_quorum=False,  # heal before the forward pass: the joining group takes part in this step
             init_sync=False,  # every group initialises the same weights from training.seed
             replica_id=f"kiln_group_{self.group}", lighthouse_addr=lighthouse, rank=rank, world_size=world,
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
+            quorum_retries=int(quorum_timeout.total_seconds() / QUORUM_RETRY_S),
         )
         self.manager.register_state_dict_fn("kiln", self._load, self._state)
         self._healed: dict | None = None
@@ -92,6 +100,7 @@ class ReplicaGroups:
         self.replica_rank, self.participants, self.quorum_id = 0, 1, -1
         self.heals = self.quorum_changes = self.redone = 0
         self.restore_source = "none"  # how this process got its state: peer | checkpoint | none (fresh)
+        self.quorum_s = self.load_s = 0.0  # the last quorum's time (a heal included), the last heal's load
 
     # ---- state a healing peer receives --------------------------------------------------------------------
 
@@ -104,6 +113,7 @@ class ReplicaGroups:
     def _load(self, sent: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        t0 = time.monotonic()
         state, keys = collect_state(self.model_parts, self.optimizers)
         with torch.no_grad():
             for part in ("model", "optim"):
@@ -118,12 +128,15 @@ class ReplicaGroups:
             set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
                            optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
         self._healed = sent["trainer"]
+        self.load_s = time.monotonic() - t0
 
     # ---- the loop's calls ---------------------------------------------------------------------------------
 
     def _quorum(self) -> dict | None:
         self._healed = None
+        t0 = time.monotonic()
         self.manager.start_quorum()  # synchronous: a heal is applied before it returns
+        self.quorum_s = time.monotonic() - t0
         rank, k = self.manager.participating_rank(), self.manager.num_participants()
         quorum_id, first = self.manager._quorum_id, self.quorum_id == -1
         changed = quorum_id != self.quorum_id
@@ -239,7 +252,8 @@ class ReplicaGroups:
         return {"ft_group": self.group, "ft_groups": self.groups, "ft_replica_rank": self.replica_rank,
                 "ft_participants": self.participants,
                 "ft_quorum_id": self.quorum_id, "ft_quorum_changes": self.quorum_changes, "ft_heals": self.heals,
-                "ft_redone_steps": self.redone, "ft_restore": self.restore_source}
+                "ft_redone_steps": self.redone, "ft_restore": self.restore_source,
+                "ft_quorum_s": self.quorum_s, "ft_heal_load_s": self.load_s}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
