@@ -116,6 +116,10 @@ class Run:
                                     on_membership_change=self._membership_changed)
             if self.spec.model.from_:  # overwritten below by a peer's or a commit's weights, if there are any
                 hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
+        if self.ft is not None:  # from its join on, the live groups wait for this one's first step
+            from kiln.trainer.metrics import preload
+
+            preload(output_dir, rank=rank)
         restored = self._restore()
         self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank, restored=restored)  # rank 0 → status
         self.startup["restored"] = time.time()
