@@ -13,15 +13,22 @@ as a slow one. Reported, against a reference run without kills measured in the s
   restart_breakdown where kill → next step goes, from the trainer's own marks (`startup` in the first record
                     of each process): respawn (kill → the new process exists: torchrun sees the dead worker,
                     stops the others, starts a generation), imports (interpreter, torch, kiln), rendezvous
-                    (init_process_group), model (build, parallelize, initialise, optimizer), restore (data,
-                    checkpoint read and load), first_step (the first step, compile included when on); mean and
-                    max over the kills, and the same phases of the reference run's cold start (launch → first
-                    step) for scale, measured in the same invocation
+                    (init_process_group), model (build, parallelize, optimizer), restore (data, checkpoint
+                    read and load, or a new run's initialisation), first_step (the first step, compile
+                    included when on); mean and max over the kills, and the same phases of the reference
+                    run's cold start (launch → first step) for scale, measured in the same invocation
 Each kill's time, killed rank, restored step, recovery time, redone steps and breakdown are in faulty.kills.
 
     python -m tests.bench.bench_faults [--steps 400] [--kill-every 100] [--out runs/bench/faults.json]
     python -m tests.bench.bench_faults --steps 1600 --kill-every 300 --max-kills 5   # 5 kills
-torchrun's and the workers' output go next to the report (<out>.reference.log, <out>.faulty.log).
+    python -m tests.bench.bench_faults --steps 100 --kill-every 30 --rounds 2 \
+        --variants "before=REV:cold,after=HEAD:warm"      # restart cost before/after, back to back
+--variants runs each NAME=REV:ENTRY in turn (a reference and a faulty run each), with kiln as committed at REV
+(git archive of operator/ on PYTHONPATH; "." the working tree) and ENTRY cold (`-m kiln.cli.main`) or warm
+(`-m kiln.cli.warm`, what trainer pods run); each round swaps the order, and `compare` gives each variant's
+phase means over the first's, round by round, with the load average before and after each variant.
+torchrun's and the workers' output go next to the report (<out>.reference.log, <out>.faulty.log; with
+--variants <out>.NAME-ROUND.reference.log, ...).
 """
 
 from __future__ import annotations
