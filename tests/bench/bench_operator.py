@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
+import urllib3
 import yaml
 from aiohttp import web
 from kubernetes import client, config as kconfig, watch
@@ -104,6 +105,7 @@ class JobWatcher:
 
     def __init__(self, kube: Kube, namespace: str):
         self.seen: dict[str, float] = {}
+        self.errors: list[str] = []  # watches cut (each followed by a new one)
         self.kube, self.namespace = kube, namespace
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -112,12 +114,17 @@ class JobWatcher:
     def _run(self) -> None:
         w = watch.Watch()
         while not self._stop.is_set():
-            for event in w.stream(self.kube.custom.list_namespaced_custom_object, "kubeflow.org", "v1",
-                                  self.namespace, "pytorchjobs", timeout_seconds=5):
-                name = event["object"]["metadata"]["name"]
-                self.seen.setdefault(name, time.monotonic())
-                if self._stop.is_set():
-                    break
+            try:
+                for event in w.stream(self.kube.custom.list_namespaced_custom_object, "kubeflow.org", "v1",
+                                      self.namespace, "pytorchjobs", timeout_seconds=5):
+                    name = event["object"]["metadata"]["name"]
+                    self.seen.setdefault(name, time.monotonic())
+                    if self._stop.is_set():
+                        break
+            except (ApiException, urllib3.exceptions.HTTPError, OSError) as err:
+                # a loaded apiserver cut the watch: watch again (a new watch lists what exists first); before,
+                # the thread ended here and the burst waited for jobs long made until its safety timeout
+                self.errors.append(f"{type(err).__name__}: {err}"[:200])
 
     def wait(self, names: list[str], alive=None) -> None:
         wait_until(f"{len(names)} PyTorchJobs", lambda: all(n in self.seen for n in names), alive=alive,
@@ -333,6 +340,37 @@ def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
             "window_s": t1 - t0, "window_past_first_tick": t1 - t0 > TICK_S}
 
 
+# ---- what each kind of request costs the control plane ----
+
+def request_costs(kube: Kube, namespace: str, count: int) -> dict:
+    """Apiserver, etcd and training-operator CPU ms per request, by the requests a burst is made of, each kind
+    sent `count` times from 16 threads (on the objects of `count` runs, in this order: creating them first).
+    The rig's background work counts in too: compare the kinds with each other, measured in one run."""
+    bodies = specs(namespace, count)
+    runs = reference_objects(namespace, count)
+    names = [b["metadata"]["name"] for b in bodies]
+    kinds = [
+        ("POST TrainingSpec", lambda n: create(kube, bodies[names.index(n)])),
+        ("GET TrainingSpec", lambda n: kube.trainingspec(namespace, n)),
+        ("merge-PATCH TrainingSpec annotations (kopf's)", lambda n: kube.patch_annotations(
+            namespace, n, {"bench.kiln.dev/at": str(time.monotonic())})),
+        ("merge-PATCH TrainingSpec status", lambda n: kube.patch_status(
+            namespace, n, {"step": int(time.monotonic() * 1000)})),
+        ("GET a missing PyTorchJob (404)", lambda n: kube.job(namespace, n)),
+        ("GET a missing ServiceAccount (404)", lambda n: kube.read(runs[n][0])),
+        ("apply ServiceAccount", lambda n: kube.apply(runs[n][0])),
+        ("apply ConfigMap", lambda n: kube.apply(next(o for o in runs[n] if o["kind"] == "ConfigMap"))),
+        ("apply PyTorchJob", lambda n: kube.apply(runs[n][-1])),
+    ]
+    result = {}
+    for kind, send in kinds:
+        before, t0 = rig_cpu(), time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(send, names))
+        result[kind] = {**cpu_used(before, rig_cpu(), count), "wall_s": round(time.monotonic() - t0, 2)}
+    return result
+
+
 # ---- the periodic tick at scale: running runs among many pods, one operator tree after another ----
 
 BENCH_NODE = "kwok-bench-pods"
@@ -508,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=200, help="TrainingSpecs in the burst (0: skip)")
     parser.add_argument("--count-calls", type=int, default=20, help="TrainingSpecs for the API-call count (0: skip)")
+    parser.add_argument("--request-costs", type=int, default=0,
+                        help="control-plane CPU per request kind, each sent this many times (0: skip)")
     parser.add_argument("--scale-runs", type=int, default=0, help="running TrainingSpecs for the scale part (0: skip)")
     parser.add_argument("--scale-pods", type=int, default=20000, help="pods besides them (scale part)")
     parser.add_argument("--window-ticks", type=int, default=100, help="elastic ticks measured per tree (scale part)")
@@ -524,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rig, started = cluster.up(lease_pid=os.getpid())
     load = {"start": os.getloadavg()}  # the machine is shared: say how busy it was
-    namespaces = [f"bench-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("ref", "kiln", "calls")]
-    ns_ref, ns_kiln, ns_calls = namespaces
-    calls = scaled = None
+    namespaces = [f"bench-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("ref", "kiln", "calls", "costs")]
+    ns_ref, ns_kiln, ns_calls, ns_costs = namespaces
+    calls = scaled = costs = None
     result: dict = {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -539,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.count_calls:
             calls = count_calls(rig, kube, ns_calls, args.count_calls,
                                 Path(args.out).with_suffix(".calls.log"))
+        if args.request_costs:
+            costs = request_costs(kube, ns_costs, args.request_costs)
         for ns in namespaces:  # the scale part's cluster-wide operators would tick these runs too
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         if args.scale_runs:  # last: its pods are still being deleted when it returns
@@ -549,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
     load["end"] = os.getloadavg()
-    write_report({**result, "api_calls": calls, "scale": scaled, "load_avg_1_5_15": load}, args.out)
+    write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled, "load_avg_1_5_15": load}, args.out)
     if args.scale_runs:  # the node last: kwok finishes its pods' graceful deletion only while it manages it
         wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
             label_selector="app=bench-background", limit=1).items, timeout=3600)
@@ -571,6 +613,7 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
         watcher.wait(list(created))
         ref_total = max(watcher.seen.values()) - t0
         ref_cpu = cpu_used(rig0, {**rig_cpu(), "client": time.process_time()}, args.count)
+        cut_watches = len(watcher.errors)
         ref = latencies(created, watcher.seen, {n: n for n in created})
         watcher.stop()
 
@@ -596,6 +639,7 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
         peak_rss = rss_kib(op.proc.pid, "VmHWM")
         op_cpu = cpu_s(op.proc.pid) - cpu0
         kiln_cpu = cpu_used(rig0, {**rig_cpu(), "client": cpu0 + op_cpu}, args.count)
+        cut_watches += len(watcher.errors)
         watcher.stop()
     finally:
         if op:
@@ -613,6 +657,7 @@ def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
                                    "all_jobs_exist_after_s": ref_total,
                                    # 'client': this process (the 16 creating threads and the job watch)
                                    "cpu_ms_per_run": ref_cpu},
+        "job_watches_cut": cut_watches,  # each one delays when the jobs made meanwhile are seen
         "ratio_p50": percentile(lat, 0.5) / percentile(ref, 0.5),
         "ratio_p99": percentile(lat, 0.99) / percentile(ref, 0.99),
         "ratio_all_jobs_exist": kiln_total / ref_total,
