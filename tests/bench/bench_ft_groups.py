@@ -27,7 +27,8 @@ The job's timeline is the time each step was first reported by any group. Report
                    a step with one group live averages half the batch); `sample_share` = tokens trained /
                    the reference's
 
-    python -m tests.bench.bench_ft_groups [--steps 9000] [--kill-every 450] [--out runs/bench/ft_groups.json]
+    python -m tests.bench.bench_ft_groups [--steps 6000] [--kill-every 200] [--heartbeat-ms 1000] [--cold]
+                                          [--out runs/bench/ft_groups.json]
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Job:
         self.quorum_s: dict[tuple[int, int], float | None] = {}  # (group, step) → that step's quorum time
         self.step_s: dict[int, float] = {}  # the trainer's own step time (what its ledger counts productive)
         self.last: dict[int, dict] = {}
+        self.redone: dict[str, int] = {}
         self.kills: list[dict] = []
         self.pending: dict | None = None
         self.next_kill, self.victim = kill_every, 0
@@ -120,6 +122,7 @@ class Job:
                     self.participants[r["step"]] = r.get("ft_participants", GROUPS)
                     self.step_s[r["step"]] = r["step_s"]
                 self.last[index] = r
+                self.redone[group.name] = r.get("ft_redone_steps", 0)  # counted per process
                 self.quorum_s[index, r["step"]] = r.get("ft_quorum_s")
                 p = self.pending
                 if p is not None and index == p["group"] and "back_at_step" not in p:
@@ -168,7 +171,7 @@ class Job:
             "final_val_loss": finals[0].get("val_loss") if finals else None,
             "final_weights_digests": sorted({r.get("ft_weights_digest") for r in finals}),
             "final_tokens_seen": finals[0]["tokens_seen"] if finals else None,
-            "redone_steps": sum(r.get("ft_redone_steps", 0) for r in self.last.values()),
+            "redone_steps": sum(self.redone.values()),  # steps voted down (a group died in them), every process
             "degraded_s": sum(g for b, g in gaps.items() if self.participants[b] < GROUPS),
             "steps_degraded": sum(1 for s in order if self.participants[s] < GROUPS),
             "step_s": _quantiles(list(self.step_s.values())),
@@ -213,9 +216,9 @@ def kiln_ledger(uri: str, endpoint: str | None, wall_s: float) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=9000)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--interval", type=int, default=500, help="checkpoint.intervalSteps")
-    ap.add_argument("--kill-every", type=int, default=450, help="kill a group every N steps the job reports")
+    ap.add_argument("--kill-every", type=int, default=200, help="kill a group every N steps the job reports")
     ap.add_argument("--cold", action="store_true",
                     help="restart a killed group cold (a fresh torchrun that imports everything) instead of "
                          "releasing a standby that imported ahead")
