@@ -17,14 +17,16 @@ from tests.distributed.trainer_helpers import env, write_spec
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_a_stopped_launcher_saves_and_exits_with_a_retryable_code(tmp_path):
+@pytest.mark.parametrize("rank_command", [["--no-python", "kiln", "train"], ["-m", "kiln.cli.warm", "train"]],
+                         ids=["cold", "warm"])  # warm: what the operator's pods run (kiln.control.plan)
+def test_a_stopped_launcher_saves_and_exits_with_a_retryable_code(tmp_path, rank_command):
     ckpt = tmp_path / "ckpt"
     spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": 100000, "globalBatchSize": 4},
                       checkpoint={"uri": f"file://{ckpt}/"})
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln.cli.main", "torchrun", "--standalone", "--nproc-per-node=2", "--no-python",
-         "kiln", "train", "--config", str(spec), "--output", str(out)],
+        [sys.executable, "-m", "kiln.cli.main", "torchrun", "--standalone", "--nproc-per-node=2", *rank_command,
+         "--config", str(spec), "--output", str(out)],
         env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(out / "metrics.jsonl", 3, proc)
