@@ -32,6 +32,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -194,7 +195,11 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the ranks are reaped at once (their launchers hold the rc)
     tmp = f"{path}.{os.getpid()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(tmp)
+    old_umask = os.umask(0o177)  # the socket is this user's only: a request runs kiln with its arguments
+    try:
+        listener.bind(tmp)
+    finally:
+        os.umask(old_umask)
     os.replace(tmp, path)  # a launcher connects to a listening server or to nothing
     mine = os.stat(path).st_ino
     listener.listen(64)
@@ -215,6 +220,9 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
             if listener not in readable:
                 continue
             conn, _ = listener.accept()
+            if not _same_user(conn):  # the socket's mode keeps others out; this checks it again
+                conn.close()
+                continue
             try:
                 msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 request = json.loads(msg.decode().partition("\n")[0])
@@ -236,6 +244,12 @@ def serve(path: str, agent_pid: int, ready_fd: int) -> None:
                     os.unlink(leftover)
                 if os.path.getsize(path + ".log") == 0:  # kept when it says why the server failed
                     os.unlink(path + ".log")
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """The connecting process runs as this user (SO_PEERCRED: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1] == os.getuid()
 
 
 def _alive(pid: int) -> bool:
