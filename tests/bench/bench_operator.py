@@ -586,16 +586,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.scale_runs:  # last: its pods are still being deleted when it returns
             scaled = scale(rig, kube, trees, args.scale_runs, args.scale_pods, args.window_ticks, Path(args.out),
                            args.scale_pods_namespace)
+            load["end"] = os.getloadavg()
+            write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled,
+                          "load_avg_1_5_15": load}, args.out)
+            # while the rig is up (it stops below if this process started it): the node last, as kwok finishes
+            # its pods' graceful deletion only while it manages it
+            wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
+                label_selector="app=bench-background", limit=1).items, timeout=3600)
+            rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
+            return 0
     finally:
         for ns in namespaces:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
     load["end"] = os.getloadavg()
-    write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled, "load_avg_1_5_15": load}, args.out)
-    if args.scale_runs:  # the node last: kwok finishes its pods' graceful deletion only while it manages it
-        wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
-            label_selector="app=bench-background", limit=1).items, timeout=3600)
-        rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
+    write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled,
+                  "load_avg_1_5_15": load}, args.out)
     return 0
 
 
