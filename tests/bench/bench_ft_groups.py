@@ -15,7 +15,8 @@ The job's timeline is the time each step was first reported by any group. Report
   kills[]          per kill: step, group, `kill_gap_s` (the job's gap across the kill: the failed step,
                    the lighthouse dropping the dead group, the redone step), `back_s` (kill → the group's
                    first step again), `heal_s` (the returning process's join: quorum + receiving a live
-                   peer's state, from its startup marks), `heal_gap_s` (the job's gap at the step the group
+                   peer's state, from its startup marks; its warm-up before the join, `warm_up_s`, apart),
+                   `heal_gap_s` (the job's gap at the step the group
                    came back at: what the survivor waited for the heal), restore (peer | checkpoint)
   goodput          1 − lost / wall, lost = Σ (gap − reference p50) over the gaps holding a kill or a heal:
                    steps the survivors took alone count as work (they are committed steps)
@@ -127,8 +128,11 @@ class Job:
                 p = self.pending
                 if p is not None and index == p["group"] and "back_at_step" not in p:
                     startup = r.get("startup") or {}
+                    joining = startup.get("joining", startup.get("model_built"))  # after its warm-up
                     p.update(back_at_step=r["step"], back_s=now - p["at_s"], restore=r.get("ft_restore"),
-                             heal_s=(startup["restored"] - startup["model_built"]) if startup else None,
+                             heal_s=(startup["restored"] - joining) if startup else None,
+                             warm_up_s=(startup["warmed_up"] - startup["model_built"])
+                             if "warmed_up" in startup else None,
                              join_quorum_s=r.get("ft_quorum_s"), heal_load_s=r.get("ft_heal_load_s"),
                              first_step_s=r["step_s"])
         job_step = max(self.first_seen, default=0)
@@ -288,7 +292,7 @@ def main(argv=None) -> dict:
         "back_s": _quantiles([k["back_s"] for k in kills if k.get("back_s") is not None]),
         "breakdown_p50_s": {key: _quantiles([k[key] for k in kills if k.get(key) is not None]).get("p50")
                             for key in ("survivor_quorum_after_kill_s", "survivor_quorum_at_heal_s", "join_quorum_s",
-                                        "heal_load_s", "first_step_s")},
+                                        "heal_load_s", "first_step_s", "warm_up_s")},
         "reference_quorum_s": _quantiles([q for (_, st), q in jobs[0].quorum_s.items() if q is not None and st > 1]),
         "sample_share": (faulty["final_tokens_seen"] / ref["final_tokens_seen"]
                          if faulty["final_tokens_seen"] and ref["final_tokens_seen"] else None),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.ft_helpers import Group, die_with_parent, lighthouse_server, records
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, wait_until
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
 from tests.distributed.trainer_helpers import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -103,6 +103,9 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
 
     # The returning group healed from its live peer: it started past the kill, from a peer, no commit read.
     first = back[0]
+    # ... and warmed its step up before it asked for the quorum (test_the_warm_up_before_a_join_changes_no_state)
+    marks = first["startup"]
+    assert marks["model_built"] <= marks["warmed_up"] <= marks["joining"] <= marks["restored"], marks
     assert first["ft_restore"] == "peer" and first["ft_heals"] == 1, first
     assert first["step"] > alone[-1]["step"] > killed_at
     assert "healed from a live peer" in g1b.log_path.read_text()
@@ -274,3 +277,44 @@ def test_kiln_run_restarts_a_failed_group_and_it_heals_from_the_live_one(tmp_pat
     assert [r["step"] for r in g1] == list(range(1, killed_at + 1)) + list(range(healed[0]["step"], steps + 1))
     assert any(r["ft_participants"] == 1 for r in g0 if killed_at < r["step"] < healed[0]["step"])
     assert g0[-1]["ft_weights_digest"] == g1[-1]["ft_weights_digest"]
+
+
+def _warm_up_rank(rank: int, world: int, spec_path: str) -> dict:
+    """Build a run (2 ranks, FSDP), take everything warm_up could touch before and after it."""
+    import torch
+
+    from kiln.api.load import load_file
+    from kiln.trainer.rng import rng_state
+    from kiln.trainer.run import setup
+
+    run = setup(load_file(spec_path)[0], output_dir=None, checkpointing=False)
+    try:
+        def state() -> dict:
+            return {"params": {n: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
+                               for n, p in run.model.named_parameters()},
+                    "optim": repr(run.optimizer.state_dict()), "rng": rng_state(run.device),
+                    "cursor": (run.loader.state_dict(), run.last_step, run.tokens_seen)}
+
+        before = state()
+        run.warm_up()
+        after = state()
+        return {"params_equal": all(torch.equal(before["params"][n], t) for n, t in after["params"].items()),
+                "optim_equal": before["optim"] == after["optim"],
+                "rng_equal": repr(before["rng"]) == repr(after["rng"]),
+                "cursor_equal": before["cursor"] == after["cursor"],
+                "grads_none": all(p.grad is None for p in run.model.parameters()),
+                "marked": "warmed_up" in run.startup}
+    finally:
+        run.close()
+
+
+def test_the_warm_up_before_a_join_changes_no_state(tmp_path):
+    """A replica group runs one forward/backward on a dummy batch before it joins the live groups
+    (kiln.trainer.run.Run.warm_up), so that they do not wait for its cold first step. It must leave no trace:
+    the same weights, optimizer state, RNG stream and data cursor, no gradient kept. (The heal test above
+    shows the healed group's weights and tokens_seen equal to the survivor's afterwards.)"""
+    spec = write_spec(tmp_path / "spec.yaml", nproc=2)
+    results = run_ranks(_warm_up_rank, 2, tmp_path, str(spec), init=False)
+    for r in results:
+        assert r == {"params_equal": True, "optim_equal": True, "rng_equal": True, "cursor_equal": True,
+                     "grads_none": True, "marked": True}, results

@@ -116,10 +116,13 @@ class Run:
                                     on_membership_change=self._membership_changed)
             if self.spec.model.from_:  # overwritten below by a peer's or a commit's weights, if there are any
                 hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
-        if self.ft is not None:  # from its join on, the live groups wait for this one's first step
+        exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
+        if self.ft is not None:  # from its join on, the live groups wait for this one: do before it what can be
             from kiln.trainer.metrics import preload
 
             preload(output_dir, rank=rank)
+            self.warm_up()
+            self.startup["joining"] = time.time()
         restored = self._restore()
         self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank, restored=restored)  # rank 0 → status
         self.startup["restored"] = time.time()
@@ -128,7 +131,7 @@ class Run:
         self.flops_step = flops_per_token(self.dims) * self.global_tokens
         self.peak = peak_flops(device, self.tr.precision)  # None: no known peak, no MFU (kiln.trainer.metrics)
         self.logger = MetricsLogger(output_dir, rank=rank, total_steps=self.tr.steps, start_step=self.start_step,
-                                    exporter=_exporter(spec_doc.metadata.name) if rank == 0 else None)
+                                    exporter=exporter)
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
 
@@ -215,6 +218,29 @@ class Run:
             self.ft.restored(self.last_step, from_checkpoint=from_commit)
         return state
 
+    def warm_up(self) -> None:
+        """One forward/backward and gradient clip on a dummy batch of the step's shapes, then discarded: the
+        first call's overheads (allocations, kernel selection, autograd set-up, compile when on) are paid here,
+        not in the first real step, which live replica groups wait for in their allreduce. It changes no state:
+        the gradients are dropped, the optimizer is not stepped, the data cursor is not read and the RNG
+        stream is put back (every rank of the group runs it, so the group's own collectives match)."""
+        rows = (self.ft.per_group if self.ft is not None else self.tr.global_batch_size) // self.dp_size
+        dummy = torch.zeros((rows, self.dims.seq_len), dtype=torch.long, device=self.device)
+        rng = rng_state(self.device)
+        self._forward_backward(dummy, dummy, None)
+        clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.tr.grad_clip,
+                        pp_group=self.pp_group)
+        self.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng, self.device)
+        self.startup["warmed_up"] = time.time()
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          denominator: torch.Tensor | None) -> torch.Tensor | None:
+        if self.schedule is not None:
+            self.pp_loss.denominator = denominator
+            return pipeline_step(self.schedule, inputs, targets, self.is_first, self.is_last)
+        return accumulate_step(self.model, inputs, targets, self.layout, denominator)
+
     # ---- the events hooks see, one place each -----------------------------------------------------------------
 
     def _restart(self, state: dict) -> None:
@@ -273,11 +299,7 @@ class Run:
         set_lr(self.optimizer, lr)
         # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.loss)
         denominator = global_count(targets, layout) if self.loader.masked else None
-        if self.schedule is not None:
-            self.pp_loss.denominator = denominator
-            local_loss = pipeline_step(self.schedule, inputs, targets, self.is_first, self.is_last)
-        else:
-            local_loss = accumulate_step(self.model, inputs, targets, layout, denominator)
+        local_loss = self._forward_backward(inputs, targets, denominator)
         timer.mark("fwd_bwd_s")
         if ft is not None:  # average with the live groups before clipping: every group clips alike
             ft.average_gradients(self.model_parts)
