@@ -12,8 +12,9 @@ Interleaved: B runs one step inside kiln's loop, from a hook after kiln's optimi
 A B A B ... and a change in machine load hits both. Each side is timed as its loop sees it: a B step from
 just before its data to just after its loss is read; an A step from the end of the previous B step to kiln's
 next hook, which is one whole pass of kiln's loop (logging, status, data, forward/backward, clipping,
-optimizer). Reported: both medians after warm-up, the ratio of medians and of the best steps, the spread
-(min, quartiles, max) and the machine's load average before and after.
+optimizer). Reported: both medians after warm-up, the ratio of medians and of the best steps, the median
+of the per-pair ratios (each kiln step against the TorchTitan step right after it), the spread (min,
+quartiles, max) and the machine's load average before and after.
 
 TorchTitan is installed with `--no-deps` into `$KILN_CACHE_DIR/tools/torchtitan-<ver>` (its pins are not
 kiln's) and put on sys.path by this script only; it is never a kiln dependency. 0.2.2 is the release whose
@@ -253,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_of_medians": kiln["tokens_per_second"] / tt["tokens_per_second"],
         # The fastest step of each is the least disturbed by other load on a shared machine.
         "ratio_of_best_steps": kiln["best_step_tokens_per_second"] / tt["best_step_tokens_per_second"],
+        # Each kiln step against the TorchTitan step right after it: load that drifts over the run moves both
+        # steps of a pair alike, so the median of these ratios shakes less than the ratio of medians.
+        "median_of_pair_ratios": statistics.median(t / k for k, t in zip(kiln_s, titan_s)),
         "first_losses": {"kiln": kiln_losses[:3], "torchtitan": titan.losses[:3]},
     }
     summary = {k: v for k, v in result.items() if k not in ("kiln", "torchtitan_llama3", "dims")}

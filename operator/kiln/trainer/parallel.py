@@ -162,13 +162,24 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         block.forward = functools.partial(checkpoint, block.forward, **kwargs)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (nn.Module.compile keeps parameter names), and the head (final norm,
-    output projection, loss) when the model computes its own loss with the reference kernels: fused there,
-    cross-entropy and its backward are one pass over the logits instead of several. The Triton kernels are
-    fused already, and under TP or PP the loss is taken outside."""
+def compiles_whole(layout: Layout, precision: str) -> bool:
+    """Compile the whole model (embedding, blocks, head and loss: one graph forward, one backward) where
+    nothing wraps its blocks: no FSDP (its per-block hooks would split the graph), no TP or PP. Inductor then
+    fuses across block boundaries and a step makes one compiled call, not one per block and the head (the
+    same losses; faster on the debug model on CPU, docs/trainer.md)."""
+    return not uses_fsdp(layout, precision) and layout.tp == 1 and layout.pp == 1
+
+
+def apply_compile(model: nn.Module, *, whole: bool = False) -> None:
+    """torch.compile the whole model in place (`whole`), or each block in place (nn.Module.compile keeps
+    parameter names) and the head (final norm, output projection, loss) when the model computes its own loss
+    with the reference kernels: fused there, cross-entropy and its backward are one pass over the logits
+    instead of several. The Triton kernels are fused already, and under TP or PP the loss is taken outside."""
     from kiln.trainer import kernels
 
+    if whole:
+        model.compile()
+        return
     for block in model.layers.values():
         block.compile()
     if model.norm is not None and model.fused_loss and kernels.reference_runs():
@@ -221,7 +232,7 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
         apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.parallelism.activation_checkpoint)
     if spec.parallelism.compile:
-        apply_compile(model)
+        apply_compile(model, whole=compiles_whole(layout, spec.training.precision))
     if compression == "powersgd":  # plain replication (fsdp: false) with torch's PowerSGD comm hook
         apply_replicate(model, mesh["dp_replicate"], compression)
     elif uses_fsdp(layout, spec.training.precision):
