@@ -1,7 +1,8 @@
 """Throughput of kiln's trainer against TorchTitan's Llama3 model on the same work, interleaved in one run.
 
-kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: the FSDP2 wrapper, torch.compile per
-block, the kernels switch, its default guards, logging and status). TorchTitan (B): `torchtitan` 0.2.2's
+kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: what `kiln.trainer.parallel` applies
+at that layout — at one rank in fp32 no FSDP and the whole model compiled as one graph —, the kernels switch,
+its default guards, logging and status). TorchTitan (B): `torchtitan` 0.2.2's
 Llama3 `Transformer`, compiled per block by TorchTitan's own `apply_compile` with its loss compiled, as its
 trainer does, and its step: forward, sum cross-entropy over the tokens, backward, clipping at 1.0, AdamW
 with TorchTitan's defaults (fused), the loss read as a number. Same dimensions (TorchTitan's `debugmodel` on
