@@ -280,7 +280,7 @@ def test_kiln_run_restarts_a_failed_group_and_it_heals_from_the_live_one(tmp_pat
 
 
 def _warm_up_rank(rank: int, world: int, spec_path: str) -> dict:
-    """Build a run (2 ranks, FSDP), take everything warm_up could touch before and after it."""
+    """Build a run (2 ranks), take everything warm_up could touch before and after it."""
     import torch
 
     from kiln.api.load import load_file
@@ -308,12 +308,14 @@ def _warm_up_rank(rank: int, world: int, spec_path: str) -> dict:
         run.close()
 
 
-def test_the_warm_up_before_a_join_changes_no_state(tmp_path):
+@pytest.mark.parametrize("parallelism", [{"fsdp": True}, {"pipeline": 2}], ids=["fsdp2", "pp2"])
+def test_the_warm_up_before_a_join_changes_no_state(tmp_path, parallelism):
     """A replica group runs one forward/backward on a dummy batch before it joins the live groups
     (kiln.trainer.run.Run.warm_up), so that they do not wait for its cold first step. It must leave no trace:
-    the same weights, optimizer state, RNG stream and data cursor, no gradient kept. (The heal test above
-    shows the healed group's weights and tokens_seen equal to the survivor's afterwards.)"""
-    spec = write_spec(tmp_path / "spec.yaml", nproc=2)
+    the same weights, optimizer state, RNG stream and data cursor, no gradient kept; with 2 ranks in FSDP and
+    in a 2-stage pipeline (its own forward/backward path). (The heal test above shows the healed group's
+    weights and tokens_seen equal to the survivor's afterwards.)"""
+    spec = write_spec(tmp_path / "spec.yaml", nproc=2, parallelism=parallelism)
     results = run_ranks(_warm_up_rank, 2, tmp_path, str(spec), init=False)
     for r in results:
         assert r == {"params_equal": True, "optim_equal": True, "rng_equal": True, "cursor_equal": True,
