@@ -2,8 +2,9 @@
 (the shape of TorchTitan's Trainer: a constructor that builds everything, a train step, a loop that calls it).
 
 setup: join the process group -> model (meta, parallelize, allocate, initialise) -> optimizer -> data ->
-checkpointer -> replica groups (torchft) -> restore (a live peer's state, else the newest commit, else
-model.from or the seed) -> metrics and status. One call per process (rank); torchrun or the training-operator
+checkpointer -> replica groups (torchft; then the metrics imports and a discarded warm-up step, before the join
+that the live groups wait on) -> restore (a live peer's state, else the newest commit, else model.from or the
+seed) -> metrics and status. One call per process (rank); torchrun or the training-operator
 provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. Every rank runs the same code; the mesh decides what
 each one holds.
 
