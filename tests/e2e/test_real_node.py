@@ -254,6 +254,8 @@ def test_a_run_trains_in_its_pods_reports_status_commits_to_s3_and_is_scored(rig
     # kiln logs: the rank-0 pod's real log
     logs = kiln("logs", name, "-n", runs_ns, rig=rig).stdout
     assert logged_steps(logs) == list(range(1, 31)), logs[-2000:]
+    # the ranks were forked from the pod's warm process (kiln.cli.warm), not started cold
+    assert "kiln: warm start: rank 0 forked" in logs and "starting cold" not in logs, logs[:3000]
     # kiln status shows the run
     assert name in kiln("status", "-n", runs_ns, rig=rig).stdout
     # kiln eval scores the committed checkpoint from this workstation
