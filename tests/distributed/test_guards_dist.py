@@ -162,7 +162,8 @@ def _flip_in_training(rank, world, spec_path, out, bad_rank):
     seen = {}
 
     def flip(ctx):
-        seen.setdefault("sdc_line", guards.sdc.describe(ctx.model_parts))
+        if ctx.step == FLIP_STEP:  # the guards chose their replica group at step 1 (this hook runs before theirs)
+            seen["sdc_line"] = guards.sdc.describe(ctx.model_parts)
         if ctx.step == FLIP_STEP and rank == bad_rank:
             p = next(p for n, p in ctx.model_parts[0].named_parameters() if n.endswith("attention.wq.weight"))
             _flip_one_bit((p.to_local() if isinstance(p, DTensor) else p).detach(), 5, 30)

@@ -442,7 +442,9 @@ def _local_and_replica_groups(p, default_group):
                 groups.append(((names[dim], tuple(dist.get_process_group_ranks(pg))), pg))
         return p.to_local(), groups
     pg = default_group if default_group is not None else dist.group.WORLD
-    return p, [(("plain", tuple(dist.get_process_group_ranks(pg))), pg)]
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    # A plain parameter at one data-parallel rank (no FSDP wrapper, parallel.uses_fsdp) has no second copy.
+    return p, [(("plain", ranks), pg)] if len(ranks) > 1 else []
 
 
 # ---------------------------------------------------------------------------------------------------
