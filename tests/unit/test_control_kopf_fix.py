@@ -53,7 +53,7 @@ def test_every_waiting_worker_runs_once_the_listing_is_over_and_none_before():
 
 
 def test_workers_are_woken_when_the_set_turns_on_not_once_per_object():
-    kopf_fix.apply()
+    assert kopf_fix.apply(), "the installed kopf is not one the fix was checked against: read its ToggleSet"
     checks, _ = _startup(400)
     # each worker checks once when it starts waiting and once when the set turns on; kopf's own methods
     # woke every waiting worker on every toggle made or dropped (~400 * 400 / 2 * 2 checks)
@@ -74,3 +74,8 @@ def test_a_toggle_turned_on_still_wakes_its_set():
         return indexed.is_on()
 
     assert asyncio.run(main())
+
+
+def test_a_kopf_release_the_fix_was_not_checked_against_is_left_alone():
+    assert kopf_fix._checked("1.45.2") and kopf_fix._checked("1.37.0")
+    assert not kopf_fix._checked("1.46.0") and not kopf_fix._checked("2.0.0") and not kopf_fix._checked("1.36.9")

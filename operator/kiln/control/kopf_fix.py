@@ -11,9 +11,15 @@ added or dropped without changing the set's state: waking them on a change of th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from importlib.metadata import version
 
 from kopf._cogs.aiokits import aiotoggles
+
+# The kopf releases whose private ToggleSet (`_toggles`, `_condition`, notify on every change) this was read
+# against; another release is left as it is, with a warning, and test_control_kopf_fix fails until checked.
+CHECKED = ((1, 37), (1, 45))
 
 
 async def _make_toggle(self: aiotoggles.ToggleSet, __val: bool = False, *, name: str | None = None) -> aiotoggles.Toggle:
@@ -38,8 +44,20 @@ async def _drop_toggle(self: aiotoggles.ToggleSet, toggle: aiotoggles.Toggle) ->
     await _drop_toggles(self, (toggle,))
 
 
-def apply() -> None:
-    """Replace the three ToggleSet methods (idempotent)."""
+def _checked(release: str) -> bool:
+    major_minor = tuple(int(part) for part in release.split(".")[:2])
+    return CHECKED[0] <= major_minor <= CHECKED[1]
+
+
+def apply() -> bool:
+    """Replace the three ToggleSet methods (idempotent); False, and kopf unchanged, on an unchecked release."""
+    release = version("kopf")
+    if not _checked(release):
+        logging.getLogger(__name__).warning(
+            "kopf %s is not a release kiln's startup fix was checked against (%d.%d-%d.%d): kopf's own index "
+            "startup is kept, which is quadratic in the number of pods", release, *CHECKED[0], *CHECKED[1])
+        return False
     aiotoggles.ToggleSet.make_toggle = _make_toggle
     aiotoggles.ToggleSet.drop_toggle = _drop_toggle
     aiotoggles.ToggleSet.drop_toggles = _drop_toggles
+    return True
