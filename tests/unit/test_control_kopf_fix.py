@@ -77,5 +77,5 @@ def test_a_toggle_turned_on_still_wakes_its_set():
 
 
 def test_a_kopf_release_the_fix_was_not_checked_against_is_left_alone():
-    assert kopf_fix._checked("1.45.2") and kopf_fix._checked("1.37.0")
-    assert not kopf_fix._checked("1.46.0") and not kopf_fix._checked("2.0.0") and not kopf_fix._checked("1.36.9")
+    assert kopf_fix._checked("1.45.2") and kopf_fix._checked("1.45.0")
+    assert not kopf_fix._checked("1.46.0") and not kopf_fix._checked("2.0.0") and not kopf_fix._checked("1.44.6")

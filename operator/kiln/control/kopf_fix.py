@@ -19,7 +19,7 @@ from kopf._cogs.aiokits import aiotoggles
 
 # The kopf releases whose private ToggleSet (`_toggles`, `_condition`, notify on every change) this was read
 # against; another release is left as it is, with a warning, and test_control_kopf_fix fails until checked.
-CHECKED = ((1, 37), (1, 45))
+CHECKED = ((1, 45), (1, 45))
 
 
 async def _make_toggle(self: aiotoggles.ToggleSet, __val: bool = False, *, name: str | None = None) -> aiotoggles.Toggle:
