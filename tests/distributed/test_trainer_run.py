@@ -75,8 +75,11 @@ def _yaml(d: Path, body: str) -> Path:
 def test_ctrl_c_stops_cleanly_and_keeps_a_checkpoint(tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 100000, "schedule": "constant"}, nproc=2)
     out = tmp_path / "out"
+    # SIGINT handled as in a terminal even where this test runs as a background job (`cmd &` without job
+    # control starts it with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(spec), "--output", str(out)],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_step(out / "metrics.jsonl", 2, proc)  # training is under way (100000 steps: it cannot end first)
     except BaseException:
