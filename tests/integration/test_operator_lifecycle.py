@@ -270,10 +270,15 @@ def test_pod_failure_restarts_then_fails_as_the_pytorchjob_says(rig, ns, operato
     wait_phase(rig, ns, name, "Running")
     rig.wait_for("both pods running", lambda: len(running_pods(rig, ns, name)) == 2, timeout=SAFETY_TIMEOUT_S)
     # 137 (killed): retryable under restartPolicy ExitCode → the training-operator recreates the pod
+    killed = get(rig, ns, "pod", f"{name}-worker-0")["metadata"]["uid"]
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=137)
     rig.wait_for("a restart counted", lambda: status(rig, ns, name).get("restarts", 0) >= 1, timeout=SAFETY_TIMEOUT_S)
     assert any(e["reason"] == "Restarting" and e["type"] == "Warning" for e in events(rig, ns, name))
-    rig.wait_for("pod back", lambda: running_pods(rig, ns, name), timeout=SAFETY_TIMEOUT_S)
+    # the recreated worker-0 itself running (worker-1 ran throughout): the next failure must hit it, not the
+    # killed pod the training-operator is still replacing
+    rig.wait_for("worker-0 back", lambda: any(
+        p["metadata"]["name"] == f"{name}-worker-0" and p["metadata"]["uid"] != killed
+        for p in running_pods(rig, ns, name)), timeout=SAFETY_TIMEOUT_S)
     wait_phase(rig, ns, name, "Running")
     # 1: a permanent error → the job fails, and so does the run
     rig.fail_pod(ns, f"{name}-worker-0", exit_code=1)
