@@ -36,6 +36,7 @@ from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
+_CONFIG = Configuration()  # one for every model and the serializer (see _SharedConfigModels)
 
 
 class _SharedConfigModels:
@@ -44,14 +45,12 @@ class _SharedConfigModels:
     clears the level cache of every logger in the process under logging's global lock: ~40 models per
     PyTorchJob cost a new run ~30 of the operator's ~43 ms of CPU in a burst, and stalled the threads that log."""
 
-    _config = Configuration()
-
     def __getattr__(self, name: str):
-        return partial(getattr(_models, name), local_vars_configuration=self._config)
+        return partial(getattr(_models, name), local_vars_configuration=_CONFIG)
 
 
 k = _SharedConfigModels()
-_SERIALIZER = ApiClient(Configuration())  # sanitize_for_serialization only: it sends nothing
+_SERIALIZER = ApiClient(_CONFIG)  # sanitize_for_serialization only: it sends nothing
 
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
 SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
