@@ -141,10 +141,11 @@ class Job:
         if self.kill_every and self.pending is None and job_step >= self.next_kill \
                 and self.next_kill < self.steps - self.kill_every // 2:
             group, _ = self.live[self.victim]
-            spare = self.spares.get(self.victim)
-            if self.warm and not (spare and spare[0].release_if_ready()):
-                return  # its standby is still importing: the kill waits for it (an event, not a delay)
             if group.alive():
+                # released only for a live victim: a standby let go with no group to replace ran untracked
+                spare = self.spares.get(self.victim)
+                if self.warm and not (spare and spare[0].release_if_ready()):
+                    return  # its standby is still importing: the kill waits for it (an event, not a delay)
                 group.kill()
                 self.pending = {"group": self.victim, "at_step": job_step, "at_s": now}
                 self.kills.append(self.pending)
@@ -277,7 +278,8 @@ def main(argv=None) -> dict:
     kills = faulty.get("kills", [])
     report = {
         "benchmark": "ft_groups", "groups": GROUPS, "steps": args.steps, "checkpoint_interval_steps": args.interval,
-        "kill_every": args.kill_every, "heartbeat_timeout_ms": args.heartbeat_ms, "restart": "cold" if args.cold else "standby", "store": "s3", "load_avg_1m": [round(x[0], 2) for x in load],
+        "kill_every": args.kill_every, "heartbeat_timeout_ms": args.heartbeat_ms,
+        "restart": "cold" if args.cold else "standby", "store": "s3", "load_avg_1m": [round(x[0], 2) for x in load],
         "reference": ref, "faulty": faulty,
         "kills": len(kills), "healed_from_peer": sum(k.get("restore") == "peer" for k in kills),
         "kill_every_s": faulty["wall_s"] / (len(kills) + 1),
