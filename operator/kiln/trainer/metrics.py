@@ -17,7 +17,6 @@ import torch
 
 from kiln.api import ModelDims
 from kiln.trainer.model import count_params
-from kiln.trainer.startup import process_start_time  # noqa: F401  the first startup mark (kiln.trainer.run's import)
 
 # Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
 # without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start

@@ -31,12 +31,12 @@ from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, MembershipChange, Restart, StepContext, StepHooks
 from kiln.trainer.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.metrics import (MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, process_start_time,
-                                  peak_memory_gib)
+from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.rng import rng_state, set_rng_state
+from kiln.trainer.startup import process_start_time
 from kiln.trainer.status_report import StatusReporter
 
 
