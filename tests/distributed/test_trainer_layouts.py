@@ -67,8 +67,10 @@ def test_gradient_accumulation_4x1_equals_1x4(tmp_path, reference):
     assert losses == pytest.approx(reference, abs=TOL)
 
 
-def test_compiled_blocks_match_eager(tmp_path, reference):
-    """parallelism.compile: torch.compile per block changes speed, not the numbers (beyond rounding)."""
-    spec = write_spec(tmp_path / "spec.yaml", parallelism={"compile": True})
-    losses = [r["loss"] for r in torchrun_train(spec, tmp_path / "out", nproc=1)]
+@pytest.mark.parametrize("nproc", [1, 2], ids=["whole-model", "per-block-fsdp"])
+def test_compiled_blocks_match_eager(tmp_path, reference, nproc):
+    """parallelism.compile changes speed, not the numbers (beyond rounding): at one process the whole model is
+    one graph (parallel.compiles_whole); under FSDP (dp 2) each block is compiled on its own."""
+    spec = write_spec(tmp_path / "spec.yaml", parallelism={"compile": True}, nproc=nproc)
+    losses = [r["loss"] for r in torchrun_train(spec, tmp_path / "out", nproc=nproc)]
     assert losses == pytest.approx(reference, abs=TOL)
