@@ -8,12 +8,12 @@ are forked from the one process that holds the imports, and it is gone once torc
 
 from __future__ import annotations
 
-import os
-import tempfile
+import glob
 from pathlib import Path
 
 import pytest
 
+from kiln.cli.warm import socket_path
 from kiln.control.plan import TORCHRUN_ENV
 from tests.distributed.ranks import torchrun_train_with_kills, wait_until
 from tests.distributed.trainer_helpers import write_spec
@@ -24,7 +24,7 @@ STEPS, INTERVAL, KILLS = 40, 5, [8, 20]  # 20 steps after the last kill: far mor
 
 
 def _warm_servers() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob(f"kiln-warm-{os.getuid()}-*.sock"))
+    return set(map(Path, glob.glob(socket_path("*"))))  # every torchrun agent's warm socket (kiln.cli.warm)
 
 
 @pytest.mark.parametrize("entry", ["kiln.cli.main", "kiln.cli.warm"])
