@@ -203,16 +203,17 @@ class Job:
 
 def kiln_ledger(uri: str, endpoint: str | None, wall_s: float) -> dict:
     """kiln's own goodput ledger (kiln.control.goodput) over the trainer's counters in the final commit."""
-    from kiln.control.goodput import COUNTERS, DEGRADED, Ledger, observe
+    from kiln.control.goodput import Ledger, observe
     from kiln.storage.commit import read_latest, read_trainer_state
     from kiln.storage.store import open_store
+    from kiln.trainer.status_report import DEGRADED, TRAINER_TIME
 
     store = open_store(uri, endpoint=endpoint)
     latest = read_latest(store)
     if latest is None:
         return {"error": f"no commit under {uri}"}
     counters = read_trainer_state(store, latest)["goodput"]
-    keys = dict(zip(("productive_s", "checkpoint_stall_s", "rollback_s", "degraded_s"), (*COUNTERS, DEGRADED)))
+    keys = dict((*TRAINER_TIME, DEGRADED))  # the trainer's counter → its status.trainerTime field
     ledger = observe(Ledger(observed_at=0.0), wall_s, "Running", {v: float(counters.get(k, 0.0))
                                                                  for k, v in keys.items()})
     return {"trainer_time": counters, "productive_s": ledger.productive_s, "degraded_s": ledger.degraded_s,
