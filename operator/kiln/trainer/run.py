@@ -161,6 +161,7 @@ class Run:
                   flush=True)
             print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
         self.model_parts = [model]
+        self.params = [p for part in self.model_parts for p in part.parameters()]  # fixed from here: clipped each step
         self.optimizer = build_optimizer(self.model_parts, tr, device)
         self.optimizers = [self.optimizer]
         self.startup["model_built"] = time.time()
@@ -229,8 +230,7 @@ class Run:
         dummy = torch.zeros((rows, self.dims.seq_len), dtype=torch.long, device=self.device)
         rng = rng_state(self.device)
         self._forward_backward(dummy, dummy, None)
-        clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.tr.grad_clip,
-                        pp_group=self.pp_group)
+        clip_grad_norm_(self.params, self.tr.grad_clip, pp_group=self.pp_group)
         self.optimizer.zero_grad(set_to_none=True)
         set_rng_state(rng, self.device)
         self.startup["warmed_up"] = time.time()
@@ -304,8 +304,7 @@ class Run:
         timer.mark("fwd_bwd_s")
         if ft is not None:  # average with the live groups before clipping: every group clips alike
             ft.average_gradients(self.model_parts)
-        params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, tr.grad_clip, pp_group=self.pp_group)
+        grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group)
         loss = global_loss(local_loss if self.reports_loss else None, layout, device)
         if ft is not None:
             loss = ft.average_loss(loss)
