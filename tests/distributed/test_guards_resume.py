@@ -110,7 +110,7 @@ def test_checkpoint_without_guard_state_still_resumes_and_the_detector_warms_up(
     assert "guards" not in trainer_state.get("hooks", {})
 
     after, results = _run(spec, tmp_path / "after", tmp_path / "ckpt")
-    assert [(r["start"], r["final"]) for r in results] == [(6, 10)] * 2
+    assert results == [{"start": 6, "final": 10, "restarts": [[6, 6 * 4 * 32]]}] * 2
     # A fresh detector has fewer than min_history losses at step 7 and 8: both spikes pass unnoticed.
     assert _actions(after) == [(7, "ok"), (8, "ok"), (9, "ok"), (10, "ok")]
     assert _counters(after[-1]) == (0, 0, 0)
