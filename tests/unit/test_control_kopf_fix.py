@@ -47,7 +47,7 @@ def _startup(objects: int) -> tuple[int, list[str]]:
 
 
 def test_every_waiting_worker_runs_once_the_listing_is_over_and_none_before():
-    kopf_fix.apply()
+    assert kopf_fix.apply()
     _, order = _startup(50)
     assert order[0] == "listed" and sorted(order[1:]) == sorted(f"worker {i}" for i in range(50))
 
@@ -61,7 +61,7 @@ def test_workers_are_woken_when_the_set_turns_on_not_once_per_object():
 
 
 def test_a_toggle_turned_on_still_wakes_its_set():
-    kopf_fix.apply()
+    assert kopf_fix.apply()
 
     async def main() -> bool:
         indexed = aiotoggles.ToggleSet(all)
