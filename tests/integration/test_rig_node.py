@@ -173,3 +173,33 @@ def test_a_pod_security_restricted_pod_runs(rig, real_node, namespace):
     }
     manifest["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}}]
     assert run_to_completion(rig, namespace, manifest).strip() == "restricted"
+
+
+def test_a_rebuilt_image_leaves_nothing_of_the_old_one_once_untagged_images_are_removed(real_node, tmp_path):
+    # Each rebuild of the 7 GB trainer image moves its tag; the CRI's `sha256:<id>` record of the old
+    # one kept it on disk until the disk filled (a CI run failed so). Two builds of one name here.
+    from tests.rig import build, oci
+
+    name = f"localhost/kiln-test/rebuilt-{uuid.uuid4().hex[:6]}:1"
+    ids = []
+    for build_no in (1, 2):
+        marker = tmp_path / f"marker-{build_no}"
+        marker.write_text(f"build {build_no}")
+        tar = tmp_path / f"rebuilt-{build_no}.tar"
+        oci.image_archive(name, {"/probe": build.node_bin_dir() / "probe", "/marker": marker}, ["/probe"], tar)
+        real_node.import_image(tar)
+        listed = json.loads(real_node.crictl("inspecti", "-o", "json", name).stdout)
+        ids.append(listed["status"]["id"])
+    assert ids[0] != ids[1]
+
+    def image_ids() -> dict[str, list[str]]:
+        listed = json.loads(real_node.crictl("images", "-o", "json").stdout)["images"]
+        return {image["id"]: image.get("repoTags") or [] for image in listed}
+
+    assert image_ids().get(ids[0]) == [], "the first build should be held by its id alone"
+    removed = real_node.remove_untagged_images()
+    held = image_ids()
+    assert ids[0] in removed and ids[0] not in held
+    assert held[ids[1]] == [name]
+    assert any("kiln-rig/pause" in tag for tags in held.values() for tag in tags), "the sandbox image must stay"
+    real_node.crictl("rmi", ids[1])

@@ -139,6 +139,25 @@ def archive_path(name: str) -> Path:
 
 # --- tools and the buildah store ------------------------------------------------------------------
 
+def disk_hint(output: str) -> str:
+    """For a build that ran out of disk: how much is free and what under the cache holds the most."""
+    if "no space left on device" not in output:
+        return ""
+    from tests.rig import node  # the node imports nothing from here; lazily, since only this message needs it
+
+    root, containerd = build.cache_dir(), node.node_dir() / "containerd"
+    free = shutil.disk_usage(root).free / 2**30
+    sizes = {}
+    for path in (cache_dir(), containerd, root / "rig"):
+        if path.exists():
+            sizes[path] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    biggest = ", ".join(f"{p} {n / 2**30:.1f} GiB" for p, n in sorted(sizes.items(), key=lambda kv: -kv[1]))
+    return (f"\n\nThe disk under {root} is full ({free:.1f} GiB free); the trainer image needs ~7 GiB for its "
+            f"archive and twice that in the node. Largest users: {biggest}. `python -m tests.rig down` "
+            f"then deleting {containerd} frees the node's images (re-imported on "
+            "the next `up --node`).")
+
+
 def install_tools() -> None:
     """The Debian tools the image build uses (mmdebstrap, buildah, ...), installed when missing."""
     build.install_host_packages(TOOLS, purpose="building kiln's images")
@@ -169,7 +188,7 @@ class Buildah:
         if log_to is None:
             proc = subprocess.run(self.cmd(*args), env=self.env(), capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"buildah {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+                raise RuntimeError(f"buildah {' '.join(args)} failed:\n{proc.stderr[-3000:]}{disk_hint(proc.stderr)}")
             return proc.stdout
         start = last = time.monotonic()
         proc = subprocess.Popen(["nice", "-n", "5", *self.cmd(*args)], env=self.env(), text=True,
@@ -192,7 +211,8 @@ class Buildah:
                 log(f"  {time.monotonic() - start:.0f}s: {tail[0] if tail else ''}")
         reader.join()
         if proc.returncode != 0:
-            raise RuntimeError(f"buildah {args[0]} failed (log {log_to}):\n{log_to.read_text()[-4000:]}")
+            text = log_to.read_text()
+            raise RuntimeError(f"buildah {args[0]} failed (log {log_to}):\n{text[-4000:]}{disk_hint(text)}")
         return ""
 
     def image_labels(self, ref: str) -> dict[str, str] | None:
@@ -321,14 +341,15 @@ def build_image(b: Buildah, name: str, out: Path, wheelhouse_complete: bool) -> 
             if json.loads(r.read_text()).get("image") == image and r.with_suffix(".tar").is_file()]
     if same:
         same[0].rename(out)
-    else:
+    # One archive per image: they are GBs, so the stale one goes before the new one is written.
+    for old in cache_dir().glob(f"kiln-{name}-*"):
+        if old.stem != out.stem:
+            old.unlink()
+    if not same:
         tmp = out.with_suffix(".tar.part")
         tmp.unlink(missing_ok=True)
         b.run("push", ref, f"docker-archive:{tmp}:{ref}")
         tmp.rename(out)
-    for old in cache_dir().glob(f"kiln-{name}-*"):  # one archive per image: they are GBs
-        if old.stem != out.stem:
-            old.unlink()
     # Layers of earlier builds that no tagged image uses any more (a kiln change leaves ~0.2 GB each);
     # the torch layer under the new trainer image stays, and with it the cache of the next build.
     b.run("rmi", "--prune")
@@ -398,6 +419,8 @@ def load_into_node(node) -> dict[str, str]:
             start = time.monotonic()
             node.import_image(tar)
             log(f"{name}: imported into the node in {time.monotonic() - start:.0f}s")
+    if dropped := node.remove_untagged_images():
+        log(f"removed {len(dropped)} image(s) of earlier builds from the node")
     return refs
 
 

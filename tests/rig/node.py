@@ -140,6 +140,19 @@ class Node:
         """Names of the images in the node's containerd."""
         return self.ctr("images", "list", "--quiet").stdout.split()
 
+    def remove_untagged_images(self) -> list[str]:
+        """Remove images no name points at any more; return their ids.
+
+        The CRI keeps a `sha256:<id>` record of every image it has seen, so each rebuild of the
+        trainer image left ~7 GB behind that no pod can ask for (containerd collects the layers
+        once no record or container holds them). Containers still running keep their snapshots.
+        """
+        listed = json.loads(self.crictl("images", "-o", "json").stdout or "{}").get("images", [])
+        untagged = [image["id"] for image in listed if not image.get("repoTags")]
+        for image_id in untagged:
+            self.crictl("rmi", image_id, check=False)
+        return untagged
+
 
 def _run(cmd: list[str], check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)
