@@ -1,11 +1,11 @@
 """data.format chat's loss: the mean over the assistant tokens of the whole global batch, whatever the layout.
 
-Two real gloo ranks run the trainer's own step functions (kiln.trainer.run `accumulate_step` / `pipeline_step`
-with kiln.trainer.loss) on one global batch whose assistant tokens are spread very unevenly over ranks and
-microbatches (one microbatch has none). Their gradients, gathered by parameter name, must equal those of the
-single-process reference: sum of the assistant tokens' cross-entropy / their count, over the full batch. The
-mean of per-microbatch means, which equal-weighting would give, differs from it by far more than the tolerance
-(checked too, so the comparison can fail).
+Two real gloo ranks run the trainer's own step functions (kiln.trainer.run `accumulate_step`,
+kiln.trainer.passes `pipeline_step`, with kiln.trainer.loss) on one global batch whose assistant tokens are spread
+very unevenly over ranks and microbatches (one microbatch has none). Their gradients, gathered by parameter name,
+must equal those of the single-process reference: sum of the assistant tokens' cross-entropy / their count, over
+the full batch. The mean of per-microbatch means, which equal-weighting would give, differs from it by far more
+than the tolerance (checked too, so the comparison can fail).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def layout_grads(rank: int, world: int, out: str) -> dict:
     from kiln.trainer.loss import PipelineLoss, global_count, global_loss
     from kiln.trainer.model import build_model, cross_entropy
     from kiln.trainer.parallel import build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
-    from kiln.trainer.run import accumulate_step, pipeline_step
+    from kiln.trainer.passes import pipeline_step
+    from kiln.trainer.run import accumulate_step
 
     losses = {}
     for name, parallelism in LAYOUTS.items():

@@ -23,6 +23,7 @@ from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_source
 from kiln.trainer.loss import IGNORE, global_loss
 from kiln.trainer.model import build_model
+from kiln.trainer.passes import microbatch_losses, pipeline_step
 
 EVAL_BATCHES = 4  # global batches of the validation split: the trainer's val_loss and `kiln eval`'s default
 
@@ -111,6 +112,13 @@ def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str, endpoint: str
     return int(state["step"])
 
 
+def held_out_batches(loader: GlobalBatchLoader, batches: int, global_batch: int, device: torch.device):
+    """The first `batches` global batches of `loader` (this rank's share of each), from the start every time."""
+    loader.samples_seen = 0
+    for _ in range(batches):
+        yield tuple(t.to(device) for t in loader.next_batch(global_batch))
+
+
 @torch.no_grad()
 def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, global_batch: int, micro_batch: int,
               device: torch.device, autocast: torch.dtype | None = None) -> tuple[float, int]:
@@ -120,14 +128,11 @@ def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, glob
     the same length, so this is the mean over all tokens). Chat data (data.format chat): the mean over the
     assistant tokens, each microbatch's mean weighted by its count of them; `tokens` counts those.
     """
-    loader.samples_seen = 0
     total, tokens = 0.0, 0
     weighted, counted = 0.0, 0
-    for _ in range(batches):
-        inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
+    for inputs, targets in held_out_batches(loader, batches, global_batch, device):
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            parts = [model(inputs[i:i + micro_batch], targets[i:i + micro_batch]).float()
-                     for i in range(0, len(inputs), micro_batch)]
+            parts = [p.float() for p in microbatch_losses(model, inputs, targets, micro_batch)]
         total += float(torch.stack(parts).mean())
         tokens += targets.numel()
         if loader.masked:
@@ -143,18 +148,14 @@ def mean_loss(model: nn.Module, loader: GlobalBatchLoader, *, batches: int, glob
 def validation_loss(model: nn.Module, schedule, loader: GlobalBatchLoader, global_batch: int, layout, device,
                     *, is_first: bool, is_last: bool, reports_loss: bool) -> float:
     """The training run's `val_loss`, on its parallel model: the mean loss over the first EVAL_BATCHES global
-    batches of the validation split (the same every time), each rank on its share of them."""
-    loader.samples_seen = 0
+    batches of the validation split (the same every time), each rank on its share of them, through the
+    training step's own forward (kiln.trainer.passes). Plain data: the split is builtin:pydoc's (run.py)."""
     total = 0.0
-    for _ in range(EVAL_BATCHES):
-        inputs, targets = (t.to(device) for t in loader.next_batch(global_batch))
+    for inputs, targets in held_out_batches(loader, EVAL_BATCHES, global_batch, device):
         if schedule is not None:
-            losses: list[torch.Tensor] = []
-            schedule.eval(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
-            local = torch.stack(losses).mean() if is_last else None
+            local = pipeline_step(schedule, inputs, targets, is_first, is_last, train=False)
         else:
-            m = layout.micro_batch
-            local = torch.stack([model(inputs[i:i + m], targets[i:i + m]) for i in range(0, len(inputs), m)]).mean()
+            local = torch.stack(microbatch_losses(model, inputs, targets, layout.micro_batch)).mean()
         total += global_loss(local if reports_loss else None, layout, device)
     return total / EVAL_BATCHES
 

@@ -35,6 +35,7 @@ from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_
 from kiln.trainer.model import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
+from kiln.trainer.passes import pipeline_step
 from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.startup import process_start_time
 from kiln.trainer.status_report import StatusReporter
@@ -468,12 +469,3 @@ def accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
         loss.backward()
         total += loss.detach()
     return total
-
-
-def pipeline_step(schedule, inputs, targets, is_first: bool, is_last: bool) -> torch.Tensor | None:
-    """One 1F1B pass over this rank's batch; the last stage returns the mean microbatch loss."""
-    losses: list[torch.Tensor] = []
-    args = (inputs,) if is_first else ()
-    kwargs = {"target": targets, "losses": losses} if is_last else {}
-    schedule.step(*args, **kwargs)
-    return torch.stack([l.detach() for l in losses]).mean() if is_last else None
