@@ -38,6 +38,7 @@ import torch
 from kiln.api import contract
 from kiln.errors import KilnError
 from kiln.trainer.loss import IGNORE
+from kiln.trainer.prepare import MASK_PREFIX  # the writer of the shards names their masks (no cycle)
 
 VALIDATION_FRACTION = 0.1
 
@@ -170,8 +171,6 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
         path = Path(uri.removeprefix("file://"))
     if not path.is_dir():
         raise KilnError(f"data.uri {uri}: no such folder; use 'synthetic', 'builtin:pydoc' or file:///path/ to tokenized shards")
-    from kiln.trainer.prepare import MASK_PREFIX  # not at the top: prepare pulls in chat and jinja2
-
     files = sorted(p for p in path.iterdir()
                    if p.suffix in (".npy", ".bin") and not p.name.startswith(MASK_PREFIX))
     if not files:
@@ -183,8 +182,6 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
 
 def _masks(uri: str, files: list[Path], arrays: list[np.ndarray]) -> list[np.ndarray]:
     """The loss mask beside each token shard (tokens-N.npy → mask-N.npy), one byte per token."""
-    from kiln.trainer.prepare import MASK_PREFIX
-
     masks = []
     for f, tokens in zip(files, arrays):
         mask_file = f.with_name(MASK_PREFIX + f.name.removeprefix("tokens-"))
