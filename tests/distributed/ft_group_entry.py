@@ -14,6 +14,7 @@ for the tests to check that each fires where its event happens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ import torch  # noqa: F401  the imports a start pays for, before the gate
 import torchft  # noqa: F401
 
 import kiln.trainer.ft  # noqa: F401
-from kiln.cli.main import build_parser
+from kiln.cli.main import build_parser, run_command
 from kiln.cli.train_cmds import cmd_train
 from kiln.trainer.loop import StepHooks
 
@@ -46,4 +47,5 @@ if __name__ == "__main__":
     with open(os.environ["KILN_TEST_GATE"]) as gate:
         gate.read()
     args = build_parser().parse_args(["train", *sys.argv[1:]])
-    sys.exit(cmd_train(args, hooks=event_log(Path(args.output))))
+    # through the CLI's error handling, as `kiln train`: a bad spec is one line and exit 1, not a traceback
+    sys.exit(run_command(functools.partial(cmd_train, hooks=event_log(Path(args.output))), args))

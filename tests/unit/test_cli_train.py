@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from kiln.api.load import load_file
+from kiln.cli.main import main
 from kiln.cli.train_cmds import eval_checkpoint_uri, local_spec
 from kiln.errors import KilnError
 from kiln.trainer.optim import lr_at
@@ -80,3 +81,21 @@ def test_eval_reads_where_kiln_run_saved(tmp_path):
     store = load_file(SAMPLES / "gpu-single-node.yaml")[0]  # checkpoint.uri: kiln run saves there, whatever --output
     assert eval_checkpoint_uri(store, output=str(tmp_path), checkpoint=None) == "s3://checkpoints/llama-1b-single-node/"
     assert eval_checkpoint_uri(store, output=None, checkpoint="file:///elsewhere/") == "file:///elsewhere/"
+
+
+@pytest.mark.slow
+def test_the_replica_group_entry_reports_a_bad_spec_as_kiln_train_does(tmp_path, capsys):
+    # tests/distributed/ft_group_entry.py is `kiln train` with hooks: a bad spec must be the CLI's one-line error
+    # and exit code, as `kiln train` gives, not a traceback.
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 3, "warmupSteps": 10})
+    args = ["--config", str(spec), "--output", str(tmp_path / "out")]
+    code = main(["train", *args])
+    said = capsys.readouterr().err
+    gate = tmp_path / "gate"
+    gate.write_text("")  # a plain file: the entry's wait on its gate returns at once
+    entry = Path(__file__).resolve().parents[1] / "distributed" / "ft_group_entry.py"
+    group = subprocess.run([sys.executable, str(entry), *args], env=env(KILN_TEST_GATE=str(gate)),
+                           capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False)
+    assert (group.returncode, group.stderr) == (code, said) == (1, said)
+    (line,) = said.splitlines()
+    assert line.startswith(f"kiln: error: {spec}: ") and "warmupSteps" in line, line

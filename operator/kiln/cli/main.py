@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return run_command(args.func, args)
+
+
+def run_command(func, args: argparse.Namespace) -> int:
+    """func(args) as `kiln` runs every command: its exit code; a KilnError is one line `kiln: error: ...` and
+    its exit code, Ctrl-C 130. For entry points that call a command with more than args (e.g. hooks)."""
     try:
-        return int(args.func(args) or 0)
+        return int(func(args) or 0)
     except KilnError as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return err.exit_code
