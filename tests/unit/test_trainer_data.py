@@ -113,3 +113,15 @@ def test_token_shards_from_s3_are_cached_locally(rig, tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").rglob("a.npy"))) == 1
     with pytest.raises(KilnError, match="no \\*\\.npy"):
         open_source(uri + "empty/", seq_len=9, vocab_size=1000, seed=0, endpoint=rig.s3_endpoint)
+
+
+def test_the_trainer_reads_shards_without_importing_the_chat_and_prepare_code():
+    # A restarted rank pays every import again before step 1 (docs/resilience.md): data.py takes the shard names
+    # from kiln.trainer.shards, not from prepare, which pulls in chat and jinja2.
+    import subprocess
+    import sys
+
+    probe = ("import sys, kiln.trainer.run; print(sorted(m for m in ('jinja2', 'kiln.trainer.chat', "
+             "'kiln.trainer.prepare') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -38,7 +38,7 @@ import torch
 from kiln.api import contract
 from kiln.errors import KilnError
 from kiln.trainer.loss import IGNORE
-from kiln.trainer.prepare import MASK_PREFIX  # the writer of the shards names their masks (no cycle)
+from kiln.trainer.shards import MASK_PREFIX, TOKENS_PREFIX
 
 VALIDATION_FRACTION = 0.1
 
@@ -184,7 +184,7 @@ def _masks(uri: str, files: list[Path], arrays: list[np.ndarray]) -> list[np.nda
     """The loss mask beside each token shard (tokens-N.npy → mask-N.npy), one byte per token."""
     masks = []
     for f, tokens in zip(files, arrays):
-        mask_file = f.with_name(MASK_PREFIX + f.name.removeprefix("tokens-"))
+        mask_file = f.with_name(MASK_PREFIX + f.name.removeprefix(TOKENS_PREFIX))
         if not mask_file.exists():
             raise KilnError(f"data.uri {uri}: {f.name} has no {mask_file.name}: data.format chat needs shards "
                             "prepared with kiln data prepare --format chat (their loss masks)")

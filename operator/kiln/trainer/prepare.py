@@ -40,12 +40,12 @@ from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.reader import open_reader
 from kiln.trainer.chat import ChatRefused, check_messages, token_mask
+from kiln.trainer.shards import MASK_PREFIX, TOKENS_PREFIX
 from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.prepare.ShardWriter); gone once MANIFEST is there
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-MASK_PREFIX = "mask-"  # chat data: mask-NNNNN.npy holds the loss mask of tokens-NNNNN.npy (kiln.trainer.data)
 FORMATS = ("text", "chat")
 
 
@@ -251,7 +251,7 @@ class ShardWriter:
     def _write(self, tokens: np.ndarray, rest: np.ndarray | None, mask: np.ndarray | None = None,
                rest_mask: np.ndarray | None = None) -> None:
         number = len(self.result.shards)
-        name = f"tokens-{number:05d}.npy"
+        name = f"{TOKENS_PREFIX}{number:05d}.npy"
         if mask is not None:  # before its tokens: a listed token shard always has its mask
             self.store.put_bytes(f"{MASK_PREFIX}{number:05d}.npy", _npy(mask))
         self.store.put_bytes(name, _npy(tokens))
