@@ -143,17 +143,20 @@ def run_pair(run_spec: Path, tmp: Path, logs: Path, args, planned: list[int], *,
 
 def compare(rounds: list[dict[str, dict]], base: str) -> dict:
     """Each variant against `base`, round by round (the variants of a round ran back to back, under about
-    the same load): the ratio of the mean kill → next step and of each phase's mean, and their medians."""
+    the same load): the ratio of the mean kill → next step and of each phase's mean, and their medians.
+    `ratio_to_BASE` has one entry per round, None where either variant measured no restart; such rounds,
+    and any whose base total is 0, are left out of the median and listed in `unmeasured_rounds`."""
     out = {}
     for name in rounds[0]:
         per_round = []
         for r in rounds:
             a, b = r[name]["restart_breakdown"], r[base]["restart_breakdown"]
-            if a and b:
-                per_round.append({phase: a[phase]["mean"] / b[phase]["mean"] if b[phase]["mean"] > 0 else None
-                                  for phase in b})
+            per_round.append({phase: a[phase]["mean"] / b[phase]["mean"] if b[phase]["mean"] > 0 else None
+                              for phase in b} if a and b else None)
+        totals = [p["total"] for p in per_round if p and p["total"] is not None]
         out[name] = {"ratio_to_" + base: per_round,
-                     "median_total_ratio": statistics.median(p["total"] for p in per_round) if per_round else None}
+                     "median_total_ratio": statistics.median(totals) if totals else None,
+                     "unmeasured_rounds": [i for i, p in enumerate(per_round) if not p or p["total"] is None]}
     return out
 
 
