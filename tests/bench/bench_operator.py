@@ -197,6 +197,12 @@ class CountingProxy:
                 pass
             return resp
 
+    def wait_watching(self, alive, kinds: tuple[str, ...] = ("trainingspecs", "pytorchjobs")) -> None:
+        """Until the operator behind this proxy watches each kind: a spec created before its watch opens
+        reaches the operator by a list instead."""
+        wait_until(f"the operator's watches on {', '.join(kinds)}", alive=alive, cond=lambda: all(
+            any(p.endswith("/" + kind) for p in self.watches) for kind in kinds))
+
     def kubeconfig(self, path: Path) -> Path:
         """A kubeconfig for this proxy (no credentials: the proxy adds them)."""
         path.write_text(yaml.safe_dump({
@@ -274,38 +280,48 @@ def reference_objects(namespace: str, count: int) -> dict[str, list[dict]]:
 
 
 def unsettled(kube: Kube, namespace: str, names: list[str]) -> list[str]:
-    """The runs whose status does not show their PyTorchJob's final state yet: a suspended run is settled once
-    the training-operator has marked its job Suspended and the operator has derived the run's status from that
-    (the run's Suspended condition carries the job's message; kiln.control.status.derive)."""
+    """The runs not settled yet: a suspended run is settled once the training-operator has marked its job
+    Suspended and the run's status shows phase Suspended with its spec accepted at its generation."""
     jobs = {j["metadata"]["name"]: j for j in kube.custom.list_namespaced_custom_object(
         "kubeflow.org", "v1", namespace, "pytorchjobs")["items"]}
     runs = {r["metadata"]["name"]: r for r in kube.custom.list_namespaced_custom_object(
         "kiln.dev", "v1alpha1", namespace, "trainingspecs")["items"]}
 
-    def condition(obj: dict | None, ctype: str) -> dict:
-        return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
-
     def settled(name: str) -> bool:
-        job, run = jobs.get(name), runs.get(name)
-        if job_condition(job) != "Suspended":
-            return False
-        shown = condition(run, "Suspended")
-        return shown.get("status") == "True" and shown.get("message") == (condition(job, "Suspended").get("message")
-                                                                          or "phase Suspended")
+        job, run = jobs.get(name), runs.get(name) or {}
+        status = run.get("status") or {}
+        accepted = next((c for c in status.get("conditions") or [] if c["type"] == "SpecAccepted"), {})
+        return job_condition(job) == "Suspended" and status.get("phase") == "Suspended" and \
+            accepted.get("status") == "True" and accepted.get("observedGeneration") == run["metadata"]["generation"]
     return [n for n in names if not settled(n)]
+
+
+def settle(kube: Kube, op, namespace: str, names: list[str]) -> None:
+    """Wait until every run is settled (`unsettled`) and then ticked once more (op: a running operator,
+    tests.integration.test_operator_lifecycle.Operator, whose metrics count its ticks' status refreshes):
+    whatever the training-operator's marking or a tick would write for the runs is written by then. Every
+    run ticks once per TICK_S, so the next len(names) ticks are one of each."""
+    alive = lambda: op.proc.poll() is None  # noqa: E731
+    left = list(names)
+
+    def all_settled() -> bool:
+        left[:] = unsettled(kube, namespace, left)
+        return not left
+    wait_until("every run's job Suspended and its status showing it", all_settled, alive=alive,
+               context=lambda: f"unsettled, e.g. {left[:3]}")
+    ticked = op.reconciles("status")
+    wait_until(f"{len(names)} more ticks", lambda: op.reconciles("status") >= ticked + len(names), alive=alive)
 
 
 def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
     """Every request an operator makes for `count` new TrainingSpecs, until the runs settle.
 
-    The window opens when the specs are created (the operator's watches being open) and closes when every
-    run's status shows its PyTorchJob's final state (`unsettled`): it holds each run's reconcile and the status
-    refreshes its PyTorchJob's events trigger — what a burst costs per run. Not a fixed time, which a slow
-    machine overruns (cutting the count short) and a fast one pads. A window longer than the runs' periodic
-    tick (kiln.control.handlers.TICK_S after a run is first seen) also holds their first ticks:
-    `window_s` says how long it was.
+    The window opens when the specs are created (the operator's watches being open) and closes once every
+    run is settled and has ticked once more (`settle`): it holds each run's reconcile, the status refreshes
+    its PyTorchJob's events trigger and its first periodic tick (TICK_S after the run was first seen) —
+    what a burst costs per run. Not a fixed time, which a slow machine overruns (cutting the count short)
+    and a fast one pads. `window_s` says how long it was.
     """
-    from kiln.control.handlers import TICK_S
     from tests.integration.test_operator_lifecycle import Operator
 
     proxy = CountingProxy(rig.kubeconfig)
@@ -313,22 +329,16 @@ def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
     op.start()  # returns once /healthz answers
     alive = lambda: op.proc.poll() is None  # noqa: E731
     try:
-        # ready = watching both kinds: a spec created before its watch opens reaches the operator by a list
-        wait_until("the operator's watches on trainingspecs and pytorchjobs", alive=alive, cond=lambda: all(
-            any(p.endswith("/" + kind) for p in proxy.watches) for kind in ("trainingspecs", "pytorchjobs")))
+        proxy.wait_watching(alive)
         watcher = JobWatcher(kube, namespace)
-        t0 = time.monotonic()
-        created = create_specs(kube, namespace, specs(namespace, count))
-        watcher.wait(list(created), alive=alive)
-        jobs_at = max(watcher.seen.values())
-        watcher.stop()
-        left = list(created)
-
-        def all_settled() -> bool:
-            left[:] = unsettled(kube, namespace, left)
-            return not left
-        wait_until("every run's status showing its job Suspended", all_settled, alive=alive,
-                   context=lambda: f"unsettled, e.g. {left[:3]}")
+        try:
+            t0 = time.monotonic()
+            created = create_specs(kube, namespace, specs(namespace, count))
+            watcher.wait(list(created), alive=alive)
+            jobs_at = max(watcher.seen.values())
+        finally:
+            watcher.stop()
+        settle(kube, op, namespace, list(created))
         t1 = time.monotonic()
         window = [c for c in proxy.calls if t0 <= c[0] <= t1]
     finally:
@@ -337,7 +347,12 @@ def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
     kinds = Counter(call_kind(m, path) for _, m, path in window)
     return {"specs": count, "per_spec": len(window) / count, "per_spec_until_all_jobs_exist": len(until_jobs) / count,
             "by_kind_per_spec": {k: round(v / count, 2) for k, v in kinds.most_common()},
-            "window_s": t1 - t0, "window_past_first_tick": t1 - t0 > TICK_S}
+            "trainingspec_writes_per_spec": trainingspec_writes(window) / count, "window_s": t1 - t0}
+
+
+def trainingspec_writes(calls: list[tuple[float, str, str]]) -> int:
+    """How many of these requests wrote a TrainingSpec (its status, or the object: kopf's annotations)."""
+    return sum(1 for _, method, path in calls if method in ("PATCH", "PUT", "POST") and "/trainingspecs" in path)
 
 
 # ---- what each kind of request costs the control plane ----
@@ -511,9 +526,11 @@ def create_pod(kube: Kube, namespace: str, i: int) -> None:
 
 
 def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_ticks: int, out: Path,
-          ns_pods: str | None = None) -> dict:
+          ns_pods: str | None = None, load: dict | None = None) -> dict:
     """`runs` running TrainingSpecs among `pods` other pods (in ns_pods, made or topped up); each tree's operator
-    measured in turn. Everything is deleted afterwards, the node once its pods are gone."""
+    measured in turn. Everything is deleted afterwards, also when a measurement failed: the node once its pods
+    are gone (kwok finishes their graceful deletion only while it manages the node). load["end"]: the load
+    average once the trees were measured, before that cleanup."""
     ns_runs = f"bench-scale-runs-{uuid.uuid4().hex[:5]}"
     ns_pods = ns_pods or f"bench-scale-pods-{uuid.uuid4().hex[:5]}"
     # A cluster-wide operator ticks every TrainingSpec: the burst's (being deleted) must be gone first.
@@ -531,9 +548,14 @@ def scale(rig, kube: Kube, trees: dict[str, Path], runs: int, pods: int, window_
         results = {label: measure_tree(rig, kube, tree, ns_runs, runs, window_ticks,
                                        out.with_suffix(f".scale-{label}.log"))
                    for label, tree in trees.items()}
+        if load is not None:
+            load["end"] = os.getloadavg()
     finally:
         for ns in (ns_pods, ns_runs):
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
+            label_selector="app=bench-background", limit=1).items, timeout=3600)
+        rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
     first, *rest = trees
     return {"runs": runs, "pods": pods, "window_ticks": window_ticks, "pods_created_in_s": pods_s, "trees": {
         label: {**results[label], "tree": str(trees[label])} for label in trees},
@@ -568,7 +590,6 @@ def main(argv: list[str] | None = None) -> int:
     ns_ref, ns_kiln, ns_calls, ns_costs = namespaces
     calls = scaled = costs = None
     result: dict = {}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     try:
         install_crd(rig)
         kube = Kube(api_client(str(rig.kubeconfig)))
@@ -583,23 +604,14 @@ def main(argv: list[str] | None = None) -> int:
             costs = request_costs(kube, ns_costs, args.request_costs)
         for ns in namespaces:  # the scale part's cluster-wide operators would tick these runs too
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        if args.scale_runs:  # last: its pods are still being deleted when it returns
+        if args.scale_runs:  # last: it waits for its pods' deletion before it returns
             scaled = scale(rig, kube, trees, args.scale_runs, args.scale_pods, args.window_ticks, Path(args.out),
-                           args.scale_pods_namespace)
-            load["end"] = os.getloadavg()
-            write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled,
-                          "load_avg_1_5_15": load}, args.out)
-            # while the rig is up (it stops below if this process started it): the node last, as kwok finishes
-            # its pods' graceful deletion only while it manages it
-            wait_until("the scale part's pods deleted", lambda: not kube.core.list_pod_for_all_namespaces(
-                label_selector="app=bench-background", limit=1).items, timeout=3600)
-            rig.kubectl("delete", "node", BENCH_NODE, "--wait=false", check=False)
-            return 0
+                           args.scale_pods_namespace, load)
+        load.setdefault("end", os.getloadavg())
     finally:
         for ns in namespaces:
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.release(os.getpid(), stop_if_unused=started)
-    load["end"] = os.getloadavg()
     write_report({**result, "api_calls": calls, "request_costs_cpu_ms": costs, "scale": scaled,
                   "load_avg_1_5_15": load}, args.out)
     return 0

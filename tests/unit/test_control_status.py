@@ -145,17 +145,20 @@ def test_goodput_counts_from_creation_through_suspend_and_stops_when_the_run_end
     assert not changed(d3.status | {"phase": "Succeeded"}, {k: done.status[k] for k in ("goodput", "goodputDetail")})
 
 
-def test_a_goodput_ledger_that_only_moved_with_the_clock_is_written_every_few_seconds_not_on_every_event():
+def test_a_goodput_ledger_that_only_moved_with_the_clock_is_written_once_a_minute_not_on_every_event():
     created = {"metadata": {"name": "run", "namespace": "ml", "generation": 3, "creationTimestamp": T0}}
     first = derive({**ts(), **created}, job(("Running", T0)), RUNNING_PODS, T1, APPLIED).status
     stored = {**ts(first), **created}
     # a pod event 4 s later: same phase and conditions, only the ledger moved
     soon = derive(stored, job(("Running", T0)), RUNNING_PODS, "2026-01-01T00:01:04Z", None).status
     assert soon["goodputDetail"] != first["goodputDetail"] and not changed(first, soon)
-    # the 15 s status timer: the ledger is written, and nothing was lost by skipping the write before
-    later = derive(stored, job(("Running", T0)), RUNNING_PODS, "2026-01-01T00:01:15Z", None).status
+    # the operator's 15 s tick, three times: the ledger alone is not worth a write of the TrainingSpec yet
+    for tick in ("2026-01-01T00:01:15Z", "2026-01-01T00:01:30Z", "2026-01-01T00:01:45Z"):
+        assert not changed(first, derive(stored, job(("Running", T0)), RUNNING_PODS, tick, None).status)
+    # a minute after the stored one it is written, and nothing was lost by skipping the writes before
+    later = derive(stored, job(("Running", T0)), RUNNING_PODS, T2, None).status
     assert changed(first, later)
-    assert later["goodputDetail"]["wallSeconds"] == 75.0
+    assert later["goodputDetail"]["wallSeconds"] == 120.0
     # any other change goes out at once, with the ledger as it is now
     scaling = derive(stored, job(("Running", T0)), RUNNING_PODS[:1] + [pod("run-worker-1", "Pending")],
                      "2026-01-01T00:01:01Z", None).status
@@ -174,3 +177,16 @@ def test_a_failed_runs_surviving_pods_are_stopped_and_stopped_pods_are_kept():
                        (("Running", T0), ("Suspended", T1))]:
         assert pods_to_stop(job(*conditions), pods) == []
     assert pods_to_stop(None, pods) == []
+
+
+def test_a_suspended_runs_status_is_complete_before_the_training_operator_marks_its_job():
+    # The reconcile writes the status of a new suspended run from the job it just applied (no status yet);
+    # the training-operator's "suspended" condition that follows changes nothing a write would carry.
+    applied = derive(ts(suspend=True), {"spec": {"runPolicy": {"suspend": True}}}, [], T1, APPLIED).status
+    assert applied["phase"] == "Suspended"
+    marked = derive(ts(applied, suspend=True), job(("Created", T1), ("Suspended", T1)), [], T1, None)
+    assert not changed(applied, marked.status) and marked.events == []
+    # a running run being suspended: its Suspended condition does not carry the stale "running" message
+    stopping = derive(ts(suspend=True), job(("Running", T0)), RUNNING_PODS, T1, APPLIED).status
+    suspended = next(c for c in stopping["conditions"] if c["type"] == "Suspended")
+    assert suspended["status"] == "True" and suspended["message"] == "phase Suspended"

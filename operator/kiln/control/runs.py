@@ -1,8 +1,8 @@
 """What this operator process remembers of each run, in one place, dropped by one `forget()`.
 
 Memory only, and only a shortcut: a restarted operator starts empty and re-learns every run from the
-apiserver (kopf's resume handler reconciles each one; the elastic loop's own state lives in the
-TrainingSpec's annotation, kiln.control.elastic_state).
+apiserver (each run's first event after a start reconciles it, since kopf's diff base is kept here too; the
+elastic loop's own state lives in the TrainingSpec's annotation, kiln.control.elastic_state).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ class Run:
     spec: dict | None = None
     # REST path → (digest of the body last applied there, time.monotonic() of that apply) (Kube.apply).
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # (uid, kopf's essence of the TrainingSpec) as this process last handled it: kopf's diff base
+    # (kiln.control.handlers.MemoryDiffBase), kept here instead of an annotation on the object.
+    handled: tuple[str, dict] | None = None
     # resourceVersion of the PyTorchJob the status was last derived from: the watch's echo of it is skipped.
     derived_from: str | None = None
     # time.monotonic() of the last full reconcile (spec event or periodic resync) and of the next tick.

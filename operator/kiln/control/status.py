@@ -243,8 +243,11 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     job_msg = _job_message(job, job_condition(job) or "")
     for ctype in ("Running", "Suspended", "Succeeded", "Failed"):
         active = phase == ctype or (ctype == "Running" and phase == "Scaling")
+        # Suspended is the spec's (phase_of), known when the reconcile writes it: the training-operator's
+        # "is suspended" arriving later would cost every suspended new run a second status write
+        says_job = active and job_msg and ctype != "Suspended"
         conditions = set_condition(conditions, ctype, "True" if active else "False", phase,
-                                   job_msg if active and job_msg else f"phase {phase}", now, gen)
+                                   job_msg if says_job else f"phase {phase}", now, gen)
 
     if phase != old_phase:
         message = f"phase {old_phase or 'none'} → {phase}" + (f": {job_msg}" if job_msg else "")
@@ -294,9 +297,11 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
 
 GOODPUT_FIELDS = ("goodput", "goodputDetail")
 # The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
-# one is this old (the 15 s status timer in kiln.control.handlers keeps it current); with any other change
-# it goes along. Skipping a write loses nothing: the next one attributes the whole interval.
-GOODPUT_REFRESH_S = 10.0
+# one is this old (the operator's 15 s tick, kiln.control.handlers, refreshes every run); with any other
+# change (phase, conditions, nodes, restarts) it goes along at once. Skipping a write loses nothing: the next
+# one attributes the whole interval. Each write of a TrainingSpec costs the apiserver 12-15 ms of CPU (its
+# schema and CEL rules), so the ledger alone is written once a minute, not every tick.
+GOODPUT_REFRESH_S = 60.0
 
 
 def changed(old_status: dict, new_fields: dict, goodput_refresh_s: float = GOODPUT_REFRESH_S) -> bool:
