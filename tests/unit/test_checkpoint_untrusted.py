@@ -95,8 +95,12 @@ def metadata_with(root: Path, step: int, payload) -> bytes:
     return pickle.dumps(metadata)
 
 
-def assert_refused(err: KilnError, marker: Path, *fragments: str) -> None:
-    text = str(err)
+def assert_restore_refused(root: Path, marker: Path, *fragments: str) -> None:
+    """Restoring a fresh model from `root` fails with a KilnError naming every fragment, and ran nothing."""
+    fresh, fresh_opt = make()
+    with pytest.raises(KilnError) as err:
+        checkpointer(root).restore([fresh], [fresh_opt])
+    text = str(err.value)
     assert all(f in text for f in fragments), text
     assert "Traceback" not in text
     assert not marker.exists(), "the checkpoint ran code"
@@ -112,10 +116,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, payload):
             else pickle.dumps(RunsCommand(marker)))
     forge(root, 2, {".metadata": evil})
 
-    fresh, fresh_opt = make()
-    with pytest.raises(KilnError) as err:
-        checkpointer(root).restore([fresh], [fresh_opt])
-    assert_refused(err.value, marker, f"file://{root}/step-00000002/.metadata", "posix.system", "refused")
+    assert_restore_refused(root, marker, f"file://{root}/step-00000002/.metadata", "posix.system", "refused")
 
 
 def test_a_non_tensor_item_that_would_run_code_is_refused(tmp_path):
@@ -126,10 +127,7 @@ def test_a_non_tensor_item_that_would_run_code_is_refused(tmp_path):
     fqn = "optim.param_groups.0.weight.lr"  # a float, stored by DCP as a pickled (BYTE_IO) item
     redirect_item(root, 2, fqn, torch_blob(RunsCommand(marker)))
 
-    fresh, fresh_opt = make()
-    with pytest.raises(KilnError) as err:
-        checkpointer(root).restore([fresh], [fresh_opt])
-    assert_refused(err.value, marker, f"file://{root}/step-00000002/__0_0.distcp", fqn, "run code")
+    assert_restore_refused(root, marker, f"file://{root}/step-00000002/__0_0.distcp", fqn, "run code")
 
 
 def test_a_tensor_item_that_would_run_code_is_refused(tmp_path):
@@ -139,10 +137,7 @@ def test_a_tensor_item_that_would_run_code_is_refused(tmp_path):
     save(root, model, [opt])
     redirect_item(root, 2, "model.0.weight", torch_blob(RunsCommand(marker)))
 
-    fresh, fresh_opt = make()
-    with pytest.raises(KilnError) as err:
-        checkpointer(root).restore([fresh], [fresh_opt])
-    assert_refused(err.value, marker, f"file://{root}/step-00000002/__0_0.distcp", "run code")
+    assert_restore_refused(root, marker, f"file://{root}/step-00000002/__0_0.distcp", "run code")
 
 
 def test_an_intact_checkpoint_still_restores_every_item(tmp_path):
