@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from tests.bench.report import write_report
-from tests.distributed.ranks import complete_lines, start_ranks, wait_until
+from tests.distributed.ranks import complete_lines, fsdp_per_layer, start_ranks, wait_until
 
 WORLD = 2
 
@@ -35,15 +35,9 @@ def _worker(rank: int, world: int, uri: str, env: dict, width: int, progress: st
     from kiln.api.spec import CheckpointSpec
     from kiln.trainer.checkpoint import Checkpointer
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     logging.basicConfig(filename=f"{progress}.log", level=logging.INFO, force=True)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_per_layer(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=5, keep=2), default_uri="", rank=rank, world_size=world)
     t0 = time.monotonic()

@@ -150,6 +150,18 @@ def run_ranks(fn: Callable, world: int, out: Path, *args, start: str = "fork", i
     return [result(r) for r in range(world)]
 
 
+def fsdp_per_layer(model, world: int):
+    """`model` (an nn.Sequential) under FSDP2 on this rank's CPU mesh of `world`: each layer a unit, then the
+    root, as the trainer wraps blocks; the small models of the checkpoint tests and benchmarks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 # ------------------------------------------------------------------------------------- training progress
 
 

@@ -17,7 +17,7 @@ from kiln.api.spec import CheckpointSpec
 from kiln.storage import open_store
 from kiln.storage.commit import committed_steps, read_commit, steps_from_listing, verify_files
 from kiln.trainer.checkpoint import Checkpointer
-from tests.distributed.ranks import start_ranks, wait_until
+from tests.distributed.ranks import fsdp_per_layer, start_ranks, wait_until
 
 pytestmark = [pytest.mark.distributed]
 
@@ -39,14 +39,7 @@ def _fill(model: nn.Module, opt, step: int) -> None:
 
 def _worker(rank: int, world: int, uri: str, env: dict) -> None:
     os.environ.update(env)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model()
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_per_layer(_model(), world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ck = Checkpointer(CheckpointSpec(uri=uri, interval_steps=1, keep=2), default_uri="", rank=rank, world_size=world)
     state = ck.restore([model], [opt])  # a restarted job resumes from the newest commit

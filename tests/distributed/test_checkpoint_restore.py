@@ -17,7 +17,7 @@ from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import fsdp_per_layer, run_ranks
 from tests.store_wrappers import PassThroughStore
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rig]
@@ -48,17 +48,11 @@ def _worker(rank: int, world: int, action: str, uri: str, env: dict, out: str) -
     os.environ.update(env)
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from kiln.trainer.checkpoint import Checkpointer
 
     torch.manual_seed(7 if action == "save" else 99)  # a restore starts from other weights
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_per_layer(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)]), world)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     store = ReadCountingStore(open_store(uri))
     ck = Checkpointer(CheckpointSpec(uri=uri, keep=3), default_uri="", rank=rank, world_size=world, store=store)
