@@ -320,11 +320,16 @@ def _state_path() -> Path:
     return run_dir() / "state.json"
 
 
-def _read_state() -> dict | None:
+def read_state(path: Path) -> dict | None:
+    """A rig component's state file (what it started: pids, ports); None when it is absent or half-written."""
     try:
-        return json.loads(_state_path().read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _read_state() -> dict | None:
+    return read_state(_state_path())
 
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # processes started by this Python process

@@ -385,10 +385,7 @@ def _state_path() -> Path:
 
 
 def _read_state() -> dict | None:
-    try:
-        return json.loads(_state_path().read_text())
-    except (OSError, ValueError):
-        return None
+    return cluster.read_state(_state_path())
 
 
 def _save(state: dict) -> None:
