@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,13 @@ PER_GROUP, SEQ = 2, 32  # globalBatchSize 4 over 2 groups; the micro model's seq
 
 
 class Lighthouse:
-    """`torchft_lighthouse` as a process of its own, on a fixed port (a restart binds the same one)."""
+    """The lighthouse (the operator's entry, kiln.cli.lighthouse) as a process of its own, on a fixed port (a restart binds the same one)."""
 
     def __init__(self, port: int, log: Path):
         self.port, self.log = port, log
         with log.open("a") as sink:
             self.proc = subprocess.Popen(
-                ["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
+                [str(Path(sys.executable).with_name("kiln-lighthouse")), "--min_replicas", "1", "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS), "--bind", f"[::]:{port}"],
                 env=env(**die_with_parent()), stdout=sink, stderr=subprocess.STDOUT)
 

@@ -73,7 +73,7 @@ def test_the_lighthouse_is_a_deployment_and_service_from_the_trainer_image_reach
     pod = deployment["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["image"] == "registry.test/trainer:1"
-    assert container["command"][:3] == ["torchft_lighthouse", "--min_replicas", "1"]
+    assert container["command"][:3] == ["kiln-lighthouse", "--min_replicas", "1"]
     assert f"[::]:{LIGHTHOUSE_PORT}" in container["command"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     selector = {LIGHTHOUSE_LABEL: "ft"}
