@@ -62,6 +62,7 @@ class _Tail:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.buf = path, 0, ""
+        self.count = 0  # records read so far
 
     def new(self) -> list[dict]:
         try:
@@ -73,7 +74,9 @@ class _Tail:
             return []
         self.buf += chunk
         *lines, self.buf = self.buf.split("\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        out = [json.loads(line) for line in lines if line.strip()]
+        self.count += len(out)
+        return out
 
 
 def _quantiles(values: list[float]) -> dict:
@@ -106,6 +109,7 @@ class Job:
         self.kills: list[dict] = []
         self.pending: dict | None = None
         self.next_kill, self.victim = kill_every, 0
+        self.late: list[str] = []  # replacements stopped unheard: the job had ended before they were back
 
     def _start(self, index: int, n: int, gated: bool = False) -> tuple[Group, _Tail]:
         out = self.tmp / self.name / f"g{index}-{n}"
@@ -138,6 +142,11 @@ class Job:
         job_step = max(self.first_seen, default=0)
         if self.pending is not None and "back_at_step" in self.pending:
             self.pending = None
+        if job_step >= self.steps:  # the last step is in: a replacement not back yet has no peer left to heal
+            for group, tail in self.live.values():  # from (it would wait START_WAIT, then read the final commit)
+                if group.alive() and tail.count == 0:
+                    group.stop()
+                    self.late.append(group.name)
         if self.kill_every and self.pending is None and job_step >= self.next_kill \
                 and self.next_kill < self.steps - self.kill_every // 2:
             group, _ = self.live[self.victim]
@@ -172,6 +181,7 @@ class Job:
         finals = [r for r in self.last.values() if r["step"] == self.steps]
         out = {
             "rcs": [g.proc.returncode for g, _ in self.live.values()],
+            "late_replacements_stopped": self.late,
             "wall_s": wall, "final_step": order[-1] if order else 0, "gaps": _quantiles(list(gaps.values())),
             "final_val_loss": finals[0].get("val_loss") if finals else None,
             "final_weights_digests": sorted({r.get("ft_weights_digest") for r in finals}),
@@ -240,9 +250,9 @@ def main(argv=None) -> dict:
     prefix = f"s3://kiln/bench-ft-groups-{uuid.uuid4().hex[:8]}"
     logs = Path(args.out).with_suffix(".logs")
     load = [os.getloadavg()]
-    servers = [lighthouse_server(heartbeat_timeout_ms=args.heartbeat_ms) for _ in range(2)]
-    jobs: list[Job] = []
+    servers, jobs = [], []
     try:
+        servers += [lighthouse_server(heartbeat_timeout_ms=args.heartbeat_ms) for _ in range(2)]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             for name, server, kill_every in (("reference", servers[0], 0), ("faulty", servers[1], args.kill_every)):
@@ -263,6 +273,10 @@ def main(argv=None) -> dict:
                     j.poll(now)
             for j in jobs:
                 j.poll(time.monotonic() - t0)
+        ref = jobs[0].summary(None)
+        faulty = jobs[1].summary(ref["gaps"])
+        for name, part in (("reference", ref), ("faulty", faulty)):
+            part["kiln_ledger"] = kiln_ledger(f"{prefix}/{name}/", endpoint, part["wall_s"])
     finally:
         for gate in logs.glob("gate-*"):  # the standbys' FIFOs (tests.distributed.ft_helpers.Group)
             gate.unlink()
@@ -270,12 +284,8 @@ def main(argv=None) -> dict:
             j.stop()
         for server in servers:
             server.shutdown()
-    ref = jobs[0].summary(None)
-    faulty = jobs[1].summary(ref["gaps"])
-    for name, part in (("reference", ref), ("faulty", faulty)):
-        part["kiln_ledger"] = kiln_ledger(f"{prefix}/{name}/", endpoint, part["wall_s"])
-    if s3 is not None:
-        s3.stop()
+        if s3 is not None:
+            s3.stop()
     kills = faulty.get("kills", [])
     report = {
         "benchmark": "ft_groups", "groups": GROUPS, "steps": args.steps, "checkpoint_interval_steps": args.interval,

@@ -8,7 +8,13 @@ release, and two groups released together start in the same quorum.
 
 It is `kiln train` with one addition: hooks that append each run event the trainer raises (a restart from a
 commit, a heal from a live peer, a quorum change; kiln.trainer.hooks) to events.jsonl in the output folder,
-for the tests to check that each fires where its event happens.
+for the tests to check that each fires where its event happens. With KILN_TEST_SPIKES (a JSON list of
+[live groups, from step]) it also stands in for bad data: series i replaces the global loss by a spike on
+every step from its step on, taken with that many groups live, while the guards have rolled back i times;
+the guards' default rollback (3 spikes) ends it. Keyed on the job's state (the guards' rollbacks, which a
+healed group receives, and the quorum), so every group injects at the same steps, and a redone step is clean.
+When a series needs more live groups than there are, the process stops itself (SIGSTOP, once) for the test
+to bring the missing group to the lighthouse before it steps on (SIGCONT).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,8 +46,31 @@ def event_log(out: Path) -> StepHooks:
                 f.write(json.dumps({"event": kind, **dataclasses.asdict(event)}) + "\n")
         return hook
 
-    return StepHooks(on_restart=[log("restart")], on_heal=[log("heal")],
-                     on_membership_change=[log("membership_change")])
+    hooks = StepHooks(on_restart=[log("restart")], on_heal=[log("heal")],
+                      on_membership_change=[log("membership_change")])
+    spikes = json.loads(os.environ.get("KILN_TEST_SPIKES", "[]"))
+    if spikes:
+        from kiln.trainer.guards import GuardHooks
+
+        guards = GuardHooks()
+
+        held = []
+
+        def inject(ctx) -> bool:
+            done = guards.guard.counters.rollbacks
+            if done < len(spikes):
+                live, first = spikes[done]
+                now = ctx.record.get("ft_participants")
+                if now == live and ctx.step >= first:
+                    ctx.loss = 50.0 + ctx.step  # the global loss every rank of every live group sees
+                elif now < live and done and not held:  # the next series needs a group that is not here:
+                    held.append(ctx.step)  # stop (once) until the test has brought it to the lighthouse
+                    os.kill(os.getpid(), signal.SIGSTOP)
+            return True
+
+        hooks.before_update.append(inject)  # before the guards' own check
+        guards.install(hooks)
+    return hooks
 
 
 if __name__ == "__main__":

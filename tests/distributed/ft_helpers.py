@@ -40,7 +40,7 @@ class Group:
     (gated=False: plain `kiln train`, which starts at once, as a restarted pod does)."""
 
     def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str,
-                 gated: bool = True):
+                 gated: bool = True, extra_env: dict[str, str] | None = None):
         self.index, self.out, self.name = index, out, name
         self.gate = tmp / f"gate-{name}"
         if gated:
@@ -50,9 +50,10 @@ class Group:
         entry = [str(ENTRY)] if gated else ["-m", "kiln.cli.main", "train"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *entry,
                "--config", str(spec), "--output", str(out)]
+        group_env = {"KILN_FT_LIGHTHOUSE": lighthouse, "KILN_FT_GROUP": str(index), "KILN_TEST_GATE": str(self.gate),
+                     "TORCHFT_TIMEOUT_SEC": "30", **TORCHRUN_ENV, **die_with_parent(), **(extra_env or {})}
         self.proc = subprocess.Popen(
-            cmd, env=env(KILN_FT_LIGHTHOUSE=lighthouse, KILN_FT_GROUP=str(index), KILN_TEST_GATE=str(self.gate),
-                         TORCHFT_TIMEOUT_SEC="30", **TORCHRUN_ENV, **die_with_parent()),
+            cmd, env=env(**group_env),
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -95,6 +96,11 @@ class Group:
             pids += _children(pids[i])
             i += 1
         return pids
+
+    def signal(self, sig: int) -> None:
+        """`sig` to torchrun and its workers (SIGSTOP/SIGCONT: freeze the group and let it go on)."""
+        for pid in self._tree():
+            os.kill(pid, sig)
 
     def kill(self) -> None:  # the whole group at once, as when its pod is lost
         for pid in self._tree():

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.storage.commit import read_trainer_state
+from kiln.storage.store import open_store
 from tests.distributed.ft_helpers import Group, die_with_parent, lighthouse_server, records
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
 from tests.distributed.trainer_helpers import env, write_spec
@@ -194,6 +196,78 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
         # Exact resume: the same losses from the commit on, and the same final weights, as without the fault.
         assert [r["loss"] for r in resumed] == [r["loss"] for r in want if r["step"] > latest]
         assert resumed[-1]["ft_weights_digest"] == want[-1]["ft_weights_digest"]
+
+
+def _stopped(group: Group) -> bool:
+    """Whether the group's worker has stopped itself (ft_group_entry: SIGSTOP, state T in /proc)."""
+    for pid in group._tree()[1:]:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def test_a_guard_rollback_takes_every_live_group_back_to_the_commit_together(tmp_path, lighthouse):
+    """Repeated loss spikes (kiln.trainer.guards) in replica-group mode, alone and with a peer. Group 0 starts
+    alone (group 1 held at its gate): three spikes from step 11 roll it back to the commit of step 10, read
+    from the store (no peer exists). It then stops itself until group 1 is at the lighthouse, and group 1 heals
+    from it: from the rolled-back state, never the spiked one. Three spikes from step 21, both live, then roll
+    both back at the same step to the commit of step 20, each reading it itself (both hold the weights that
+    spiked: no peer has better ones), and neither heals afterwards: they agree on where they are. Spikes are
+    injected into the global loss by the test entry (ft_group_entry: KILN_TEST_SPIKES), keyed on the guards'
+    rollback count and the quorum, so both groups inject at the same steps and a redone step is clean."""
+    steps, interval = 30, 10
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": steps},
+                      checkpoint={"uri": f"file://{tmp_path / 'ckpt'}", "intervalSteps": interval,
+                                  "asyncSave": False},  # the commit of step 20 is whole before step 21 starts
+                      resources={"processesPerNode": 2},
+                      elastic={"faultTolerance": {"mode": "replicaGroups", "groups": 2}})
+    spikes = {"KILN_TEST_SPIKES": json.dumps([[1, 11], [2, 21]])}
+    g0 = Group(0, spec, tmp_path / "g0", lighthouse, tmp_path, "g0",
+               extra_env={**spikes, "KILN_FT_START_WAIT_SECONDS": "0"})  # group 0 steps alone at once
+    g1 = Group(1, spec, tmp_path / "g1", lighthouse, tmp_path, "g1", extra_env=spikes)
+    try:
+        Group.release(g0)
+        wait_until("group 0 stopped after its rollback alone", lambda: _stopped(g0), alive=g0.alive, context=g0.log)
+        Group.release(g1)
+        wait_until("group 1 at the lighthouse", lambda: "kiln: ft: group 1: quorum" in g1.log_path.read_text(),
+                   alive=g1.alive, context=g1.log)
+        g0.signal(signal.SIGCONT)
+        assert g0.finish() == 0, g0.log()
+        assert g1.finish() == 0, g1.log()
+    finally:
+        for g in (g0, g1):
+            g.stop()
+
+    run0, run1 = records(g0.out), records(g1.out)
+    # Alone: skip, skip, rollback to the commit of step 10, then step 11 again, past the spiked data.
+    first_back = run1[0]["step"]
+    assert [r["step"] for r in run0] == [*range(1, 14), *range(11, 24), *range(21, steps + 1)]
+    alone = run0[10:13]
+    assert [(r["guard_action"], r["ft_participants"]) for r in alone] == [("skip", 1), ("skip", 1), ("rollback", 1)]
+    assert alone[-1]["rolled_back_to"] == interval and "steps 11..13" in alone[-1]["guard_reason"]
+    # Group 1 healed from group 0 after the rollback: at a step past the commit, not from the spiked steps.
+    assert run1[0]["ft_restore"] == "peer" and interval < first_back <= 21, run1[0]
+    (heal,) = events(g1.out, "heal")
+    assert heal["step"] == first_back - 1 and heal["at_start"]
+    # Together: both decide the rollback at the same step, both go back to the commit of step 20.
+    for run in (run0, run1):
+        together = [r for r in run if r.get("guard_action") in ("skip", "rollback") and r["ft_participants"] == 2]
+        assert [(r["step"], r["guard_action"]) for r in together] == [(21, "skip"), (22, "skip"), (23, "rollback")]
+        assert together[-1]["rolled_back_to"] == 2 * interval
+        assert run[run.index(together[-1]) + 1]["step"] == 21
+        assert run[-1]["guard_rollbacks"] == 2  # the job's: group 1 received the count with its heal
+    assert [r["step"] for r in run1] == [*range(first_back, 24), *range(21, steps + 1)]
+    # ... and neither healed afterwards: they restored the same commit and agree to the bit at the end.
+    assert run0[-1]["ft_heals"] == 0 and run1[-1]["ft_heals"] == 1
+    assert run0[-1]["ft_weights_digest"] == run1[-1]["ft_weights_digest"] and run0[-1]["loss"] == run1[-1]["loss"]
+    assert not events(g0.out, "restart") and not events(g1.out, "restart")  # a rollback is not a restart
+    # The data cursor kept moving through both rollbacks: every sample read once, the spiked ones not again.
+    state = read_trainer_state(open_store(f"file://{tmp_path / 'ckpt'}"), steps)
+    assert state["data"]["samples_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP
+    assert state["hooks"]["guards"]["skipped_data"] == [[11, 13], [21, 23]]
 
 
 def _group_worker(launcher: int, group: int) -> int | None:

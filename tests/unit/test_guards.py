@@ -97,17 +97,19 @@ def test_restored_guard_continues_spike_window_and_records_skipped_data():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(st.floats(0.5, 5.0), st.floats(20.0, 100.0), st.just(math.nan)), min_size=2, max_size=60),
+@given(st.lists(st.tuples(st.one_of(st.floats(0.5, 5.0), st.floats(20.0, 100.0), st.just(math.nan)),
+                          st.sampled_from([1.0, 0.5, 0.25])), min_size=2, max_size=60),
        st.data())
 def test_save_and_restore_at_any_step_decides_like_the_uninterrupted_run(series, data):
+    """... with steps of any share of the batch (replica groups coming and going) in between."""
     cfg = GuardConfig(min_history=3, spike_limit=2, spike_window=6)
     cut = data.draw(st.integers(1, len(series) - 1))
     whole, first = StepGuard(cfg), StepGuard(cfg)
-    expected = [whole.check(i, v, 1.0) for i, v in enumerate(series, 1)]
-    got = [first.check(i, v, 1.0) for i, v in enumerate(series[:cut], 1)]
+    expected = [whole.check(i, v, 1.0, share) for i, (v, share) in enumerate(series, 1)]
+    got = [first.check(i, v, 1.0, share) for i, (v, share) in enumerate(series[:cut], 1)]
     resumed = StepGuard(cfg)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-    got += [resumed.check(i, v, 1.0) for i, v in enumerate(series[cut:], cut + 1)]
+    got += [resumed.check(i, v, 1.0, share) for i, (v, share) in enumerate(series[cut:], cut + 1)]
     assert [(d.action, d.skip_data) for d in got] == [(d.action, d.skip_data) for d in expected]
     keys = ("guard_skipped_nonfinite", "guard_skipped_spike", "guard_rollbacks")
     assert [resumed.metrics()[k] for k in keys] == [whole.metrics()[k] for k in keys]
@@ -125,6 +127,75 @@ def test_guard_hooks_register_their_state_and_warn_on_a_checkpoint_without_it(ca
     fresh = GuardHooks()
     fresh.load_state_dict(json.loads(json.dumps(guards.state_dict())))
     assert list(fresh.guard.history) == list(guards.guard.history)
+
+
+# Replica groups (kiln.trainer.ft): the global loss that replica group 1 logged in the 10-minute benchmark
+# (docs/resilience.md, run C), steps 1215-1395. Up to step 1279 both groups were live (the whole batch of 4
+# sequences); from 1280 group 1 was alone (2 sequences: half the batch), and the detector saw spikes at 1352,
+# 1370 and 1395 and rolled the run back 395 steps.
+RUN_C_BOTH = [1.4909, 1.9157, 2.3153, 2.2228, 2.0314, 1.643, 1.9567, 1.9667, 1.9172, 1.8822, 1.8748, 2.2496, 1.9785,
+              2.0247, 2.277, 1.9616, 2.1137, 1.86, 2.0654, 2.524, 1.9554, 1.928, 2.0374, 2.3947, 1.4068, 2.1123, 1.7699,
+              2.0279, 2.168, 1.558, 1.7681, 1.7097, 2.1162, 2.1905, 1.8162, 2.0065, 2.0643, 1.5663, 1.9675, 1.6849,
+              1.9354, 1.793, 2.5548, 1.9286, 2.1764, 2.3099, 2.0328, 2.0256, 2.5956, 2.121, 2.0244, 1.4793, 2.2752,
+              2.0352, 1.8544, 1.9366, 1.4999, 1.6395, 2.4362, 2.0225, 1.8109, 1.7165, 1.7474, 1.4977, 2.1616]
+RUN_C_ALONE = [2.1625, 1.6651, 1.9849, 2.5351, 1.9017, 2.3002, 2.1056, 2.2924, 2.194, 1.8599, 2.5664, 2.0935, 1.9106,
+               2.4172, 1.8138, 1.6019, 2.2429, 2.4173, 1.8922, 1.8263, 2.1928, 2.0369, 1.7684, 2.3328, 2.3638, 2.0212,
+               1.6588, 1.9325, 2.1513, 2.361, 2.1422, 2.0785, 2.0374, 1.8881, 1.8794, 1.7363, 0.8656, 1.8206, 1.92,
+               2.3008, 1.9445, 2.6184, 1.8208, 1.8236, 1.7323, 2.0556, 2.4033, 1.3284, 1.3681, 1.9287, 1.4819, 1.8284,
+               1.9264, 2.8026, 2.0381, 1.7806, 2.6348, 1.8659, 1.9576, 1.9609, 1.9795, 2.3292, 2.0443, 1.605, 1.9961,
+               2.7715, 2.3453, 2.1982, 1.8965, 0.5069, 2.0472, 1.9129, 4.7749, 1.9423, 2.4721, 2.2057, 1.8687, 2.065,
+               2.0302, 2.0949, 1.7115, 1.7284, 1.9586, 1.8552, 2.3408, 1.9154, 1.9632, 2.0844, 1.6931, 2.9458, 3.4873,
+               1.9397, 1.8269, 1.8173, 1.6894, 2.0737, 2.162, 2.1647, 1.8517, 2.0879, 1.9084, 1.5844, 2.0916, 2.4065,
+               1.8083, 2.2126, 2.8441, 2.5851, 2.0023, 1.5906, 1.8718, 2.2663, 2.3236, 2.4396, 1.8361, 3.592]
+
+
+def _replay(alone_share: float, alone=RUN_C_ALONE) -> list:
+    """Run C's losses through a fresh guard; the steps alone at `alone_share`. The decisions that were not OK."""
+    g = StepGuard()
+    series = [(1.0, v) for v in RUN_C_BOTH] + [(alone_share, v) for v in alone]
+    return [d for d in (g.check(s, v, 1.0, share) for s, (share, v) in enumerate(series, 1215))
+            if d.action is not Action.OK]
+
+
+def test_a_half_batch_step_is_judged_by_its_share_of_the_batch():
+    """The loss of 2 sequences is heavy-tailed: one odd sequence moves it twice as far as it moves the mean of 4,
+    while its spread grows only √2. Unweighted (every step a whole batch, as before), run C's steps alone roll
+    the run back at step 1395; weighted by their share (1 of 2 groups), the one outlier (step 1352, 4.77 against
+    a median of 1.96) is still skipped, and nothing is rolled back."""
+    before = _replay(1.0)
+    assert [(d.step, d.action) for d in before] == [(1352, Action.SKIP), (1370, Action.SKIP),
+                                                    (1395, Action.ROLLBACK)]
+    assert [(d.step, d.action) for d in _replay(0.5)] == [(1352, Action.SKIP)]
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_a_whole_batch_jump_is_still_rolled_back_at_any_share(share):
+    """What a real spike looks like (every sequence's loss up: the weights went bad): three steps at 2.5× the
+    median (1.96 → 4.9) roll back whether the steps average the whole batch or half of it."""
+    alone = RUN_C_ALONE[:60] + [2.5 * 1.96] * 3
+    decisions = _replay(share, alone)
+    assert decisions[-1].action is Action.ROLLBACK and decisions[-1].step == 1215 + len(RUN_C_BOTH) + 62
+    assert [d.step for d in decisions[-3:]] == [1215 + len(RUN_C_BOTH) + i for i in (60, 61, 62)]
+
+
+def test_the_share_weighs_the_zscore_and_old_state_means_whole_batches():
+    history = [2.0, 2.2, 1.8, 2.1, 1.9, 2.05, 1.95, 2.0]
+    assert robust_zscore(3.0, history) == robust_zscore(3.0, history, shares=[1.0] * 8)
+    # half the batch: the deviation counts half, against a full-batch spread (each half-batch loss's × √0.5)
+    assert robust_zscore(3.0, history, share=0.5) == pytest.approx(robust_zscore(3.0, history) / 2)
+    assert robust_zscore(3.0, history, shares=[0.5] * 8) == pytest.approx(robust_zscore(3.0, history) * 2 ** 0.5)
+    g = StepGuard()
+    _warm(g)
+    saved = json.loads(json.dumps(g.state_dict()))
+    assert saved["shares"] == [1.0] * 20
+    del saved["shares"]  # a checkpoint from before kiln weighed shares
+    old = StepGuard()
+    old.load_state_dict(saved)
+    assert list(old.shares) == [1.0] * 20 and list(old.history) == list(g.history)
+    with pytest.raises(ValueError, match="20 losses but 3 batch shares"):
+        old.load_state_dict({**saved, "shares": [1.0] * 3})
+    with pytest.raises(ValueError, match="share of the global batch"):
+        g.check(30, 2.0, share=0.0)
 
 
 def test_bad_config_is_rejected():

@@ -195,6 +195,11 @@ class ReplicaGroups:
         first = loader.samples_seen + self.replica_rank * self.per_group + dp_rank * per_rank
         return loader.rows(first, per_rank)
 
+    @property
+    def batch_share(self) -> float:
+        """The fraction of the global batch this step averages (the guards judge its loss by it)."""
+        return self.participants / self.groups
+
     def step_tokens(self, seq_len: int) -> int:
         return self.participants * self.per_group * seq_len
 

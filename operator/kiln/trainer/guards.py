@@ -74,13 +74,23 @@ class GuardConfig:
             raise ValueError("guards: z_threshold must be > 0, spike_limit and spike_window >= 1")
 
 
-def robust_zscore(value: float, history: Iterable[float], rel_floor: float = 1e-3) -> float:
-    """Modified z-score (Iglewicz & Hoaglin): 0.6745 (x - median) / MAD, with a floor on the MAD."""
+def robust_zscore(value: float, history: Iterable[float], rel_floor: float = 1e-3, share: float = 1.0,
+                  shares: Iterable[float] | None = None) -> float:
+    """Modified z-score (Iglewicz & Hoaglin): 0.6745 (x - median) / MAD, with a floor on the MAD.
+
+    `share`: the fraction of the global batch `value` was averaged over (replica groups: live groups / groups),
+    `shares` the same for each past loss (1.0 when None). The spread is taken in full-batch units (each past
+    deviation × √its share: the noise of a mean shrinks as √batch) and the deviation of `value` is weighted by
+    its share: one odd sequence moves the mean of a half batch twice as far, while that batch's noise grows
+    only √2, so its z is √2 higher than at full batch. Weighted so, the same sequence scores the same z at any
+    share; a shift of the whole batch must be 1/share as large to score as high. At share 1 everywhere this is
+    the plain modified z-score."""
     values = list(history)
+    weights = [1.0] * len(values) if shares is None else [math.sqrt(s) for s in shares]
     med = statistics.median(values)
-    mad = statistics.median(abs(v - med) for v in values)
+    mad = statistics.median(abs(v - med) * w for v, w in zip(values, weights))
     mad = max(mad, rel_floor * abs(med), 1e-12)
-    return 0.6745 * (value - med) / mad
+    return 0.6745 * (value - med) * share / mad
 
 
 @dataclass
@@ -100,14 +110,19 @@ class StepGuard:
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config or GuardConfig()
         self.history: deque[float] = deque(maxlen=self.config.window)
+        self.shares: deque[float] = deque(maxlen=self.config.window)  # each history loss's share of the batch
         self.spikes: deque[int] = deque()
         self.counters = GuardCounters()
         # Data windows (first, last step) skipped by rollbacks, newest last: kept in the checkpoint as a record
         # of which data the run never learned from.
         self.skipped_data: list[tuple[int, int]] = []
 
-    def check(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
+    def check(self, step: int, loss: float, grad_norm: float | None = None, share: float = 1.0) -> Decision:
+        """`share`: the fraction of the global batch this step's loss averages (below 1 while only some
+        replica groups are live); such a loss is noisier and is judged in full-batch units (robust_zscore)."""
         cfg = self.config
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"guards: a step's share of the global batch must be in (0, 1], got {share}")
         loss = float(loss)
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(float(grad_norm))):
             self.counters.skipped_nonfinite += 1
@@ -115,10 +130,12 @@ class StepGuard:
             value = loss if what == "loss" else grad_norm
             return Decision(Action.SKIP, step, f"non-finite {what} ({value}) at step {step}")
 
-        z = robust_zscore(loss, self.history, cfg.rel_floor) if len(self.history) >= cfg.min_history else 0.0
+        z = robust_zscore(loss, self.history, cfg.rel_floor, share, self.shares) \
+            if len(self.history) >= cfg.min_history else 0.0
         self.counters.last_zscore = z
         if z <= cfg.z_threshold:
             self.history.append(loss)  # only accepted losses shape the baseline
+            self.shares.append(share)
             return Decision(Action.OK, step, zscore=z)
 
         self.spikes.append(step)
@@ -152,14 +169,21 @@ class StepGuard:
     # survive a restart: a resumed run decides exactly as the uninterrupted one would have.
     def state_dict(self) -> dict[str, Any]:
         c = self.counters
-        return {"history": list(self.history), "spikes": list(self.spikes),
+        return {"history": list(self.history), "shares": list(self.shares), "spikes": list(self.spikes),
                 "counters": {"skipped_nonfinite": c.skipped_nonfinite, "skipped_spike": c.skipped_spike,
                              "rollbacks": c.rollbacks},
                 "skipped_data": [list(w) for w in self.skipped_data]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a smaller `window` than the saving run's keeps the newest losses (deque maxlen drops the oldest)
-        self.history = deque((float(v) for v in state.get("history", [])), maxlen=self.config.window)
+        history = [float(v) for v in state.get("history", [])]
+        # none saved (before kiln weighed batch shares): every step then averaged the whole global batch
+        shares = [float(v) for v in state.get("shares", [1.0] * len(history))]
+        if len(shares) != len(history) or not all(0.0 < v <= 1.0 for v in shares):
+            raise ValueError(f"guards: the saved state has {len(history)} losses but {len(shares)} batch shares, "
+                             f"or a share outside (0, 1]")
+        self.history = deque(history, maxlen=self.config.window)
+        self.shares = deque(shares, maxlen=self.config.window)
         self.spikes = deque(int(s) for s in state.get("spikes", []))
         counters = state.get("counters", {})
         self.counters = GuardCounters(**{k: int(v) for k, v in counters.items()})
@@ -485,7 +509,7 @@ class GuardHooks:
         if self.sdc.due(ctx.step):  # raises SilentDataCorruption (every rank) if any rank's state changed
             with self._incident_recorded():
                 self.sdc.verify_seal(ctx.model_parts, ctx.step, ctx.optimizers)
-        d = self.guard.check(ctx.step, ctx.loss, ctx.grad_norm)
+        d = self.guard.check(ctx.step, ctx.loss, ctx.grad_norm, share=ctx.batch_share)
         self.last = d
         ctx.record.update(self.guard.metrics(), guard_action=d.action.value)
         if d.reason:

@@ -35,6 +35,8 @@ class StepContext:
     mesh: object
     record: dict  # the metrics record of this step; hooks may add fields
     rollback: bool = False  # a hook sets it: restore the last commit, keep the data cursor (kiln.trainer.guards)
+    # the fraction of the global batch this step averaged: live replica groups / groups (1.0 outside that mode)
+    batch_share: float = 1.0
 
 
 @dataclass(frozen=True)

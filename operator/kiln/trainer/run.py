@@ -9,8 +9,9 @@ provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. Every rank runs the sa
 each one holds.
 
 Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a resume from a commit in
-`Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in `Run._membership_changed`
-(called by kiln.trainer.ft), the checkpoint store in `Run._build_checkpointer`.
+`Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.ft (it calls
+`StepHooks.membership_changed` itself: the run has nothing to update for it), the checkpoint store in
+`Run._build_checkpointer`; a guard's rollback in `Run._roll_back`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kiln.api.layout import replica_group_spec
 from kiln.trainer import hf, kernels
 from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
-from kiln.trainer.hooks import Heal, MembershipChange, Restart, StepContext, StepHooks
+from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.loss import PipelineLoss, global_count, global_loss, microbatch_loss
 from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model import build_model, cross_entropy
@@ -115,9 +116,8 @@ class Run:
 
             self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, model_parts=self.model_parts,
                                     optimizers=self.optimizers, snapshot=self.trainer_state,
-                                    on_membership_change=self._membership_changed)
-            if self.spec.model.from_:  # overwritten below by a peer's or a commit's weights, if there are any
-                hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
+                                    on_membership_change=self.hooks.membership_changed)
+            self._initial_weights()  # before the join, which live groups wait on; a peer's or a commit's replace them
         exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
         if self.ft is not None:  # from its join on, the live groups wait for this one: do before it what can be
             from kiln.trainer.metrics import preload
@@ -153,9 +153,7 @@ class Run:
         self.mesh = mesh = build_mesh(layout, device.type)
         self.model = model = parallelize(build_model(dims), mesh, layout, spec)
         model.to_empty(device=device)
-        model.init_buffers()  # the weights: from model.from, a peer, this run's commit, or init_weights (_restore)
-        if ft_enabled(spec) and not spec.model.from_:  # a group with no peer and no commit starts from the seed
-            model.init_weights(tr.seed)
+        model.init_buffers()  # the weights: a peer's, this run's commit, or _initial_weights
         model.train()
         if self.rank == 0:  # what runs, and what the numbers are measured against, once per run
             print(f"kiln: {kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile)}",
@@ -212,14 +210,21 @@ class Run:
             from_commit = state is not None
             if from_commit:
                 self._restart(state)
-            elif self.spec.model.from_ and self.ft is None:  # a resumed run's weights are its commit's
-                hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
-            elif self.ft is None:  # a new run; a resumed one skips it: the commit holds every weight
-                self.model.init_weights(self.tr.seed)
+            elif self.ft is None:  # a new run (replica groups set them before their join)
+                self._initial_weights()
         self.start_step = self.last_step
         if self.ft is not None:
             self.ft.restored(self.last_step, from_checkpoint=from_commit)
         return state
+
+    def _initial_weights(self) -> None:
+        """A new run's weights: model.from's, else initialised from training.seed. A resumed run skips it (the
+        commit holds every weight), except a replica group, which sets them before its join (nobody waits
+        for it yet) and then takes a live peer's or the newest commit's, if there are any."""
+        if self.spec.model.from_:
+            hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
+        else:
+            self.model.init_weights(self.tr.seed)
 
     def warm_up(self) -> None:
         """One forward/backward and gradient clip on a dummy batch of the step's shapes, then discarded: the
@@ -255,8 +260,23 @@ class Run:
         self._load_trainer_state(state)
         self.hooks.healed(Heal(self.last_step, self.tokens_seen, at_start=at_start))
 
-    def _membership_changed(self, change: MembershipChange) -> None:
-        self.hooks.membership_changed(change)
+    def _roll_back(self, step: int) -> int:
+        """A guard asked for it (repeated loss spikes): back to the newest commit; the step it holds, or `step`
+        when there is none. The loader keeps its cursor, so the offending data is skipped; hook state (the
+        guards' counters and baseline) is not rolled back.
+
+        Replica groups roll back together, each from the store, alone or not. Every group of the quorum decides
+        it at the same step: the guards see the same job-wide loss, batch share and guard state (a joining
+        group receives it with its heal). No peer holds better weights to heal from (all hold the ones that
+        spiked), and a group left at the spiked step would be the most advanced at the next quorum: torchft
+        would heal the others from it, undoing the rollback. A group that finds an older commit than another
+        (the writer's last save still uploading) is behind at the next quorum and heals from the newest one."""
+        state = self.checkpointer.restore(self.model_parts, self.optimizers)
+        if state is None:
+            return step
+        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        set_rng_state(state["rng"], self.device)
+        return self.last_step
 
     # ---- trainer state: what a commit carries and a healing peer receives -------------------------------------
 
@@ -319,20 +339,15 @@ class Run:
             record["assistant_tokens"] = int(denominator)
         if ft is not None:
             record.update(ft.metrics())
-        ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record)
+        ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record,
+                          batch_share=1.0 if ft is None else ft.batch_share)
         if all(hook(ctx) for hook in self.hooks.before_update):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for hook in self.hooks.after_update:
             hook(ctx)
-        if ctx.rollback:  # repeated loss spikes: back to the last commit; the loader keeps its
-            # cursor, skipping the bad data; hook state (guard counters) is not rolled back
-            state = self.checkpointer.restore(self.model_parts, self.optimizers)
-            if state is not None:
-                step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-                self.last_step = step
-                set_rng_state(state["rng"], device)
-            record["rolled_back_to"] = step
+        if ctx.rollback:
+            step = record["rolled_back_to"] = self._roll_back(step)
         timer.mark("optim_s")
         self.losses.append(loss)
         if ft is not None and step == tr.steps:  # every group must end with the same weights
@@ -362,8 +377,9 @@ class Run:
         final = step == tr.steps or stop
         # elastic.plan switches the node count once its untilStep is committed: always commit it
         # replica groups: one writer, the group at replica rank 0 of this step's quorum
-        if (final or step in self.plan_steps or checkpointer.should_save(step)) and \
-                (self.ft is None or self.ft.writes_checkpoints):
+        # a rollback's step is the commit just restored: not written again (other groups may be reading it)
+        if (final or step in self.plan_steps or checkpointer.should_save(step)) and "rolled_back_to" not in record \
+                and (self.ft is None or self.ft.writes_checkpoints):
             checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
             record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
             self.reporter.stalled(record["checkpoint_stall_s"])
