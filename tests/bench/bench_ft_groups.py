@@ -147,7 +147,7 @@ class Job:
                 if group.alive() and tail.count == 0:
                     group.stop()
                     self.late.append(group.name)
-        if self.kill_every and self.pending is None and job_step >= self.next_kill \
+        if self.kill_every and self.pending is None and self.next_kill <= job_step < self.steps \
                 and self.next_kill < self.steps - self.kill_every // 2:
             group, _ = self.live[self.victim]
             if group.alive():
@@ -186,6 +186,9 @@ class Job:
             "final_val_loss": finals[0].get("val_loss") if finals else None,
             "final_weights_digests": sorted({r.get("ft_weights_digest") for r in finals}),
             "final_tokens_seen": finals[0]["tokens_seen"] if finals else None,
+            # the job's guard counters (a healed group receives them): spikes skipped, rollbacks
+            "guard": {k: finals[0].get(k) for k in ("guard_skipped_spike", "guard_skipped_nonfinite",
+                                                     "guard_rollbacks")} if finals else None,
             "redone_steps": sum(self.redone.values()),  # steps voted down (a group died in them), every process
             "degraded_s": sum(g for b, g in gaps.items() if self.participants[b] < GROUPS),
             "steps_degraded": sum(1 for s in order if self.participants[s] < GROUPS),
@@ -299,6 +302,7 @@ def main(argv=None) -> dict:
         "kiln_goodput": faulty["kiln_ledger"].get("goodput"),
         "reference_kiln_goodput": ref["kiln_ledger"].get("goodput"),
         "degraded_s": faulty["degraded_s"], "kiln_degraded_s": faulty["kiln_ledger"].get("degraded_s"),
+        "guard": faulty["guard"], "reference_guard": ref["guard"],
         "heal_s": _quantiles([k["heal_s"] for k in kills if k.get("heal_s") is not None]),
         "heal_gap_s": _quantiles([k["heal_gap_s"] for k in kills if k.get("heal_gap_s") is not None]),
         "kill_gap_s": _quantiles([k["kill_gap_s"] for k in kills if k.get("kill_gap_s") is not None]),
