@@ -121,8 +121,8 @@ class StepGuard:
         """`share`: the fraction of the global batch this step's loss averages (below 1 while only some
         replica groups are live); such a loss is noisier and is judged in full-batch units (robust_zscore)."""
         cfg = self.config
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"guards: a step's share of the global batch must be in (0, 1], got {share}")
+        if not 0.0 < share < math.inf:  # above 1 only if more groups joined than the spec names: a larger batch
+            raise ValueError(f"guards: a step's share of the global batch must be positive and finite, got {share}")
         loss = float(loss)
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(float(grad_norm))):
             self.counters.skipped_nonfinite += 1
@@ -179,9 +179,9 @@ class StepGuard:
         history = [float(v) for v in state.get("history", [])]
         # none saved (before kiln weighed batch shares): every step then averaged the whole global batch
         shares = [float(v) for v in state.get("shares", [1.0] * len(history))]
-        if len(shares) != len(history) or not all(0.0 < v <= 1.0 for v in shares):
+        if len(shares) != len(history) or not all(0.0 < v < math.inf for v in shares):
             raise ValueError(f"guards: the saved state has {len(history)} losses but {len(shares)} batch shares, "
-                             f"or a share outside (0, 1]")
+                             f"or a share that is not positive and finite")
         self.history = deque(history, maxlen=self.config.window)
         self.shares = deque(shares, maxlen=self.config.window)
         self.spikes = deque(int(s) for s in state.get("spikes", []))

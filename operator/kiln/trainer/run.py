@@ -325,7 +325,7 @@ class Run:
         timer.mark("fwd_bwd_s")
         if ft is not None:  # average with the live groups before clipping: every group clips alike
             ft.average_gradients(self.model_parts)
-        grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group)
+        grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group, optimizer=self.optimizer)
         loss = global_loss(local_loss if self.reports_loss else None, layout, device)
         if ft is not None:
             loss = ft.average_loss(loss)
@@ -378,7 +378,8 @@ class Run:
         # elastic.plan switches the node count once its untilStep is committed: always commit it
         # replica groups: one writer, the group at replica rank 0 of this step's quorum
         # a rollback's step is the commit just restored: not written again (other groups may be reading it)
-        if (final or step in self.plan_steps or checkpointer.should_save(step)) and "rolled_back_to" not in record \
+        restored = record.get("rolled_back_to", record["step"]) != record["step"]
+        if (final or step in self.plan_steps or checkpointer.should_save(step)) and not restored \
                 and (self.ft is None or self.ft.writes_checkpoints):
             checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
             record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
