@@ -31,6 +31,7 @@ with block-causal masks for language models).
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import platform
 import statistics
@@ -152,6 +153,47 @@ class TorchTitanStep:
         self.losses.append(loss.item())
 
 
+class Profile:
+    """torch.profiler over the measured steps of both sides in the same run: each op's self time goes to the
+    side whose step it ran in (TorchTitan's steps are marked with a record_function; everything else, from the
+    end of one TorchTitan step to the start of the next, is kiln's loop). Per step, grouped by op name."""
+
+    TITAN = "bench/torchtitan_step"
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof = profile(activities=activities)
+        self.on = False
+
+    def toggle(self) -> None:
+        if self.on:
+            self.prof.stop()
+        else:
+            self.prof.start()
+        self.on = not self.on
+
+    def table(self, steps: int, top: int = 25) -> dict:
+        """{side: {"total_self_s": per step, "ops": [[name, self seconds per step, calls per step], ...]}}."""
+        events = self.prof.events()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == self.TITAN)
+        starts = [s for s, _ in spans]
+        sides: dict[str, dict[str, list[float]]] = {"kiln": {}, "torchtitan": {}}
+        for e in events:
+            if e.name == self.TITAN:
+                continue
+            i = bisect.bisect_right(starts, e.time_range.start) - 1
+            side = "torchtitan" if i >= 0 and e.time_range.start < spans[i][1] else "kiln"
+            row = sides[side].setdefault(e.name, [0.0, 0])
+            row[0] += e.self_cpu_time_total / 1e6 / steps
+            row[1] += 1 / steps
+        return {side: {"total_self_s": sum(t for t, _ in ops.values()),
+                       "ops": [[name, t, round(n, 2)] for name, (t, n) in
+                               sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]]}
+                for side, ops in sides.items()}
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -167,8 +209,10 @@ def spread(seconds: list[float], tokens: int) -> dict:
             "spread_max_over_min": rates[-1] / rates[0], "step_seconds_each": seconds}
 
 
-def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[float], list[float], TorchTitanStep, list]:
-    """(kiln step seconds, TorchTitan step seconds, the TorchTitan side, kiln's losses), both after warm-up."""
+def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[float], list[float], TorchTitanStep,
+                                                                       list, dict | None]:
+    """(kiln step seconds, TorchTitan step seconds, the TorchTitan side, kiln's losses, the profile with
+    --profile), both after warm-up."""
     from kiln.trainer.guards import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
@@ -179,13 +223,18 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
     titan_s: list[float] = []
     resume_at: list[float] = []  # when kiln's loop got control back from the last TorchTitan step
 
+    profiler = Profile(device) if args.profile else None
+
     def interleave(ctx) -> None:
         end = _now(device)
         if resume_at:
             kiln_s.append(end - resume_at[-1])
         start = _now(device)
-        titan()
+        with torch.profiler.record_function(Profile.TITAN):
+            titan()
         titan_s.append(_now(device) - start)
+        if profiler is not None and len(titan_s) in (args.warmup + 1, args.warmup + args.steps + 1):
+            profiler.toggle()  # on after the last unmeasured step, off after the last measured one
         resume_at.append(_now(device))
 
     hooks = StepHooks()
@@ -200,7 +249,8 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
         raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
     # kiln's first timed step starts after the first TorchTitan step: the last `steps` of each (the loop ran
     # warmup + steps + 1, so both drop their first warmup + 1).
-    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses
+    profile = profiler.table(args.steps) if profiler is not None else None
+    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses, profile
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -215,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=4, help="unmeasured steps of each side first (compilation)")
     p.add_argument("--no-compile", action="store_true", help="both sides without torch.compile")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"], help="kiln's kernels switch")
+    p.add_argument("--profile", action="store_true",
+                   help="also torch.profiler over the measured steps: each side's top ops by self time, per step")
     p.add_argument("--out", default="runs/bench/vs_torchtitan.json")
     args = p.parse_args(argv)
     if args.warmup < 1:
@@ -233,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        kiln_s, titan_s, titan, kiln_losses = run_interleaved(args, device, Path(tmp))
+        kiln_s, titan_s, titan, kiln_losses, profile = run_interleaved(args, device, Path(tmp))
     load_after = os.getloadavg()
 
     dims = resolve_model(make_spec(args).spec.model)
@@ -260,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
         "median_of_pair_ratios": statistics.median(t / k for k, t in zip(kiln_s, titan_s)),
         "first_losses": {"kiln": kiln_losses[:3], "torchtitan": titan.losses[:3]},
     }
+    if profile is not None:  # the profiler's own overhead slows both sides: such a run's ratios are not the figures
+        result["profile_per_step"] = profile
     summary = {k: v for k, v in result.items() if k not in ("kiln", "torchtitan_llama3", "dims")}
     summary["kiln_tokens_per_second"] = kiln["tokens_per_second"]
     summary["torchtitan_tokens_per_second"] = tt["tokens_per_second"]

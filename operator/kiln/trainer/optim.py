@@ -59,13 +59,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: list[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+    params: list[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Clip the global gradient norm over every shard and pipeline stage; returns the norm before clipping.
 
     Gradients may be DTensors (FSDP shards, TP shards): their norm is reduced over the mesh by DTensor,
     then `full_tensor()` makes it a plain number. Pipeline stages hold disjoint parameters, so the squared
     norms are summed over the pipeline group. max_norm <= 0 only measures.
+
+    With `optimizer`, the step that follows may do the scaling instead (`folds_clip`): the fused AdamW divides
+    each gradient by its `grad_scale` as it reads it (the hook torch's GradScaler uses), which saves a pass
+    over every gradient; the gradients themselves then stay unclipped until that step.
     """
     from torch.distributed.tensor import DTensor
 
@@ -77,6 +82,18 @@ def clip_grad_norm_(
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
         total = total.sqrt()
+    fold = optimizer is not None and folds_clip(optimizer, grads)
+    if fold:  # set every step, so a step without clipping leaves no scale from an earlier one
+        optimizer.grad_scale = None
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        if fold:  # 1 / torch's clip coefficient (max_norm / (norm + 1e-6), at most 1)
+            optimizer.grad_scale = 1.0 / (max_norm / (total + 1e-6)).clamp(max=1.0)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def folds_clip(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
+    """Whether `optimizer` can apply the clip itself: the fused AdamW over plain tensors (a DTensor optimizer
+    step would meet a plain scale tensor among DTensors)."""
+    return bool(optimizer.defaults.get("fused")) and all(type(g) is torch.Tensor for g in grads)

@@ -325,7 +325,7 @@ class Run:
         timer.mark("fwd_bwd_s")
         if ft is not None:  # average with the live groups before clipping: every group clips alike
             ft.average_gradients(self.model_parts)
-        grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group)
+        grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group, optimizer=self.optimizer)
         loss = global_loss(local_loss if self.reports_loss else None, layout, device)
         if ft is not None:
             loss = ft.average_loss(loss)
