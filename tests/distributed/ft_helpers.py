@@ -100,7 +100,10 @@ class Group:
     def signal(self, sig: int) -> None:
         """`sig` to torchrun and its workers (SIGSTOP/SIGCONT: freeze the group and let it go on)."""
         for pid in self._tree():
-            os.kill(pid, sig)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:  # the whole group at once, as when its pod is lost
         for pid in self._tree():

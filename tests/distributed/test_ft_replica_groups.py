@@ -69,7 +69,9 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
         # Faulty run, with its own checkpoint store. The replacement for group 1 starts now, held at its gate,
         # so that once released it rejoins within a step or two (its imports are done).
         spec = ft_spec(tmp_path, "ft")
-        g0, g1, g1b = (Group(0, spec, tmp_path / "ft" / "g0", lighthouse, tmp_path, "g0"),
+        # group 0 is frozen while group 1 comes back (below): its calls in flight then must not time out
+        g0, g1, g1b = (Group(0, spec, tmp_path / "ft" / "g0", lighthouse, tmp_path, "g0",
+                             extra_env={"TORCHFT_TIMEOUT_SEC": "600"}),
                        Group(1, spec, tmp_path / "ft" / "g1", lighthouse, tmp_path, "g1"),
                        Group(1, spec, tmp_path / "ft" / "g1b", lighthouse, tmp_path, "g1b"))
         groups += [g0, g1, g1b]
@@ -89,7 +91,16 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
         assert not g1.alive()
         assert not list((tmp_path / "ft" / "ckpt").glob("step-*")), "no commit exists before the final step"
 
-        Group.release(g1b)  # group 1 comes back
+        # Group 1 comes back. Its start after the gate (model, warm-up, join) takes longer than group 0's
+        # remaining steps on a loaded machine, so group 0 is frozen until group 1 is at the lighthouse (its
+        # quorum line: alone, as group 0's heartbeat lapsed), then goes on: the next quorum holds both.
+        g0.signal(signal.SIGSTOP)
+        try:
+            Group.release(g1b)
+            wait_until("group 1 back at the lighthouse", lambda: "kiln: ft: group 1: quorum" in g1b.log_path.read_text(),
+                       alive=g1b.alive, context=g1b.log)
+        finally:
+            g0.signal(signal.SIGCONT)
         assert g0.finish() == 0, g0.log()
         assert g1b.finish() == 0, g1b.log()
     finally:
@@ -128,7 +139,10 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
     assert drop["step"] == degraded[0] - 1 and drop["groups"] == 2, changes
     assert rejoin["participants"] == 2 and rejoin["step"] == degraded[-1] == heal["step"] == first["step"] - 1
     assert heal["at_start"] and heal["tokens_seen"] == run0[heal["step"] - 1]["tokens_seen"]
-    assert not events(g0.out, "heal") and not events(g1b.out, "membership_change")
+    assert not events(g0.out, "heal")
+    # the returning group's first quorum held it alone (group 0 was frozen); its one change is group 0's return
+    (joined,) = events(g1b.out, "membership_change")
+    assert joined["participants"] == 2 and joined["step"] == heal["step"]
     assert not events(g0.out, "restart") and not events(g1b.out, "restart")
     # Only one group wrote the final commit, and it holds the last step.
     assert (tmp_path / "ft" / "ckpt" / "latest").read_text().strip() == f"step-{STEPS:08d}"
