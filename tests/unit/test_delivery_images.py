@@ -172,9 +172,10 @@ def test_build_context_is_what_the_ignore_file_allows(image):
     from tests.rig.images import context_files
 
     files = {str(f) for f in context_files(image)}
-    assert {"pyproject.toml", "README.md", "operator/kiln/__init__.py", "operator/kiln/cli/main.py"} <= files
+    top_level = ("pyproject.toml", "README.md", "LICENSE")  # the wheel's metadata and its license file
+    assert {*top_level, "operator/kiln/__init__.py", "operator/kiln/cli/main.py"} <= files
     assert not [f for f in files if "__pycache__" in f or ".egg-info" in f or f.endswith(".pyc")]
-    assert not [f for f in files if not f.startswith("operator/") and f not in ("pyproject.toml", "README.md")]
+    assert not [f for f in files if not f.startswith("operator/") and f not in top_level]
 
 
 def stage(dockerfile: Path, name: str) -> str:
