@@ -2,7 +2,8 @@
 
 Burst: 200 TrainingSpecs created at once → time until each PyTorchJob exists. Measured in the same run, as the
 reference: a client creating, per run, the same objects the operator writes for it (ServiceAccount, Role,
-RoleBinding, NetworkPolicy, ConfigMap, PyTorchJob), 16 runs at a time as the TrainingSpecs are. Reported: per-run
+RoleBinding, NetworkPolicy, ConfigMap, PyTorchJob), 16 runs at a time as the TrainingSpecs are, once before and
+once after kiln's burst (kiln is compared with their mean: the shared machine's load moves). Reported: per-run
 latency (from the first request for the run to its PyTorchJob seen by a watch) p50/p99 for both, their ratio, the
 time until the last job exists, and the operator's peak RSS (VmHWM) against its idle RSS.
 
@@ -19,7 +20,10 @@ and per second; each tree's result is also printed as soon as it is measured. Cl
 part on a rig of its own (tests/rig: KILN_CACHE_DIR and KILN_RIG_PORT_OFFSET), never on a shared one.
 
     python -m tests.bench.bench_operator [--count 200] [--count-calls 20] [--out runs/bench/operator.json]
-        [--scale-runs 100 --scale-pods 20000 --tree before=/tmp/old --tree after=.]
+        [--tree before=/tmp/old --tree after=. [--rounds 2]] [--scale-runs 100 --scale-pods 20000]
+
+With several trees the burst and the call count run each tree's operator in turn (`--rounds` times for the
+burst, a reference between every two bursts): a before/after comparison on one machine at one time.
 
 The burst's runs are created suspended, so no pod or GPU is involved: this measures the operator.
 """
@@ -257,10 +261,22 @@ def create_specs(kube: Kube, namespace: str, bodies: list[dict]) -> dict[str, fl
 
 
 def create(kube: Kube, obj: dict) -> None:
-    """POST one object of a kind kiln writes (kiln.control.kube.PLURALS) to its collection."""
-    released(kube.api.call_api(object_path(obj).rsplit("/", 1)[0], "POST",
-                               header_params={"Content-Type": "application/json"}, body=obj,
-                               auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True))
+    """POST one object of a kind kiln writes (kiln.control.kube.PLURALS) to its collection. A kept-alive
+    connection the loaded apiserver closed is no answer: sent again (409: the first one did create it)."""
+    for attempt in range(3):
+        try:
+            released(kube.api.call_api(object_path(obj).rsplit("/", 1)[0], "POST",
+                                       header_params={"Content-Type": "application/json"}, body=obj,
+                                       auth_settings=["BearerToken"], _preload_content=False,
+                                       _return_http_data_only=True))
+            return
+        except urllib3.exceptions.ProtocolError:
+            if attempt == 2:
+                raise
+        except ApiException as err:
+            if err.status != 409 or not attempt:
+                raise
+            return
 
 
 def released(response) -> None:
@@ -313,7 +329,7 @@ def settle(kube: Kube, op, namespace: str, names: list[str]) -> None:
     wait_until(f"{len(names)} more ticks", lambda: op.reconciles("status") >= ticked + len(names), alive=alive)
 
 
-def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
+def count_calls(rig, kube: Kube, namespace: str, count: int, tree: Path, log: Path) -> dict:
     """Every request an operator makes for `count` new TrainingSpecs, until the runs settle.
 
     The window opens when the specs are created (the operator's watches being open) and closes once every
@@ -325,7 +341,8 @@ def count_calls(rig, kube: Kube, namespace: str, count: int, log: Path) -> dict:
     from tests.integration.test_operator_lifecycle import Operator
 
     proxy = CountingProxy(rig.kubeconfig)
-    op = Operator(proxy.kubeconfig(log.with_suffix(".kubeconfig")), namespace, log)
+    op = Operator(proxy.kubeconfig(log.with_suffix(".kubeconfig")), namespace, log,
+                  env={"PYTHONPATH": str(tree / "operator")})
     op.start()  # returns once /healthz answers
     alive = lambda: op.proc.poll() is None  # noqa: E731
     try:
@@ -575,7 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-ticks", type=int, default=100, help="elastic ticks measured per tree (scale part)")
     parser.add_argument("--scale-pods-namespace", help="make or top up the pods there (default: a new namespace)")
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
-                        help="an operator source tree for the scale part, in order (default: after=this checkout)")
+                        help="an operator source tree, in order (default: after=this checkout); the burst and the "
+                             "call count run each tree's operator in turn")
+    parser.add_argument("--rounds", type=int, default=1, help="bursts of each tree, taking turns")
     parser.add_argument("--out", default="runs/bench/operator.json")
     args = parser.parse_args(argv)
     trees = {label: Path(path).resolve() for label, path in (t.split("=", 1) for t in args.tree)} or {
@@ -586,22 +605,26 @@ def main(argv: list[str] | None = None) -> int:
 
     rig, started = cluster.up(lease_pid=os.getpid())
     load = {"start": os.getloadavg()}  # the machine is shared: say how busy it was
-    namespaces = [f"bench-{kind}-{uuid.uuid4().hex[:5]}" for kind in ("ref", "kiln", "calls", "costs")]
-    ns_ref, ns_kiln, ns_calls, ns_costs = namespaces
+    namespaces: list[str] = []
+
+    def namespace(kind: str) -> str:
+        namespaces.append(name := f"bench-{kind}-{uuid.uuid4().hex[:5]}")
+        rig.kubectl("create", "namespace", name)
+        return name
+
     calls = scaled = costs = None
     result: dict = {}
     try:
         install_crd(rig)
         kube = Kube(api_client(str(rig.kubeconfig)))
-        for ns in namespaces:
-            rig.kubectl("create", "namespace", ns)
         if args.count:
-            result = burst(rig, kube, args, ns_ref, ns_kiln)
+            result = bursts(rig, kube, args, trees, namespace)
         if args.count_calls:
-            calls = count_calls(rig, kube, ns_calls, args.count_calls,
-                                Path(args.out).with_suffix(".calls.log"))
+            calls = {label: count_calls(rig, kube, namespace("calls"), args.count_calls, tree,
+                                        Path(args.out).with_suffix(f".calls-{label}.log"))
+                     for label, tree in trees.items()}
         if args.request_costs:
-            costs = request_costs(kube, ns_costs, args.request_costs)
+            costs = request_costs(kube, namespace("costs"), args.request_costs)
         for ns in namespaces:  # the scale part's cluster-wide operators would tick these runs too
             rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         if args.scale_runs:  # last: it waits for its pods' deletion before it returns
@@ -617,71 +640,90 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def burst(rig, kube: Kube, args, ns_ref: str, ns_kiln: str) -> dict:
-    """`args.count` TrainingSpecs at once against the reference client (see the module's docstring)."""
-    from tests.integration.test_operator_lifecycle import Operator
-
-    op = None
+def reference(kube: Kube, namespace: str, count: int) -> dict:
+    """The reference: a client creating what the operator writes per run, the same way (16 runs at a time)."""
+    watcher = JobWatcher(kube, namespace)
     try:
-        # Reference: a client creating what the operator writes per run, the same way (16 runs at a time).
-        watcher = JobWatcher(kube, ns_ref)
-        objects = reference_objects(ns_ref, args.count)
+        objects = reference_objects(namespace, count)
         rig0, t0 = {**rig_cpu(), "client": time.process_time()}, time.monotonic()
         created = create_all(objects, lambda b: create(kube, b))
         watcher.wait(list(created))
-        ref_total = max(watcher.seen.values()) - t0
-        ref_cpu = cpu_used(rig0, {**rig_cpu(), "client": time.process_time()}, args.count)
-        cut_watches = len(watcher.errors)
-        ref = latencies(created, watcher.seen, {n: n for n in created})
+        total = max(watcher.seen.values()) - t0
+        cpu = cpu_used(rig0, {**rig_cpu(), "client": time.process_time()}, count)
+    finally:
         watcher.stop()
+    lat = latencies(created, watcher.seen, {n: n for n in created})
+    return {"p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "all_jobs_exist_after_s": total,
+            # 'client': this process (the 16 creating threads and the job watch)
+            "cpu_ms_per_run": cpu, "job_watches_cut": len(watcher.errors)}
 
-        # kiln: TrainingSpecs → operator → PyTorchJobs.
-        log = Path(args.out).with_suffix(".operator.log")
-        op = Operator(rig.kubeconfig, ns_kiln, log)
+
+def bursts(rig, kube: Kube, args, trees: dict[str, Path], namespace) -> dict:
+    """`args.count` TrainingSpecs at once, by each tree's operator in turn (`args.rounds` times), against the
+    reference client (see the module's docstring), which runs before the first burst and after each one: on a
+    shared machine the load moves within minutes, and each burst is compared with the mean of the two
+    references around it. namespace(kind): a new namespace (deleted by the caller)."""
+    ref, runs = reference(kube, namespace("ref"), args.count), []
+    for turn in range(args.rounds):
+        for label, tree in trees.items():
+            kiln = burst(rig, kube, args, namespace("kiln"), tree, Path(args.out).with_suffix(f".{label}.log"))
+            after = reference(kube, namespace("ref"), args.count)
+            runs.append({"tree": label, "round": turn, **compare(kiln, ref, after), "load_1m": os.getloadavg()[0]})
+            ref = after
+    by_tree = {label: {k: [r[k] for r in runs if r["tree"] == label] for k in ("ratio_all_jobs_exist", "ratio_p99")}
+               for label in trees}
+    for summary in by_tree.values():
+        summary["median_ratio_all_jobs_exist"] = statistics.median(summary["ratio_all_jobs_exist"])
+    return {"count": args.count, "bursts": runs, "by_tree": by_tree}
+
+
+def burst(rig, kube: Kube, args, namespace: str, tree: Path, log: Path) -> dict:
+    """One burst: the operator of `tree` started, warmed up, then `args.count` TrainingSpecs at once."""
+    from tests.integration.test_operator_lifecycle import Operator
+
+    op = Operator(rig.kubeconfig, namespace, log, env={"PYTHONPATH": str(tree / "operator")})
+    try:
         op.start()  # returns once /healthz answers
         alive = lambda: op.proc.poll() is None  # noqa: E731
-        watcher = JobWatcher(kube, ns_kiln)
-        # ready = its first reconcile done (watches open, handlers imported): one run's PyTorchJob exists
-        warm = specs(ns_kiln, 1)[0]
-        warm["metadata"]["name"] = "warm-up"
-        create_specs(kube, ns_kiln, [warm])
-        watcher.wait(["warm-up"], alive=alive)
-        idle_rss = rss_kib(op.proc.pid, "VmRSS")
-        cpu0 = cpu_s(op.proc.pid)
-        bodies = specs(ns_kiln, args.count)
-        rig0, t0 = {**rig_cpu(), "client": cpu0}, time.monotonic()
-        created = create_specs(kube, ns_kiln, bodies)
-        watcher.wait(list(created), alive=alive)
-        kiln_total = max(watcher.seen.values()) - t0
-        lat = latencies(created, watcher.seen, {n: n for n in created})
-        peak_rss = rss_kib(op.proc.pid, "VmHWM")
-        op_cpu = cpu_s(op.proc.pid) - cpu0
-        kiln_cpu = cpu_used(rig0, {**rig_cpu(), "client": cpu0 + op_cpu}, args.count)
-        cut_watches += len(watcher.errors)
-        watcher.stop()
+        watcher = JobWatcher(kube, namespace)
+        try:
+            # ready = its first reconcile done (watches open, handlers imported): one run's PyTorchJob exists
+            warm = specs(namespace, 1)[0]
+            warm["metadata"]["name"] = "warm-up"
+            create_specs(kube, namespace, [warm])
+            watcher.wait(["warm-up"], alive=alive)
+            idle_rss = rss_kib(op.proc.pid, "VmRSS")
+            cpu0 = cpu_s(op.proc.pid)
+            bodies = specs(namespace, args.count)
+            rig0, t0 = {**rig_cpu(), "client": cpu0}, time.monotonic()
+            created = create_specs(kube, namespace, bodies)
+            watcher.wait(list(created), alive=alive)
+            total = max(watcher.seen.values()) - t0
+            peak_rss = rss_kib(op.proc.pid, "VmHWM")
+            op_cpu = cpu_s(op.proc.pid) - cpu0
+            cpu = cpu_used(rig0, {**rig_cpu(), "client": cpu0 + op_cpu}, args.count)
+        finally:
+            watcher.stop()
     finally:
-        if op:
-            op.stop()
-    return {
-        "count": args.count,
-        "kiln": {"p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "mean_s": statistics.mean(lat),
-                 "all_jobs_exist_after_s": kiln_total, "runs_per_s": args.count / kiln_total,
-                 # the operator's own CPU until the last job existed, per run: less sensitive than the times
-                 # to whatever else shares the machine
-                 "operator_cpu_ms_per_run": 1000 * op_cpu / args.count,
-                 # until the last job existed, per run: the operator ('client') and the control plane
-                 "cpu_ms_per_run": kiln_cpu},
-        "reference_same_objects": {"p50_s": percentile(ref, 0.5), "p99_s": percentile(ref, 0.99),
-                                   "all_jobs_exist_after_s": ref_total,
-                                   # 'client': this process (the 16 creating threads and the job watch)
-                                   "cpu_ms_per_run": ref_cpu},
-        "job_watches_cut": cut_watches,  # each one delays when the jobs made meanwhile are seen
-        "ratio_p50": percentile(lat, 0.5) / percentile(ref, 0.5),
-        "ratio_p99": percentile(lat, 0.99) / percentile(ref, 0.99),
-        "ratio_all_jobs_exist": kiln_total / ref_total,
-        "operator_rss_mib": {"idle": idle_rss / 1024, "peak": peak_rss / 1024,
-                             "peak_over_idle": peak_rss / max(idle_rss, 1)},
-    }
+        op.stop()
+    lat = latencies(created, watcher.seen, {n: n for n in created})
+    return {"p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "mean_s": statistics.mean(lat),
+            "all_jobs_exist_after_s": total, "runs_per_s": args.count / total,
+            # the operator's own CPU until the last job existed, per run: less sensitive than the times
+            # to whatever else shares the machine
+            "operator_cpu_ms_per_run": 1000 * op_cpu / args.count,
+            # until the last job existed, per run: the operator ('client') and the control plane
+            "cpu_ms_per_run": cpu, "job_watches_cut": len(watcher.errors),
+            "operator_rss_mib": {"idle": idle_rss / 1024, "peak": peak_rss / 1024,
+                                 "peak_over_idle": peak_rss / max(idle_rss, 1)}}
+
+
+def compare(kiln: dict, *refs: dict) -> dict:
+    """A burst against the mean of the references around it."""
+    ref = {k: statistics.mean(r[k] for r in refs) for k in ("p50_s", "p99_s", "all_jobs_exist_after_s")}
+    return {"kiln": kiln, "reference_same_objects": {**ref, "runs": list(refs)},
+            "ratio_p50": kiln["p50_s"] / ref["p50_s"], "ratio_p99": kiln["p99_s"] / ref["p99_s"],
+            "ratio_all_jobs_exist": kiln["all_jobs_exist_after_s"] / ref["all_jobs_exist_after_s"]}
 
 
 if __name__ == "__main__":

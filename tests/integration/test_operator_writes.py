@@ -4,7 +4,8 @@ CPU (the CRD's schema and CEL rules run on every write): in a burst of new runs 
 
 - A new run: one status write, by its reconcile. Not kopf's `last-handled-configuration` annotation (its diff
   base is kept in memory), not a second status once the training-operator marks the job suspended (nothing
-  a write would carry changed), not the goodput ledger alone at the run's first tick (once a minute).
+  a write would carry changed), not the goodput ledger alone at the run's first tick (once a minute); and its
+  ticks read nothing.
 - A restart: a spec edited while no operator ran is acted on; runs that did not change get no write, and each
   of a run's objects is applied once (no storm of re-applies).
 """
@@ -56,7 +57,10 @@ def test_a_new_run_costs_one_status_write_and_a_restart_only_what_changed(rig, n
         mark = len(proxy.calls)
         names = list(create_specs(kube, ns, specs(ns, RUNS)))
         settle(kube, op, ns, names)  # the training-operator marked each job, and each run ticked once since
-        assert writes_by_run(proxy.calls[mark:]) == {(n, "status"): 1 for n in names}
+        window = proxy.calls[mark:]
+        assert writes_by_run(window) == {(n, "status"): 1 for n in names}
+        # nor a read: a tick of a suspended run asks nothing, even before its job is marked suspended
+        assert not [path for _, method, path in window if method == "GET" and "/trainingspecs/" in path]
         for name in names:
             annotations = get(rig, ns, "trainingspec", name)["metadata"].get("annotations") or {}
             assert not [k for k in annotations if k.endswith("last-handled-configuration")], annotations

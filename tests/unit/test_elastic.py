@@ -277,3 +277,19 @@ def test_a_queued_run_starts_at_min_nodes_and_keeps_the_count_kueue_admitted():
     for free in (0, 2, 20):  # neither growth into free nodes nor a shrink: Kueue sized the Workload
         d = el.desired_nodes(queued, gpu_nodes(free), current=2)
         assert (d.nodes, d.changed) == (2, False) and d.reason.startswith("queued:"), d
+
+
+def test_a_tick_asks_nothing_of_a_job_suspended_by_its_spec_before_the_training_operator_marks_it():
+    # a run created suspended (or held by Kueue): in a burst the training-operator marks its job only later, and
+    # the run's first ticks read the TrainingSpec for nothing
+    from kiln.control import elastic_sync
+
+    created = {"metadata": {"name": "run"}, "spec": {"runPolicy": {"suspend": True}}}
+    seen = elastic_sync.Seen([], [], created, [])
+    # no Kube, no config: any request (or the run's lock) would fail
+    assert elastic_sync.tick(None, "ml", "run", None, None, 0.0, seen) == "ml/run: not running"
+    running = {"spec": {"runPolicy": {"suspend": False}},
+               "status": {"conditions": [{"type": "Running", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    assert elastic_sync.runs(running) and not elastic_sync.runs(None)
+    assert not elastic_sync.runs({**running, "status": {"conditions": [
+        {"type": "Succeeded", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})

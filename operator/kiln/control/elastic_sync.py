@@ -106,6 +106,16 @@ def listed(kube: Kube, namespace: str, name: str, watched: list[str] | None = No
                 kube.job(namespace, name), kube.pods(namespace, name))
 
 
+def runs(job: dict | None) -> bool:
+    """Whether the elastic loop has a job to look after, from the watch's copy alone: not when there is none,
+    it has finished, or it is suspended, by the training-operator's condition or already by its spec (a run
+    created suspended, or held by Kueue, whose job the training-operator has not marked yet: in a burst of
+    new runs that took longer than a run's first ticks, each of which read the TrainingSpec for nothing)."""
+    if job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
+        return False
+    return not ((job.get("spec") or {}).get("runPolicy") or {}).get("suspend")
+
+
 def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float, seen: Seen,
          tuning: Tuning = Tuning()) -> str:
     """One pass of the elastic loop for one run; returns a one-line summary.
@@ -117,7 +127,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
     whose annotation holds the loop's state; a run whose job is missing, suspended or finished costs none.
     """
     job = seen.job
-    if job is None or job_condition(job) in ("Succeeded", "Failed", "Suspended"):
+    if not runs(job):
         # decided from the watch's job alone: no request, no wait for the run's lock (a burst of new or
         # suspended runs ticks often before their jobs run)
         return f"{namespace}/{name}: not running"
