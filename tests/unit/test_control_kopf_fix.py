@@ -79,3 +79,20 @@ def test_a_toggle_turned_on_still_wakes_its_set():
 def test_a_kopf_release_the_fix_was_not_checked_against_is_left_alone():
     assert kopf_fix._checked("1.45.2") and kopf_fix._checked("1.45.0")
     assert not kopf_fix._checked("1.46.0") and not kopf_fix._checked("2.0.0") and not kopf_fix._checked("1.44.6")
+
+
+def test_a_reconcile_that_succeeds_at_once_leaves_kopf_nothing_to_patch():
+    # kiln.control.handlers.RetryAnnotations: kopf records the handler's progress and purges it once done; its
+    # `kiln.dev/kopf-managed` marker would stay in the patch and cost every new run a PATCH of the TrainingSpec
+    from kopf._cogs.structs import bodies, patches
+
+    from kiln.control.handlers import RetryAnnotations
+
+    storage = RetryAnnotations(prefix="kiln.dev")
+    body = bodies.Body({"metadata": {"name": "run", "namespace": "ml", "annotations": {}}})
+    patch = patches.Patch()
+    storage.store(key="reconcile", record={"started": "2026-01-01T00:00:00", "success": True, "retries": 1},
+                  body=body, patch=patch)
+    assert patch.metadata.annotations["kiln.dev/reconcile"]  # a retry's record is kept while it retries
+    storage.purge(key="reconcile", body=body, patch=patch)
+    assert not patch, dict(patch)  # kopf sends no PATCH (its own storage leaves {'kiln.dev/kopf-managed': 'yes'})
