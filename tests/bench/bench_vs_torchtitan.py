@@ -24,6 +24,7 @@ with block-causal masks for language models).
 
     python -m tests.bench.bench_vs_torchtitan                                    # CPU, TorchTitan's debugmodel
     python -m tests.bench.bench_vs_torchtitan --device cuda --preset llama-1b    # one GPU, bf16
+    python -m tests.bench.bench_vs_torchtitan --profile    # also each side's ops by self time, per step
 
 (llama-8b: both models' fp32 weights, gradients and AdamW state take 240 GiB, more than one H200 holds.)
 """

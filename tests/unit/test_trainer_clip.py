@@ -64,7 +64,7 @@ def test_the_folded_clip_is_the_optimizers_and_a_step_without_clipping_leaves_no
     assert opt.grad_scale is None
 
 
-def test_dtensor_gradients_are_clipped_in_place_with_the_same_updates(tmp_path):
+def test_dtensor_gradients_are_clipped_in_place_with_the_same_updates():
     """FSDP and TP grads are DTensors: the fused step over them takes no plain scale tensor, so clip scales them
     itself even when handed the optimizer, and the updates match the plain tensors' folded ones."""
     from torch.distributed.device_mesh import init_device_mesh
