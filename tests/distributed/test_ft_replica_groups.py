@@ -157,8 +157,11 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
 
 
 def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path, lighthouse):
-    """Both groups lost at once: the restarted groups find nobody ahead of them, so each restores the newest
-    commit (written by the replica-rank-0 group) and the run ends bit-identical to a fault-free one."""
+    """Both groups lost at once: the first group back finds nobody ahead of it and restores the newest commit
+    (written by the replica-rank-0 group); the other restores it too, or, when it asks for its first quorum
+    after the first one is back at that commit, heals from it (torchft: the one behind recovers from a live
+    peer; which happens depends on the machine's load). Either way the job resumes at the commit's step and
+    ends bit-identical to a fault-free run."""
     steps, interval = 30, 10
     groups: list[Group] = []
 
@@ -196,20 +199,28 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
         for g in groups:
             g.stop()
 
+    sources = []
     for i in range(2):
         got = records(tmp_path / "ft" / f"g{i}")
         resumed = [r for r in got if r["step"] > latest]
-        assert resumed[0]["ft_restore"] == "checkpoint" and resumed[0]["ft_heals"] == 0, resumed[0]
-        # the restarted group's hooks saw one restart, from the newest commit; no heal (both runs log here)
+        sources.append(resumed[0]["ft_restore"])
         out = tmp_path / "ft" / f"g{i}"
-        assert events(out, "restart") == [{"step": latest, "tokens_seen": latest * 2 * PER_GROUP * SEQ}]
-        assert events(out, "heal") == []
+        at_commit = {"step": latest, "tokens_seen": latest * 2 * PER_GROUP * SEQ}
+        if sources[-1] == "checkpoint":  # its hooks saw one restart, from the newest commit, and no heal
+            assert resumed[0]["ft_heals"] == 0, resumed[0]
+            assert events(out, "restart") == [at_commit]
+            assert events(out, "heal") == []
+        else:  # healed at its start from the group already back at the commit: no read of the store
+            assert sources[-1] == "peer" and resumed[0]["ft_heals"] == 1, resumed[0]
+            assert events(out, "restart") == []
+            assert events(out, "heal") == [at_commit | {"at_start": True}]
         assert [r["step"] for r in got] == list(range(1, steps + 1))
         want = records(tmp_path / "ref" / f"g{i}")
         assert all(r["ft_participants"] == 2 for r in want + resumed)
         # Exact resume: the same losses from the commit on, and the same final weights, as without the fault.
         assert [r["loss"] for r in resumed] == [r["loss"] for r in want if r["step"] > latest]
         assert resumed[-1]["ft_weights_digest"] == want[-1]["ft_weights_digest"]
+    assert "checkpoint" in sources, "the first group back had nobody to heal from: it must read the commit"
 
 
 def _stopped(group: Group) -> bool:
