@@ -1,6 +1,10 @@
-"""One pass of the model over a rank's batch, microbatch by microbatch: the one implementation that the training
-step (kiln.trainer.run) and the held-out loss (kiln.trainer.evaluate: the run's `val_loss` and `kiln eval`) share,
-so that what evaluation scores is what training computes.
+"""One pass of the model over a rank's batch, microbatch by microbatch, for the training step (kiln.trainer.run)
+and the held-out loss (kiln.trainer.evaluate: the run's `val_loss` and `kiln eval`).
+
+`pipeline_step` is the one 1F1B pass both use. Without a pipeline the training step keeps its own loop
+(`run.accumulate_step`: a backward after each microbatch frees its activations, and the loss may be summed over
+the global batch's tokens); `microbatch_losses` is its forward-only counterpart, the same slicing into
+microbatches with the model taking its own mean loss.
 """
 
 from __future__ import annotations
