@@ -36,7 +36,8 @@ class Lighthouse:
         self.port, self.log = port, log
         with log.open("a") as sink:
             self.proc = subprocess.Popen(
-                [str(Path(sys.executable).with_name("kiln-lighthouse")), "--min_replicas", "1", "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
+                [str(Path(sys.executable).with_name("kiln-lighthouse")), "--min_replicas", "1",
+                 "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS), "--bind", f"[::]:{port}"],
                 env=env(**die_with_parent()), stdout=sink, stderr=subprocess.STDOUT)
 
