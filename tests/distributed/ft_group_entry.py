@@ -1,8 +1,8 @@
 """A replica group's worker for the fault-tolerance tests: `kiln train`, started by torchrun, held at a gate.
 
 torchrun runs this file instead of `-m kiln.cli.main`: it imports everything first (torch, torchft, the
-trainer: seconds on a loaded machine), then opens the FIFO named by KILN_TEST_GATE and blocks until the test
-writes to it. The test knows the worker is ready when its open for writing returns, and releases it at the
+trainer: seconds on a loaded machine), then opens the FIFO named by KILN_TEST_GATE (`.r` appended for local
+rank r > 0: one per worker) and blocks until the test writes to it. The test knows the worker is ready when its open for writing returns, and releases it at the
 step it chooses (a reported step, never a clock): a restarted group then rejoins within a step or two of the
 release, and two groups released together start in the same quorum.
 
@@ -42,6 +42,8 @@ def event_log(out: Path) -> StepHooks:
 
     def log(kind: str):
         def hook(event) -> None:
+            if os.environ.get("RANK", "0") != "0":  # every rank of the group sees the event: log it once
+                return
             with (out / "events.jsonl").open("a") as f:
                 f.write(json.dumps({"event": kind, **dataclasses.asdict(event)}) + "\n")
         return hook
@@ -73,8 +75,15 @@ def event_log(out: Path) -> StepHooks:
     return hooks
 
 
+def gate_path() -> str:
+    """This worker's gate (tests/distributed/ft_helpers.Group): KILN_TEST_GATE for local rank 0, `.r` after it
+    for local rank r."""
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return os.environ["KILN_TEST_GATE"] + (f".{rank}" if rank else "")
+
+
 if __name__ == "__main__":
-    with open(os.environ["KILN_TEST_GATE"]) as gate:
+    with open(gate_path()) as gate:
         gate.read()
     args = build_parser().parse_args(["train", *sys.argv[1:]])
     # through the CLI's error handling, as `kiln train`: a bad spec is one line and exit 1, not a traceback

@@ -1,9 +1,9 @@
 """Replica groups of `kiln train` for the fault-tolerance tests and benchmark: each its own torchrun job
-(`--standalone`, one worker per group here), held at a gate after its imports until released.
+(`--standalone`, `nproc` workers: the group's own world), held at a gate after its imports until released.
 
 The worker is tests/distributed/ft_group_entry.py: it imports torch, torchft and the trainer, then opens the
-FIFO named by KILN_TEST_GATE and blocks. `Group.release` waits until every named group's worker has opened
-its end (it is ready), then lets them all go at once; a restarted group then rejoins within a second or so.
+FIFO named by KILN_TEST_GATE and blocks. `Group.release` waits until every named group's workers have opened
+its end (they are ready), then lets them all go at once; a restarted group then rejoins within a second or so.
 """
 
 from __future__ import annotations
@@ -36,19 +36,24 @@ def records(out: Path) -> list[dict]:
 
 
 class Group:
-    """One replica group: torchrun --standalone with one worker, held at its gate until released
+    """One replica group: torchrun --standalone with `nproc` workers, held at its gate until released
     (gated=False: plain `kiln train`, which starts at once, as a restarted pod does)."""
 
     def __init__(self, index: int, spec: Path, out: Path, lighthouse: str, tmp: Path, name: str,
-                 gated: bool = True, extra_env: dict[str, str] | None = None):
-        self.index, self.out, self.name = index, out, name
+                 gated: bool = True, extra_env: dict[str, str] | None = None, nproc: int = 1):
+        self.index, self.out, self.name, self.nproc = index, out, name, nproc
+        # one FIFO per worker (ft_group_entry: rank 0 opens the first, local rank r the r-th): one writer's
+        # "go" on a shared FIFO could reach the first reader only, leaving a later one blocked
         self.gate = tmp / f"gate-{name}"
+        self._gates = [self.gate, *(Path(f"{self.gate}.{r}") for r in range(1, nproc))]
+        self._fds: dict[Path, int] = {}  # the gates whose worker is waiting, held open until the release
         if gated:
-            os.mkfifo(self.gate)
+            for gate in self._gates:
+                os.mkfifo(gate)
         self.log_path = tmp / f"{name}.log"
         self._log = self.log_path.open("w")
         entry = [str(ENTRY)] if gated else ["-m", "kiln.cli.main", "train"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *entry,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
                "--config", str(spec), "--output", str(out)]
         group_env = {"KILN_FT_LIGHTHOUSE": lighthouse, "KILN_FT_GROUP": str(index), "KILN_TEST_GATE": str(self.gate),
                      "TORCHFT_TIMEOUT_SEC": "30", **TORCHRUN_ENV, **die_with_parent(), **(extra_env or {})}
@@ -62,33 +67,43 @@ class Group:
     def log(self) -> str:
         return self.log_path.read_text()[-6000:]
 
-    def _open_gate(self):
-        try:  # succeeds once the worker has opened its end: it is imported and waiting
-            return os.open(self.gate, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as err:
-            if err.errno == errno.ENXIO:
-                return None
-            raise
+    def _open_gates(self) -> bool:
+        """Whether every worker is imported and waiting: a gate opens for writing once its worker has opened its
+        end. An opened gate stays open until the release (closing it would let its worker go)."""
+        for gate in self._gates:
+            if gate in self._fds:
+                continue
+            try:
+                self._fds[gate] = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as err:
+                if err.errno == errno.ENXIO:
+                    return False
+                raise
+        return True
 
-    def ready(self) -> int:
-        return wait_until(f"{self.name} at its gate", self._open_gate, alive=self.alive, context=self.log)
+    def ready(self) -> None:
+        wait_until(f"{self.name} at its gate", self._open_gates, alive=self.alive, context=self.log)
+
+    def _go(self) -> None:
+        for fd in self._fds.values():
+            os.write(fd, b"go")
+            os.close(fd)
+        self._fds.clear()
 
     def release_if_ready(self) -> bool:
-        """Let it go if its worker waits at the gate now; False (nothing done) while it is still importing."""
-        fd = self._open_gate()
-        if fd is None:
+        """Let it go if its workers wait at their gates now; False (nothing done) while one is still importing."""
+        if not self._open_gates():
             return False
-        os.write(fd, b"go")
-        os.close(fd)
+        self._go()
         return True
 
     @staticmethod
     def release(*groups: "Group") -> None:
         """Once every one is imported and waiting, let them all go at once."""
-        fds = [g.ready() for g in groups]
-        for fd in fds:
-            os.write(fd, b"go")
-            os.close(fd)
+        for g in groups:
+            g.ready()
+        for g in groups:
+            g._go()
 
     def _tree(self) -> list[int]:  # torchrun and its workers (which torchrun starts in sessions of their own)
         pids, i = [self.proc.pid], 0
@@ -122,6 +137,9 @@ class Group:
     def stop(self) -> None:
         if self.alive():
             self.kill()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self._log.close()
 
 

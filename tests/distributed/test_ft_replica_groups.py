@@ -156,6 +156,73 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
     assert final == pytest.approx(want, rel=0.05)
 
 
+@pytest.mark.parametrize("parallelism", [{"fsdp": True}], ids=["fsdp2"])
+def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_peer(tmp_path, lighthouse,
+                                                                                    parallelism):
+    """2 replica groups × 2 ranks (the group's own layout inside: FSDP2 over its 2 ranks): each rank averages
+    its shard with the same rank of the other group, and a group that comes back heals rank by rank (rank r
+    receives rank r's shard and optimizer state of the live peer). Group 1 (torchrun and both workers) is killed
+    at a step it reports, group 0 steps on alone, the replacement heals from it without a commit to read, and
+    both end with the same weights on every rank, the same data cursor, every sample read once. Same gating
+    and freeze as the one-rank test above."""
+    steps, kill_at, alone_steps = 30, 3, 2
+    spec = write_spec(tmp_path / "spec.yaml", training={"steps": steps},
+                      checkpoint={"uri": f"file://{tmp_path / 'ckpt'}", "intervalSteps": 1000},
+                      parallelism=parallelism,
+                      resources={"processesPerNode": 4},  # the whole job: 2 groups × 2 processes
+                      elastic={"faultTolerance": {"mode": "replicaGroups", "groups": 2}})
+    group = lambda i, name, **kw: Group(i, spec, tmp_path / name, lighthouse, tmp_path, name, nproc=2, **kw)  # noqa: E731
+    # group 0 is frozen while group 1 comes back: its calls in flight then must not time out
+    g0, g1, g1b = group(0, "g0", extra_env={"TORCHFT_TIMEOUT_SEC": "600"}), group(1, "g1"), group(1, "g1b")
+    try:
+        Group.release(g0, g1)
+        wait_until(f"group 1 at step {kill_at} with both groups in the quorum",
+                   lambda: [r for r in records(g1.out) if r["step"] >= kill_at and r["ft_participants"] == 2],
+                   alive=g1.alive, context=g1.log)
+        g1.kill()
+        killed_at = records(g1.out)[-1]["step"]
+        wait_until(f"{alone_steps} steps of group 0 alone",
+                   lambda: len([r for r in records(g0.out)
+                                if r["step"] > killed_at and r["ft_participants"] == 1]) >= alone_steps,
+                   alive=g0.alive, context=g0.log)
+        g0.signal(signal.SIGSTOP)
+        try:
+            frozen_at = records(g0.out)[-1]["step"]
+            assert frozen_at < steps, "group 0 finished before group 1 could come back"
+            assert not list((tmp_path / "ckpt").glob("step-*")), "no commit exists to read"
+            Group.release(g1b)
+            wait_until("group 1 back at the lighthouse", lambda: "kiln: ft: group 1: quorum" in g1b.log_path.read_text(),
+                       alive=g1b.alive, context=g1b.log)
+        finally:
+            g0.signal(signal.SIGCONT)
+        assert g0.finish() == 0, g0.log()
+        assert g1b.finish() == 0, g1b.log()
+    finally:
+        for g in (g0, g1, g1b):
+            g.stop()
+
+    run0, back = records(g0.out), records(g1b.out)
+    assert [r["step"] for r in run0] == list(range(1, steps + 1))
+    assert all(r["world_size"] == 2 for r in run0 + back)  # each group its own 2-rank world
+    # The returning group healed from its live peer, past the freeze, and read no commit.
+    first = back[0]
+    assert first["ft_restore"] == "peer" and first["ft_heals"] == 1 and first["step"] > frozen_at, first
+    assert [r["step"] for r in back] == list(range(first["step"], steps + 1))
+    (heal,) = events(g1b.out, "heal")
+    assert heal["at_start"] and heal["step"] == first["step"] - 1
+    assert not events(g1b.out, "restart") and not events(g0.out, "heal")
+    assert any(r["ft_participants"] == 1 for r in run0 if killed_at < r["step"] < first["step"])
+    # Rank by rank, both groups end with the same weights: rank r of group 1 equals rank r of group 0, and
+    # the two ranks hold different shards (the digest covers each rank's own part, not a copy).
+    mine, peer = run0[-1]["ft_weights_digest"].split(","), back[-1]["ft_weights_digest"].split(",")
+    assert len(mine) == 2 and mine[0] != mine[1] and mine == peer, (mine, peer)
+    assert back[-1]["loss"] == run0[-1]["loss"] and back[-1]["tokens_seen"] == run0[-1]["tokens_seen"]
+    # Every sample read once: the cursor moved by what the live groups read, in the logs and in the final commit.
+    assert run0[-1]["tokens_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP * SEQ
+    state = read_trainer_state(open_store(f"file://{tmp_path / 'ckpt'}"), steps)
+    assert state["data"]["samples_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP
+
+
 def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path, lighthouse):
     """Both groups lost at once: the first group back finds nobody ahead of it and restores the newest commit
     (written by the replica-rank-0 group); the other restores it too, or, when it asks for its first quorum
