@@ -13,6 +13,8 @@ from kiln.api.load import parse
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import (GROUP_LABEL, IMMUTABLE_WHILE_RUNNING, LIGHTHOUSE_LABEL, LIGHTHOUSE_PORT, RUN_LABEL,
                                Observed, dump, job_names, job_names_of, plan, resolve)
+from kiln.api.spec import TrainingSpecStatus
+from kiln.control import kueue
 from kiln.control.status import combined_job, derive
 
 UID = "5b1c8e0c-0000-4000-8000-000000000002"
@@ -331,3 +333,130 @@ def test_kiln_logs_reads_a_replica_groups_pods():
     assert _worker_logging_steps(grouped, "ml", "ft", "ft-g1") == 1  # the worker holding the group's rank 0
     plain = FakeKube({"run-worker-0": {RUN_LABEL: "run"}}, {})
     assert job_of(plain, "ml", "run", None) == "run"
+
+
+# ---- under Kueue: one Workload per group's PyTorchJob, each admitted alone (kiln.control.kueue) ----
+
+QUOTA = "couldn't assign flavors to pod set worker: insufficient unused quota for nvidia.com/gpu in flavor rig-h200"
+
+
+def queued_job(group: int, state: str | None, held: bool) -> dict:
+    body = job(group, state)
+    body["metadata"] |= {"namespace": "ml", "uid": f"uid-g{group}", "labels": {kueue.QUEUE_LABEL: "team"}}
+    body["spec"]["runPolicy"] = {"suspend": held}
+    return body
+
+
+def waiting(message: str = QUOTA, reason: str = "Pending") -> dict:
+    return {"status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": reason,
+                                       "message": message}]}}
+
+
+def admitted(when: str) -> dict:
+    return {"status": {"conditions": [{"type": "Admitted", "status": "True", "lastTransitionTime": when}],
+                       "admission": {"clusterQueue": "gpus", "podSetAssignments": [
+                           {"name": "worker", "flavors": {"nvidia.com/gpu": "rig-h200"}}]}}}
+
+
+class FakeKueueApi:
+    """The Workload list the operator makes (kube.custom), from dicts by job uid; counts the reads."""
+
+    def __init__(self, workloads: dict[str, dict]):
+        self.workloads, self.reads = workloads, []
+
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector):
+        uid = label_selector.split("=", 1)[1]
+        self.reads.append(uid)
+        found = self.workloads.get(uid)
+        return {"items": [{"metadata": {"name": f"wl-{uid}", "creationTimestamp": T1}, **found}] if found else []}
+
+
+class FakeWorkloadKube:
+    """kiln.control.kube.Kube's Workload reads only (no apiserver here)."""
+
+    def __init__(self, workloads: dict[str, dict]):
+        self.custom = FakeKueueApi(workloads)
+
+
+def queue_refresh(status: dict, jobs: list[dict], pods: list[dict], workloads: dict[str, dict], now: str):
+    """One status refresh as kiln.control.sync._write_status makes it: the Workload reads due, then derive."""
+    kube = FakeWorkloadKube(workloads)
+    queues = kueue.observe_groups(kube, jobs, status)
+    ts = {**TS, "spec": {**GROUPS["spec"], "scheduling": {"queue": "team"}}, "status": status}
+    return derive(ts, combined_job(jobs), pods, now, group_jobs=jobs, group_queues=queues), kube.custom.reads
+
+
+def queued_condition(status: dict) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == "Queued")
+
+
+T1, T2 = "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+
+
+def test_under_kueue_the_run_runs_once_one_group_is_admitted_and_says_which_groups_still_wait():
+    # no group admitted: the run is Queued, every group waits with Kueue's reason
+    held = [queued_job(0, "Suspended", True), queued_job(1, "Suspended", True)]
+    both = {"uid-g0": waiting(), "uid-g1": waiting()}
+    d, reads = queue_refresh({}, held, [], both, T1)
+    assert d.status["phase"] == "Queued" and reads == ["uid-g0", "uid-g1"]
+    cond = queued_condition(d.status)
+    assert (cond["status"], cond["reason"]) == ("True", "Pending")
+    assert "group(s) 0, 1 of 2 wait in LocalQueue team" in cond["message"] and QUOTA in cond["message"]
+    assert [(g["queued"], g["queueReason"], g["queueMessage"]) for g in d.status["replicaGroups"]] == \
+        [(True, "Pending", QUOTA)] * 2
+    assert [g["phase"] for g in d.status["replicaGroups"]] == ["Pending", "Pending"]
+    assert d.status["queue"] == {"name": "team", "waitingGroups": [0, 1]}
+
+    # group 0 admitted and running, group 1 still waits: the run Runs (torchft trains with one group),
+    # condition Queued is False but names the waiting group and why
+    part = [queued_job(0, "Running", False), queued_job(1, "Suspended", True)]
+    d, reads = queue_refresh(d.status, part, [pod(0)], {"uid-g0": admitted(T1), "uid-g1": waiting()}, T2)
+    assert d.status["phase"] == "Running" and reads == ["uid-g0", "uid-g1"]
+    cond = queued_condition(d.status)
+    assert (cond["status"], cond["reason"]) == ("False", kueue.PARTLY_ADMITTED)
+    assert "group(s) 1 of 2 wait" in cond["message"] and "ft-g1" in cond["message"] and QUOTA in cond["message"]
+    assert [e.reason for e in d.events if e.reason == "Queued"] == ["Queued"]
+    g0, g1 = d.status["replicaGroups"]
+    assert (g0["phase"], g0["queued"], g0["queueReason"], g0["admittedAt"]) == ("Running", False, "Admitted", T1)
+    assert (g1["phase"], g1["queued"], g1["queueReason"]) == ("Pending", True, "Pending") and "admittedAt" not in g1
+    assert d.status["queue"] == {"name": "team", "admittedAt": T1, "clusterQueue": "gpus", "flavors": ["rig-h200"],
+                                 "waitingGroups": [1]}
+
+    # the next refresh reads only the waiting group's Workload; the admitted group's state is kept as recorded
+    again, reads = queue_refresh(d.status, part, [pod(0)], {"uid-g0": admitted(T1), "uid-g1": waiting()}, T2)
+    assert reads == ["uid-g1"] and again.status["queue"] == d.status["queue"]
+    assert again.status["replicaGroups"] == d.status["replicaGroups"] and not again.events
+    assert queued_condition(again.status) == cond
+
+    # group 1 admitted too: nothing waits; once both run, a refresh reads no Workload at all
+    up = [queued_job(0, "Running", False), queued_job(1, "Running", False)]
+    d, reads = queue_refresh(again.status, up, [pod(0), pod(1)], {"uid-g0": admitted(T1), "uid-g1": admitted(T2)}, T2)
+    assert reads == ["uid-g1"]
+    cond = queued_condition(d.status)
+    assert (cond["status"], cond["reason"]) == ("False", "Admitted")
+    assert d.status["queue"]["waitingGroups"] == [] and d.status["queue"]["admittedAt"] == T1  # the first group's
+    assert [(g["queued"], g["admittedAt"]) for g in d.status["replicaGroups"]] == [(False, T1), (False, T2)]
+    steady, reads = queue_refresh(d.status, up, [pod(0), pod(1)], {}, T2)
+    assert reads == [] and "queue" not in steady.status  # merge patch: the stored one stays
+    assert steady.status["replicaGroups"] == d.status["replicaGroups"]
+    assert TrainingSpecStatus.model_validate(d.status).replica_groups[1].queue_reason == "Admitted"
+
+
+def test_a_preempted_group_waits_again_while_the_others_train_on():
+    up = [queued_job(0, "Running", False), queued_job(1, "Running", False)]
+    d, _ = queue_refresh({}, up, [pod(0), pod(1)], {"uid-g0": admitted(T1), "uid-g1": admitted(T1)}, T1)
+    # Kueue evicts group 1 (a higher-priority workload): it suspends the group's job, its pod goes
+    evicted = {"status": {"conditions": [{"type": "Evicted", "status": "True", "reason": "Preempted",
+                                          "message": "Preempted to accommodate a workload"}]}}
+    jobs = [queued_job(0, "Running", False), queued_job(1, "Running", True)]
+    d, reads = queue_refresh(d.status, jobs, [pod(0)], {"uid-g0": admitted(T1), "uid-g1": evicted}, T2)
+    assert reads == ["uid-g1"] and d.status["phase"] == "Running"
+    g1 = d.status["replicaGroups"][1]
+    assert (g1["phase"], g1["queued"], g1["queueReason"], g1["admittedAt"]) == ("Pending", True, "Preempted", T1)
+    cond = queued_condition(d.status)
+    assert cond["reason"] == kueue.PARTLY_ADMITTED and "Preempted" in cond["message"]
+    assert {e.reason for e in d.events} == {"Queued", "ReplicaGroupLost"}
+    # every group held: the run as a whole is Queued again
+    both = [queued_job(0, "Running", True), queued_job(1, "Running", True)]
+    d, _ = queue_refresh(d.status, both, [], {"uid-g0": evicted, "uid-g1": evicted}, T2)
+    assert d.status["phase"] == "Queued" and queued_condition(d.status)["reason"] == "Preempted"

@@ -462,6 +462,9 @@ class GoodputDetail(ApiModel):
     )
 
 
+GROUP_QUEUE_MESSAGE_MAX = 1024  # status.replicaGroups[].queueMessage keeps this much of Kueue's message
+
+
 class ReplicaGroupStatus(ApiModel):
     """One replica group's PyTorchJob, as the operator sees it (elastic.faultTolerance replicaGroups)."""
 
@@ -473,6 +476,16 @@ class ReplicaGroupStatus(ApiModel):
         "alone while the others train on; Pending: not started (or held by a queue).")
     pods: int = Field(0, ge=0, le=INT32_MAX, description="Its pods running.")
     restarts: int = Field(0, ge=0, le=JSON_INT_MAX, description="Times the group left Running (a restart of it alone).")
+    queued: bool | None = Field(
+        None, description="scheduling.queue only: true while Kueue holds the group's PyTorchJob (not admitted yet, or "
+        "evicted and waiting again); each group's job has a Workload of its own and is admitted alone.")
+    queue_reason: str | None = Field(
+        None, max_length=1024, description="Why it waits: Kueue's reason (Pending, Preempted, PodsReadyTimeout, ...) "
+        "or kiln's own (NoWorkload, WaitingForKueue); Admitted once admitted.")
+    queue_message: str | None = Field(
+        None, max_length=GROUP_QUEUE_MESSAGE_MAX, description="Kueue's message for the group's Workload (e.g. which "
+        f"quota is short), its first {GROUP_QUEUE_MESSAGE_MAX} characters.")
+    admitted_at: str | None = Field(None, description="When Kueue last admitted the group (RFC 3339).")
 
 
 class QuorumStatus(ApiModel):
@@ -510,6 +523,10 @@ class QueueStatus(ApiModel):
     flavors: list[str] = Field(default_factory=list, max_length=64, description="The ResourceFlavors it was given.")
     topology: QueueTopology | None = Field(
         None, description="The topology domains Kueue placed it in (a flavor with a Kueue Topology only).")
+    waiting_groups: list[int] | None = Field(
+        None, max_length=4096, description="elastic.faultTolerance replicaGroups: the groups Kueue has not admitted "
+        "(each group is admitted alone; the run runs once one is, and admittedAt, clusterQueue and flavors are the "
+        "lowest-numbered admitted group's). Empty once every group is admitted.")
 
 
 class TrainingSpecStatus(ApiModel):

@@ -68,10 +68,14 @@ def combined_job(jobs: list[dict | None]) -> dict | None:
     if not present:
         return None
     states = [job_condition(j) for j in present]
+    # under Kueue each group is admitted alone: the run is held only while every group is, and the groups
+    # Kueue admitted decide its state meanwhile (one admitted group starts the run)
+    held = all(kueue.held(j) for j in present)
     if len(present) == len(jobs) and all(state in FINAL for state in states):
         state = "Succeeded" if "Succeeded" in states else "Failed"
     else:
-        state = next((s for s in LIVELIEST if s in states), None)
+        free = states if held else [s for j, s in zip(present, states) if not kueue.held(j)]
+        state = next((s for s in LIVELIEST if s in free), None)
     source = next((j for j, s in zip(present, states) if s == state), present[0])
     conditions = [c for c in (source.get("status") or {}).get("conditions") or []
                   if c.get("type") == state and c.get("status") == "True"]
@@ -79,14 +83,16 @@ def combined_job(jobs: list[dict | None]) -> dict | None:
     return {"metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
                          "labels": meta.get("labels") or {},
                          "resourceVersion": ",".join(str((j.get("metadata") or {}).get("resourceVersion")) for j in present)},
-            "spec": {"runPolicy": ((present[0].get("spec") or {}).get("runPolicy") or {})},
+            "spec": {"runPolicy": {**((present[0].get("spec") or {}).get("runPolicy") or {}), "suspend": held}},
             "status": {"conditions": conditions[-1:]}}
 
 
-def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | None) -> list[dict]:
+def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | None,
+                 queues: list[kueue.QueueState | None] | None = None) -> list[dict]:
     """status.replicaGroups: each group's phase, running pods and restarts. A group is Restarting while its job
     is active and fewer of its pods run than it has workers (a pod lost, or restarted by the training-operator);
-    each move from Running to Restarting or Pending counts one restart of that group."""
+    each move from Running to Restarting or Pending counts one restart of that group. queues: each group's place
+    in Kueue (kiln.control.kueue.observe_groups), None: as recorded before."""
     before = {g.get("group"): g for g in old or []}
     out = []
     for group, job in enumerate(jobs):
@@ -105,9 +111,15 @@ def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | No
         restarts = int(before.get(group, {}).get("restarts") or 0)
         if before.get(group, {}).get("phase") == "Running" and phase in ("Restarting", "Pending"):
             restarts += 1
+        was = before.get(group, {})
+        queued = kueue.group_fields(queues[group], was) if queues is not None else \
+            {k: was[k] for k in GROUP_QUEUE_FIELDS if k in was}
         out.append({"group": group, "job": ((job or {}).get("metadata") or {}).get("name"), "phase": phase,
-                    "pods": running, "restarts": restarts})
+                    "pods": running, "restarts": restarts, **queued})
     return out
+
+
+GROUP_QUEUE_FIELDS = ("queued", "queueReason", "queueMessage", "admittedAt")
 
 
 def pods_to_stop(job: dict | None, pods: list[dict]) -> list[str]:
@@ -192,7 +204,8 @@ def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, 
 
 def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
            accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None,
-           group_jobs: list[dict | None] | None = None) -> Derived:
+           group_jobs: list[dict | None] | None = None,
+           group_queues: list[kueue.QueueState | None] | None = None) -> Derived:
     """Status and Events for one TrainingSpec.
 
     job: the run's PyTorchJob (None: none), or with replica groups `combined_job(group_jobs)`; group_jobs:
@@ -202,7 +215,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     operator applied nothing (a change the running job cannot absorb, a missing Secret); None keeps the
     condition as it is (status refreshes triggered by the job or its pods).
     queue: the run's place in Kueue (kiln.control.kueue) when it was read; None keeps condition Queued and
-    status.queue as they are.
+    status.queue as they are. group_queues: with replica groups, each group's place instead (observe_groups;
+    None: none read), folded into the run's by kueue.groups_state.
     """
     spec, old = ts.get("spec") or {}, ts.get("status") or {}
     # the generation acted on: the current one after a reconcile, else what the last reconcile saw
@@ -211,6 +225,9 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     phase = phase_of(spec, job, pods)
     conditions = list(old.get("conditions") or [])
     events: list[Event] = []
+    if group_queues is not None and group_jobs is not None:
+        queue = kueue.groups_state(group_queues, [((j or {}).get("metadata") or {}).get("name") or f"group {i}"
+                                                  for i, j in enumerate(group_jobs)], old.get("queue"))
 
     if accepted is not None:
         if accepted[0] == "False" and not _same(old, "SpecAccepted", *accepted):
@@ -235,8 +252,9 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
             conditions = set_condition(conditions, "PodsReady", "True", "Running", "every pod is running", now, gen)
 
     if queue is not None:  # Queued=True with Kueue's reason while it waits; False once admitted
-        waiting = ("False", "Admitted", queue.message) if queue.admitted else ("True", queue.reason, queue.message)
-        if not queue.admitted and not _same(old, "Queued", *waiting):
+        # (with replica groups, once any group is: reason GroupsWaiting while others still wait)
+        waiting = ("False", queue.reason, queue.message) if queue.admitted else ("True", queue.reason, queue.message)
+        if (not queue.admitted or queue.waiting_groups) and not _same(old, "Queued", *waiting):
             events.append(Event("Normal", "Queued", f"{queue.reason}: {queue.message}"))
         conditions = set_condition(conditions, "Queued", *waiting, now, gen)
 
@@ -265,7 +283,7 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     if queue is not None:
         status["queue"] = queue.as_status()
     if group_jobs is not None:
-        status["replicaGroups"] = groups = group_status(group_jobs, pods, old.get("replicaGroups"))
+        status["replicaGroups"] = groups = group_status(group_jobs, pods, old.get("replicaGroups"), group_queues)
         before = {g.get("group"): g.get("phase") for g in old.get("replicaGroups") or []}
         for g in groups:
             was = before.get(g["group"])

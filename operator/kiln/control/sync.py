@@ -245,8 +245,10 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
         body = {**body, "status": known.get("status") or {}}
     if pods is READ:
         pods = kube.pods(namespace, name) if job is not None else []
-    queue = kueue.observe(kube, job, body.get("status"))  # a queued run: why it waits (a Workload read)
-    result = derive(body, job, pods, now(), accepted, queue, group_jobs)
+    # a queued run: why it waits (a Workload read; with replica groups, one per group due a read)
+    queue = kueue.observe(kube, job, body.get("status")) if group_jobs is None else None
+    group_queues = kueue.observe_groups(kube, group_jobs, body.get("status")) if group_jobs is not None else None
+    result = derive(body, job, pods, now(), accepted, queue, group_jobs, group_queues)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:
