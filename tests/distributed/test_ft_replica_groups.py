@@ -156,7 +156,7 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
     assert final == pytest.approx(want, rel=0.05)
 
 
-@pytest.mark.parametrize("parallelism", [{"fsdp": True}], ids=["fsdp2"])
+@pytest.mark.parametrize("parallelism", [{"fsdp": True}, {"tensor": 2}], ids=["fsdp2", "tp2"])
 def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_peer(tmp_path, lighthouse,
                                                                                     parallelism):
     """2 replica groups × 2 ranks (the group's own layout inside: FSDP2 over its 2 ranks): each rank averages
@@ -221,6 +221,20 @@ def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_p
     assert run0[-1]["tokens_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP * SEQ
     state = read_trainer_state(open_store(f"file://{tmp_path / 'ckpt'}"), steps)
     assert state["data"]["samples_seen"] == sum(r["ft_participants"] for r in run0) * PER_GROUP
+
+
+def _decide_rank(rank: int, world: int) -> list[bool]:
+    from kiln.trainer.ft import rank0_decides
+
+    return [rank0_decides(rank == 0), rank0_decides(rank != 0)]
+
+
+def test_the_ranks_of_a_group_end_their_start_wait_together(tmp_path):
+    """A group waits at its start for the other groups, asking the lighthouse again until its start wait is up
+    (ReplicaGroups.join). Every rank must ask for the same quorums (torchft's manager server waits for all of
+    the group's ranks), so the end of the wait, read from each rank's own clock, is rank 0's for all: a rank
+    whose clock says stop while rank 0's says go on goes on, and the other way round."""
+    assert run_ranks(_decide_rank, 2, tmp_path) == [[True, False], [True, False]]
 
 
 def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path, lighthouse):

@@ -53,6 +53,17 @@ LIGHTHOUSE_WAIT_ENV = "KILN_FT_LIGHTHOUSE_WAIT_SECONDS"  # default 300
 QUORUM_RETRY_S = 0.5  # torchft waits quorum_timeout / (retries + 1) between tries; this sets the retries
 
 
+def rank0_decides(value: bool) -> bool:
+    """Rank 0's `value` on every rank of the group (its own world; a no-op for one rank). Every rank of a group
+    must ask for the same quorums (torchft's manager server waits for all of them), so a decision taken on a
+    rank's own clock must be one decision: rank 1 asking once more than rank 0 hangs until the quorum times out."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
 def _local(t: Any) -> Any:
     if isinstance(t, DTensor):
         return t.to_local().detach()
@@ -166,7 +177,7 @@ class ReplicaGroups:
         healed = self._quorum()
         deadline = time.monotonic() + float(os.environ.get(START_WAIT_ENV, "120"))
         while healed is None and self.manager.current_step() == 0 and self.participants < self.groups \
-                and time.monotonic() < deadline:  # nobody has stepped: wait for the groups still starting
+                and rank0_decides(time.monotonic() < deadline):  # nobody has stepped: wait for the groups starting
             time.sleep(0.05)  # a new quorum request, not a wait for an event: the lighthouse answers at once
             healed = self._quorum()
         return healed
