@@ -14,7 +14,9 @@ every step from its step on, taken with that many groups live, while the guards 
 the guards' default rollback (3 spikes) ends it. Keyed on the job's state (the guards' rollbacks, which a
 healed group receives, and the quorum), so every group injects at the same steps, and a redone step is clean.
 When a series needs more live groups than there are, the process stops itself (SIGSTOP, once) for the test
-to bring the missing group to the lighthouse before it steps on (SIGCONT).
+to bring the missing group to the lighthouse before it steps on (SIGCONT). With KILN_TEST_HANG_AT=N the loop
+hangs in step N (after the step's vote, before its optimizer step): a wait on an event that never comes, as a
+stuck data read or a deadlock would; the group's hang watch (kiln.trainer.ft_watch) must end the process.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch  # noqa: F401  the imports a start pays for, before the gate
@@ -72,6 +75,17 @@ def event_log(out: Path) -> StepHooks:
 
         hooks.before_update.append(inject)  # before the guards' own check
         guards.install(hooks)
+    if hang_at := int(os.environ.get("KILN_TEST_HANG_AT", "0")):
+        def hang(ctx) -> bool:
+            if ctx.step == hang_at:
+                threading.Event().wait()  # never set
+            return True
+
+        hooks.before_update.insert(0, hang)
+        if not spikes:  # setup installs the guards only when no step hook is given
+            from kiln.trainer.guards import GuardHooks
+
+            GuardHooks().install(hooks)
     return hooks
 
 

@@ -40,6 +40,7 @@ from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
 from kiln.trainer.checkpoint import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.ft_watch import HangWatch, floor_s, leave
 from kiln.trainer.hooks import MembershipChange
 
 TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
@@ -93,6 +94,7 @@ class ReplicaGroups:
         self.rank, self.device = rank, device
         self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
         self.on_membership_change = on_membership_change
+        self.watch = HangWatch(floor=floor_s())  # this group's loop; torchft's waits below are paused in it
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
         # a quorum waits for the lighthouse (its restart) as well as for the other groups' steps
         quorum_timeout = max(timeout, timedelta(seconds=float(os.environ.get(LIGHTHOUSE_WAIT_ENV, "300"))))
@@ -147,7 +149,8 @@ class ReplicaGroups:
     def _quorum(self) -> dict | None:
         self._healed = None
         t0 = time.monotonic()
-        self.manager.start_quorum()  # synchronous: a heal is applied before it returns
+        with self.watch.waiting():
+            self.manager.start_quorum()  # synchronous: a heal is applied before it returns
         self.quorum_s = time.monotonic() - t0
         rank, k = self.manager.participating_rank(), self.manager.num_participants()
         quorum_id, first = self.manager._quorum_id, self.quorum_id == -1
@@ -217,7 +220,8 @@ class ReplicaGroups:
 
     def _allreduce_mean(self, flat: torch.Tensor) -> None:
         try:
-            self.manager.allreduce(flat).wait()
+            with self.watch.waiting():
+                self.manager.allreduce(flat).wait()
         except Exception as err:  # noqa: BLE001  the vote below turns it into a redone step
             self.manager.report_error(err)
 
@@ -245,7 +249,9 @@ class ReplicaGroups:
     def commit(self, loader) -> bool:
         """The step's vote (every group of the quorum agrees): True → step the optimizer, and the data cursor
         moves past the samples every participant read; False → the step is redone with the next quorum."""
-        if self.manager.should_commit():
+        with self.watch.waiting():
+            committed = self.manager.should_commit()
+        if committed:
             loader.samples_seen += self.participants * self.per_group
             return True
         self.redone += 1
@@ -278,5 +284,10 @@ class ReplicaGroups:
                 "ft_redone_steps": self.redone, "ft_restore": self.restore_source,
                 "ft_quorum_s": self.quorum_s, "ft_heal_load_s": self.load_s}
 
+    def watch_hangs(self) -> None:
+        """From the first step on: a loop with no progress takes this group out (kiln.trainer.ft_watch)."""
+        self.watch.start(lambda why: leave(self.group, why, lambda: self.manager.shutdown(wait=False)))
+
     def close(self) -> None:
+        self.watch.stop()
         self.manager.shutdown(wait=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -136,6 +137,8 @@ class Run:
                                     exporter=exporter)
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
+        if self.ft is not None:  # from here a loop that stops moving takes its group out (kiln.trainer.ft_watch)
+            self.ft.watch_hangs()
 
     # ---- setup, in order --------------------------------------------------------------------------------------
 
@@ -271,7 +274,8 @@ class Run:
         spiked), and a group left at the spiked step would be the most advanced at the next quorum: torchft
         would heal the others from it, undoing the rollback. A group that finds an older commit than another
         (the writer's last save still uploading) is behind at the next quorum and heals from the newest one."""
-        state = self.checkpointer.restore(self.model_parts, self.optimizers)
+        with self._waiting():
+            state = self.checkpointer.restore(self.model_parts, self.optimizers)
         if state is None:
             return step
         self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -331,6 +335,7 @@ class Run:
             loss = ft.average_loss(loss)
             if not ft.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
                 self.optimizer.zero_grad(set_to_none=True)
+                ft.watch.stepped()  # a redone step: the loop moved
                 return
         self.last_step = step
         self.tokens_seen += self.global_tokens if ft is None else ft.step_tokens(self.dims.seq_len)
@@ -381,13 +386,15 @@ class Run:
         restored = record.get("rolled_back_to", record["step"]) != record["step"]
         if (final or step in self.plan_steps or checkpointer.should_save(step)) and not restored \
                 and (self.ft is None or self.ft.writes_checkpoints):
-            checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
+            with self._waiting():
+                checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
             record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
             self.reporter.stalled(record["checkpoint_stall_s"])
         if step == tr.steps and self.val_loader is not None:
-            record["val_loss"] = validation_loss(self.model, self.schedule, self.val_loader, tr.global_batch_size,
-                                                 self.layout, self.device, is_first=self.is_first,
-                                                 is_last=self.is_last, reports_loss=self.reports_loss)
+            with self._waiting():
+                record["val_loss"] = validation_loss(self.model, self.schedule, self.val_loader, tr.global_batch_size,
+                                                     self.layout, self.device, is_first=self.is_first,
+                                                     is_last=self.is_last, reports_loss=self.reports_loss)
         if step % tr.log_every == 0 or final:
             self.logger.log(record)
         elif "gpu_health" in record:  # the gauge follows every health reading, logged or not
@@ -396,6 +403,12 @@ class Run:
             self.stopped = True
             if self.rank == 0:
                 print(f"kiln: stop requested; saved step {step}, rerun to resume", flush=True)
+        if self.ft is not None:
+            self.ft.watch.stepped()
+
+    def _waiting(self):
+        """A long phase of the group's own (a save, a commit read, the evaluation): paused in its hang watch."""
+        return self.ft.watch.waiting() if self.ft is not None else nullcontext()
 
     # ---- the end ----------------------------------------------------------------------------------------------
 
@@ -403,6 +416,8 @@ class Run:
         """After the last step: wait for the last save, close, and leave together. Every rank leaves after rank
         0's last commit, status report and log lines: on a cluster, the first worker pod to exit 0 ends the
         elastic job, and a pod still running then may be stopped."""
+        if self.ft is not None:  # no more steps: the last upload and the barrier are not the loop's
+            self.ft.watch.stop()
         self.checkpointer.wait()
         self._close_parts()
         if dist.is_initialized():
