@@ -316,3 +316,57 @@ def test_a_queued_elastic_run_starts_at_min_nodes_and_does_not_grow_past_its_adm
         assert [p["status"].get("phase") for p in pods] == ["Running"]
     finally:
         rig.kubectl("delete", "trainingspec", "queued-elastic", "-n", ns, "--wait=false", check=False)
+
+
+# ---- replica groups: each group's PyTorchJob has a Workload of its own and is admitted alone ----
+
+def group_run(name: str, groups: int = 2) -> dict:
+    """A run of `groups` replica groups of one node × GPUS GPUs each, in the LocalQueue `team`."""
+    return small_run(name, resources={"nodes": groups, "gpusPerNode": GPUS},
+                     elastic={"faultTolerance": {"mode": "replicaGroups", "groups": groups}}, scheduling={"queue": "team"})
+
+
+def test_a_group_run_trains_with_the_group_its_quota_admits_and_names_the_group_that_waits(
+        rig, kueue, ns, operator, team, capsys):
+    """2 groups in a queue whose quota holds one group's GPUs: Kueue admits one group, whose pod runs, and the
+    run is Running (torchft trains with the groups it has); the other group waits with Kueue's reason, named
+    in condition Queued (False: the run is not queued as a whole). More quota: the second group is admitted."""
+    name = "grouped"
+    with rig.exclusive_gpus():
+        try:
+            submit(rig, ns, group_run(name))
+            st = rig.wait_for(
+                "one group running, the other queued with Kueue's reason",
+                lambda: (s := status(rig, ns, name)) and len(g := s.get("replicaGroups") or []) == 2
+                and sorted(x["phase"] for x in g) == ["Pending", "Running"]
+                and any(x.get("queued") and x.get("queueReason") == "Pending" for x in g) and s,
+                timeout=SAFETY_TIMEOUT_S)
+            ran, waits = sorted(st["replicaGroups"], key=lambda x: x["phase"] != "Running")
+            assert st["phase"] == "Running" and ran["queued"] is False and ran["admittedAt"] and ran["pods"] == 1
+            assert "insufficient unused quota for nvidia.com/gpu" in waits["queueMessage"], waits
+            assert st["queue"]["waitingGroups"] == [waits["group"]] and st["queue"]["clusterQueue"] == team
+            cond = condition(rig, ns, name, "Queued")
+            assert (cond["status"], cond["reason"]) == ("False", "GroupsWaiting"), cond
+            assert f"{name}-g{waits['group']}" in cond["message"] and "insufficient unused quota" in cond["message"]
+            # the waiting group holds no node: its job stays suspended, no pod of it exists
+            assert get(rig, ns, "pytorchjob", waits["job"])["spec"]["runPolicy"]["suspend"] is True
+            assert not items(rig, ns, "pods", f"kiln.dev/replica-group={waits['group']},kiln.dev/trainingspec={name}")
+            assert [p["metadata"]["labels"]["kiln.dev/replica-group"] for p in running_pods(rig, ns, name)] == \
+                [str(ran["group"])]
+            assert any(e["reason"] == "Queued" and waits["job"] in e["message"] for e in events(rig, ns, name))
+            assert main(["status", name, "-n", ns, "--kubeconfig", str(rig.kubeconfig)]) == 0
+            out = capsys.readouterr().out
+            assert "GroupsWaiting" in out and waits["job"] in out, out
+
+            # the admin raises the quota to both groups' GPUs: Kueue admits the waiting group
+            rig.apply(kueue.cluster_queue(team, gpus=2 * GPUS, namespaces=[ns]))
+            both = rig.wait_for("both groups admitted and running",
+                                lambda: (s := status(rig, ns, name)) and all(
+                                    x["phase"] == "Running" and x.get("queued") is False for x in s["replicaGroups"])
+                                and s, timeout=SAFETY_TIMEOUT_S)
+            assert both["phase"] == "Running" and both["queue"]["waitingGroups"] == [] and both["nodes"] == 2
+            assert both["replicaGroups"][waits["group"]]["admittedAt"] >= ran["admittedAt"]
+            cond = condition(rig, ns, name, "Queued")
+            assert (cond["status"], cond["reason"]) == ("False", "Admitted"), cond
+        finally:
+            rig.kubectl("delete", "trainingspec", name, "-n", ns, "--wait=false", check=False)
