@@ -70,6 +70,6 @@ def test_a_hung_group_leaves_the_quorum_and_the_other_steps_on_alone(tmp_path):
     # the lighthouse wait.
     waited = max(r["ft_quorum_s"] for r in run0)
     limit = float(re.search(r"limit (\d+)s", line).group(1))
-    print(f"hang: group 1 hung in step {HANG_AT}, left at its limit {limit:.0f} s; group 0's longest quorum "
-          f"{waited:.1f} s (lighthouse wait {LIGHTHOUSE_WAIT_S} s)")
+    print(f"hang: {line}\nhang: group 1 hung in step {HANG_AT}, left at its limit {limit:.0f} s; group 0's longest "
+          f"quorum {waited:.1f} s (lighthouse wait {LIGHTHOUSE_WAIT_S} s)")
     assert waited < LIGHTHOUSE_WAIT_S / 5, (waited, limit)
