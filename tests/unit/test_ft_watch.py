@@ -78,6 +78,20 @@ def test_step_times_leave_the_waits_out():
     assert "limit 5s" in watch.verdict()
 
 
+def test_time_the_process_was_stopped_is_not_the_loops():
+    watch, clock = stepping(10)
+    clock.now += 1
+    clock.now += 600  # SIGSTOP (a test freezing a group, a paused VM): the watch thread did not run either
+    assert watch.check(slept_s=601, period=1) is None  # its wake 601 s after the last, for a 1 s period
+    for slept in (1.1, 1.5):  # wakes on time (within 2 periods): counted
+        clock.now += slept
+        assert watch.check(slept_s=slept, period=1) is None
+    clock.now += 1.5  # 1 s before the stop, 4.1 s after it
+    assert "for 5s" in watch.check(slept_s=1.5, period=1)
+    clock.now += 3.0  # a late wake again: 2 s of it left out
+    assert "for 6s" in watch.check(slept_s=3.0, period=1)
+
+
 def test_the_floor_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv(HANG_FLOOR_ENV, raising=False)
     assert floor_s() == 60.0  # the operator's floor

@@ -20,7 +20,10 @@ hooks, optimizer, logging). It is paused (`waiting`) while the group legitimatel
   first step of a watch gives no step time, and the rule needs 5.
 
 Step times are the armed time between two steps (the paused parts left out), so one long save does not
-stretch the limit for the next 20 steps; leaving a pause counts as progress.
+stretch the limit for the next 20 steps; leaving a pause counts as progress. Time the watch itself did not
+run is not counted either (`frozen`): a process stopped (SIGSTOP, a paused VM) or starved of CPU is not a loop
+that hangs, and would otherwise take itself out the moment it runs again. The other side of that: a hang that
+holds Python's GIL (a C call that never releases it) stops the watch too and is not caught here.
 
 On a verdict: one line on stderr naming the cause, the torchft manager shut down (its heartbeats stop, so the
 lighthouse drops the group within its heartbeat timeout and the others' next quorum forms without it), and
@@ -84,6 +87,12 @@ class HangWatch:
                 self.recent.append(self._armed_s + (0.0 if self._paused else now - self._since))
             self._first, self._armed_s, self._since = False, 0.0, now
 
+    def frozen(self, seconds: float) -> None:
+        """The watch did not run for `seconds` longer than it meant to: the process was stopped or starved."""
+        with self._lock:
+            if not self._paused:
+                self._since = min(self._since + seconds, self.clock())
+
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """A legitimately long or peer-bound phase: no verdict inside it; leaving it is progress."""
@@ -99,6 +108,13 @@ class HangWatch:
                 if not self._paused:
                     self._since = self.clock()
 
+    def check(self, slept_s: float, period: float) -> str | None:
+        """One wake of the watch thread, `slept_s` after its last: the verdict, after leaving out the time a late
+        wake says the process did not run."""
+        if slept_s > 2 * period:
+            self.frozen(slept_s - period)
+        return self.verdict()
+
     def verdict(self) -> str | None:
         """Why this group is hung, or None."""
         with self._lock:
@@ -112,8 +128,11 @@ class HangWatch:
         period = min(every_s, self.floor / 10)
 
         def watch() -> None:
+            last = self.clock()
             while not self._stop.wait(period):
-                if (why := self.verdict()) is not None:
+                now = self.clock()
+                why, last = self.check(now - last, period), now
+                if why is not None:
                     on_hang(why)
                     return
 
