@@ -62,8 +62,9 @@ LIVELIEST = ("Running", "Restarting", "Suspended", "Created")
 def combined_job(jobs: list[dict | None]) -> dict | None:
     """The run's replica-group PyTorchJobs (in group order, None: not there) as the one job the rest of this
     module reads: Running while any group runs (the others restart alone, see group_status), Succeeded or
-    Failed once every group has ended (Succeeded if any did: its weights are the run's). Labels and uid (the
-    Kueue Workload's key) are group 0's; it has no replica count, so no group's restart reads as Scaling."""
+    Failed once every group has ended (Succeeded if any did: its weights are the run's). Under Kueue it is held
+    (suspended) only while every group's job is; each group's Workload is read on its own (kueue.observe_groups).
+    Labels and uid are group 0's; it has no replica count, so no group's restart reads as Scaling."""
     present = [j for j in jobs if j]
     if not present:
         return None
