@@ -143,6 +143,37 @@ class Group:
         self._log.close()
 
 
+def kill_and_bring_back(survivor: Group, victim: Group, replacement: Group, *, kill_at: int, alone: int,
+                        ckpt: Path) -> tuple[int, list[dict], int]:
+    """The fault of the heal tests, driven by the steps the run reports: `victim` (torchrun and its workers) is
+    killed once it reports step `kill_at` with both groups in the quorum; `survivor` then steps `alone` steps
+    without it; with no commit in `ckpt` to read, `replacement` (held at its gates) is released while the
+    survivor is frozen (SIGSTOP) until the replacement is at the lighthouse (its quorum line, alone), so that
+    neither the rest of its start nor the machine's speed decides whether it is back before the end. Returns
+    the step the victim reported last, the survivor's records alone, and the step it was frozen at."""
+    both = wait_until(f"{victim.name} at step {kill_at} with both groups in the quorum",
+                      lambda: [r for r in records(victim.out) if r["step"] >= kill_at and r["ft_participants"] == 2],
+                      alive=victim.alive, context=victim.log)
+    victim.kill()
+    killed_at = records(victim.out)[-1]["step"]
+    assert killed_at >= both[0]["step"]
+    steps_alone = wait_until(f"{alone} steps of {survivor.name} alone",
+                             lambda: len(a := [r for r in records(survivor.out)
+                                               if r["step"] > killed_at and r["ft_participants"] == 1]) >= alone and a,
+                             alive=survivor.alive, context=survivor.log)
+    survivor.signal(signal.SIGSTOP)
+    try:
+        frozen_at = records(survivor.out)[-1]["step"]
+        assert not list(ckpt.glob("step-*")), "no commit exists to read"
+        Group.release(replacement)
+        wait_until(f"{replacement.name} back at the lighthouse",
+                   lambda: f"kiln: ft: group {replacement.index}: quorum" in replacement.log_path.read_text(),
+                   alive=replacement.alive, context=replacement.log)
+    finally:
+        survivor.signal(signal.SIGCONT)
+    return killed_at, steps_alone, frozen_at
+
+
 def lighthouse_server(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000):
     """torchft's lighthouse in this process (min 1 replica: one live group keeps training)."""
     from torchft._torchft import LighthouseServer

@@ -21,7 +21,7 @@ import pytest
 
 from kiln.storage.commit import read_trainer_state
 from kiln.storage.store import open_store
-from tests.distributed.ft_helpers import Group, die_with_parent, lighthouse_server, records
+from tests.distributed.ft_helpers import Group, die_with_parent, kill_and_bring_back, lighthouse_server, records
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
 from tests.distributed.trainer_helpers import env, write_spec
 
@@ -76,31 +76,11 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
                        Group(1, spec, tmp_path / "ft" / "g1b", lighthouse, tmp_path, "g1b"))
         groups += [g0, g1, g1b]
         Group.release(g0, g1)
-        both = wait_until(f"group 1 at step {KILL_AT} with both groups in the quorum",
-                          lambda: [r for r in records(g1.out) if r["step"] >= KILL_AT and r["ft_participants"] == 2],
-                          alive=g1.alive, context=g1.log)
-        g1.kill()
-        killed_at = records(g1.out)[-1]["step"]
-        assert killed_at >= both[0]["step"]
-
-        # Group 0 keeps stepping alone while group 1 is down.
-        alone = wait_until(f"{ALONE} steps of group 0 alone",
-                           lambda: len(a := [r for r in records(g0.out)
-                                             if r["step"] > killed_at and r["ft_participants"] == 1]) >= ALONE and a,
-                           alive=g0.alive, context=g0.log)
-        assert not g1.alive()
-        assert not list((tmp_path / "ft" / "ckpt").glob("step-*")), "no commit exists before the final step"
-
-        # Group 1 comes back. Its start after the gate (model, warm-up, join) takes longer than group 0's
-        # remaining steps on a loaded machine, so group 0 is frozen until group 1 is at the lighthouse (its
-        # quorum line: alone, as group 0's heartbeat lapsed), then goes on: the next quorum holds both.
-        g0.signal(signal.SIGSTOP)
-        try:
-            Group.release(g1b)
-            wait_until("group 1 back at the lighthouse", lambda: "kiln: ft: group 1: quorum" in g1b.log_path.read_text(),
-                       alive=g1b.alive, context=g1b.log)
-        finally:
-            g0.signal(signal.SIGCONT)
+        # Group 1 is killed at step KILL_AT and group 0 keeps stepping alone while it is down. Group 1's start
+        # after the gate (model, warm-up, join) takes longer than group 0's remaining steps on a loaded machine,
+        # so group 0 is frozen until group 1 is back at the lighthouse, then goes on: the next quorum holds both.
+        killed_at, alone, _ = kill_and_bring_back(g0, g1, g1b, kill_at=KILL_AT, alone=ALONE,
+                                                  ckpt=tmp_path / "ft" / "ckpt")
         assert g0.finish() == 0, g0.log()
         assert g1b.finish() == 0, g1b.log()
     finally:
@@ -163,8 +143,8 @@ def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_p
     its shard with the same rank of the other group, and a group that comes back heals rank by rank (rank r
     receives rank r's shard and optimizer state of the live peer). Group 1 (torchrun and both workers) is killed
     at a step it reports, group 0 steps on alone, the replacement heals from it without a commit to read, and
-    both end with the same weights on every rank, the same data cursor, every sample read once. Same gating
-    and freeze as the one-rank test above."""
+    both end with the same weights on every rank, the same data cursor, every sample read once. The fault, the
+    gating and the freeze are the one-rank test's (ft_helpers.kill_and_bring_back)."""
     steps, kill_at, alone_steps = 30, 3, 2
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": steps},
                       checkpoint={"uri": f"file://{tmp_path / 'ckpt'}", "intervalSteps": 1000},
@@ -176,25 +156,9 @@ def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_p
     g0, g1, g1b = group(0, "g0", extra_env={"TORCHFT_TIMEOUT_SEC": "600"}), group(1, "g1"), group(1, "g1b")
     try:
         Group.release(g0, g1)
-        wait_until(f"group 1 at step {kill_at} with both groups in the quorum",
-                   lambda: [r for r in records(g1.out) if r["step"] >= kill_at and r["ft_participants"] == 2],
-                   alive=g1.alive, context=g1.log)
-        g1.kill()
-        killed_at = records(g1.out)[-1]["step"]
-        wait_until(f"{alone_steps} steps of group 0 alone",
-                   lambda: len([r for r in records(g0.out)
-                                if r["step"] > killed_at and r["ft_participants"] == 1]) >= alone_steps,
-                   alive=g0.alive, context=g0.log)
-        g0.signal(signal.SIGSTOP)
-        try:
-            frozen_at = records(g0.out)[-1]["step"]
-            assert frozen_at < steps, "group 0 finished before group 1 could come back"
-            assert not list((tmp_path / "ckpt").glob("step-*")), "no commit exists to read"
-            Group.release(g1b)
-            wait_until("group 1 back at the lighthouse", lambda: "kiln: ft: group 1: quorum" in g1b.log_path.read_text(),
-                       alive=g1b.alive, context=g1b.log)
-        finally:
-            g0.signal(signal.SIGCONT)
+        killed_at, _, frozen_at = kill_and_bring_back(g0, g1, g1b, kill_at=kill_at, alone=alone_steps,
+                                                      ckpt=tmp_path / "ckpt")
+        assert frozen_at < steps, "group 0 finished before group 1 could come back"
         assert g0.finish() == 0, g0.log()
         assert g1b.finish() == 0, g1b.log()
     finally:
