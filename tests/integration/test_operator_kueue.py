@@ -323,7 +323,8 @@ def test_a_queued_elastic_run_starts_at_min_nodes_and_does_not_grow_past_its_adm
 def group_run(name: str, groups: int = 2) -> dict:
     """A run of `groups` replica groups of one node × GPUS GPUs each, in the LocalQueue `team`."""
     return small_run(name, resources={"nodes": groups, "gpusPerNode": GPUS},
-                     elastic={"faultTolerance": {"mode": "replicaGroups", "groups": groups}}, scheduling={"queue": "team"})
+                     elastic={"faultTolerance": {"mode": "replicaGroups", "groups": groups}},
+                     scheduling={"queue": "team"})
 
 
 def test_a_group_run_trains_with_the_group_its_quota_admits_and_names_the_group_that_waits(
@@ -335,14 +336,16 @@ def test_a_group_run_trains_with_the_group_its_quota_admits_and_names_the_group_
     with rig.exclusive_gpus():
         try:
             submit(rig, ns, group_run(name))
+            # (the run is Running once the training-operator marks the admitted group's job Running)
             st = rig.wait_for(
-                "one group running, the other queued with Kueue's reason",
-                lambda: (s := status(rig, ns, name)) and len(g := s.get("replicaGroups") or []) == 2
+                "the run Running with one group, the other queued with Kueue's reason",
+                lambda: (s := status(rig, ns, name)) and s.get("phase") == "Running"
+                and len(g := s.get("replicaGroups") or []) == 2
                 and sorted(x["phase"] for x in g) == ["Pending", "Running"]
                 and any(x.get("queued") and x.get("queueReason") == "Pending" for x in g) and s,
                 timeout=SAFETY_TIMEOUT_S)
             ran, waits = sorted(st["replicaGroups"], key=lambda x: x["phase"] != "Running")
-            assert st["phase"] == "Running" and ran["queued"] is False and ran["admittedAt"] and ran["pods"] == 1
+            assert ran["queued"] is False and ran["admittedAt"] and ran["pods"] == 1
             assert "insufficient unused quota for nvidia.com/gpu" in waits["queueMessage"], waits
             assert st["queue"]["waitingGroups"] == [waits["group"]] and st["queue"]["clusterQueue"] == team
             cond = condition(rig, ns, name, "Queued")

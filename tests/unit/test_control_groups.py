@@ -460,3 +460,11 @@ def test_a_preempted_group_waits_again_while_the_others_train_on():
     both = [queued_job(0, "Running", True), queued_job(1, "Running", True)]
     d, _ = queue_refresh(d.status, both, [], {"uid-g0": evicted, "uid-g1": evicted}, T2)
     assert d.status["phase"] == "Queued" and queued_condition(d.status)["reason"] == "Preempted"
+
+
+def test_a_group_whose_job_is_not_there_counts_as_waiting():
+    running = kueue.queue_state(queued_job(0, "Running", False), admitted(T1))
+    state = kueue.groups_state([running, None], ["ft-g0", "ft-g1"], None)
+    assert state.admitted and state.waiting_groups == (1,) and state.reason == kueue.PARTLY_ADMITTED
+    assert "group 1 (ft-g1): its PyTorchJob is not made yet" in state.message
+    assert kueue.groups_state([None, None], ["ft-g0", "ft-g1"], None) is None  # no queue: nothing of Kueue's

@@ -221,21 +221,22 @@ def groups_state(states: list[QueueState | None], jobs: list[str], old_queue: di
     queue = known[0].queue
     waiting = tuple(i for i, s in enumerate(states) if s is None or not s.admitted)
     admitted = [s for s in states if s is not None and s.admitted]
-    if waiting:
-        first = states[waiting[0]]
-        why = f"{first.reason}: {first.message}" if first else "its PyTorchJob is not made yet"
+    if waiting:  # the condition names every waiting group, and the first one's reason (the rest: replicaGroups)
+        head = states[waiting[0]]
+        why = f"{head.reason}: {head.message}" if head else "its PyTorchJob is not made yet"
         names = ", ".join(str(i) for i in waiting)
         detail = f"group {waiting[0]} ({jobs[waiting[0]]}): {why}"
     if not admitted:
-        return QueueState(queue, False, states[waiting[0]].reason if states[waiting[0]] else "WaitingForKueue",
+        return QueueState(queue, False, head.reason if head else "WaitingForKueue",
                           f"no replica group admitted yet: group(s) {names} of {len(states)} wait in LocalQueue "
                           f"{queue}; {detail}", waiting_groups=waiting)
-    first, old = admitted[0], old_queue or {}
+    lead, old = admitted[0], old_queue or {}
     # its ClusterQueue, flavors and topology as read just now, or as status.queue recorded them at its last read
-    fields = dict(admitted_at=first.admitted_at, cluster_queue=first.cluster_queue, flavors=first.flavors,
-                  topology_levels=first.topology_levels, topology_domains=first.topology_domains) \
-        if first.cluster_queue else \
-        dict(admitted_at=first.admitted_at, cluster_queue=old.get("clusterQueue"), flavors=tuple(old.get("flavors") or ()),
+    fields = dict(admitted_at=lead.admitted_at, cluster_queue=lead.cluster_queue, flavors=lead.flavors,
+                  topology_levels=lead.topology_levels, topology_domains=lead.topology_domains) \
+        if lead.cluster_queue else \
+        dict(admitted_at=lead.admitted_at, cluster_queue=old.get("clusterQueue"),
+             flavors=tuple(old.get("flavors") or ()),
              topology_levels=tuple((old.get("topology") or {}).get("levels") or ()),
              topology_domains=tuple((old.get("topology") or {}).get("domains") or ()))
     if waiting:
