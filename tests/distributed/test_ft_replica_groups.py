@@ -1,6 +1,7 @@
 """elastic.faultTolerance replicaGroups with real processes: a torchft lighthouse and 2 replica groups, each its
-own torchrun job (1 gloo rank), kill one group at a step it reports, the other keeps stepping, the killed
-group comes back and heals from its live peer (no checkpoint read), both end with the same weights.
+own torchrun job (1 gloo rank; 2 ranks, FSDP2 or tensor parallel inside the group, in the two-rank test), kill
+one group at a step it reports, the other keeps stepping, the killed group comes back and heals from its live
+peer (no checkpoint read), both end with the same weights (rank by rank).
 
 The groups run `kiln train` through tests/distributed/ft_group_entry.py, which holds each worker at a gate
 after its imports; the test releases a group when the run reports a given step, never after a delay. The entry
