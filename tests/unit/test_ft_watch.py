@@ -94,7 +94,7 @@ def test_time_the_process_was_stopped_is_not_the_loops():
 
 def test_the_floor_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv(HANG_FLOOR_ENV, raising=False)
-    assert floor_s() == 60.0  # the operator's floor
+    assert floor_s() == 60.0  # the operator's floor (kiln.control.elastic.hang's default)
     monkeypatch.setenv(HANG_FLOOR_ENV, "2.5")
     assert floor_s() == 2.5
     for bad in ("0", "-1", "soon", "nan"):

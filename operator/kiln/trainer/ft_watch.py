@@ -43,16 +43,16 @@ from typing import Callable, Iterator
 
 from kiln.control.elastic import hang  # one place for the rule; imports only kiln.api (no Kubernetes, no kopf)
 
-HANG_FLOOR_ENV = "KILN_FT_HANG_FLOOR_SECONDS"  # default 60, the operator's floor (kiln.control.elastic_sync)
-HANG_FACTOR = 10.0  # x p99 step time, as the operator's
-MIN_SAMPLES = 5  # step times before any verdict (start-up, compile, restore give none)
-RECENT = 20  # step times the p99 is taken over, as the operator's
+HANG_FLOOR_ENV = "KILN_FT_HANG_FLOOR_SECONDS"  # default: the rule's own floor (60 s)
+# the rule's defaults (the operator's): its floor, and how many step times before any verdict
+DEFAULT_FLOOR_S, MIN_SAMPLES = hang.__kwdefaults__["floor_s"], hang.__kwdefaults__["min_samples"]
+RECENT = 20  # step times the p99 is taken over, as the operator's (kiln.control.elastic_sync)
 HANG_EXIT_CODE = 124  # "timed out", as GNU timeout; torchrun reports it as the worker's exit code
 SHUTDOWN_WAIT_S = 5.0  # the manager's shutdown may not block the exit behind the stuck main thread
 
 
 def floor_s() -> float:
-    value = os.environ.get(HANG_FLOOR_ENV, "60")
+    value = os.environ.get(HANG_FLOOR_ENV, str(DEFAULT_FLOOR_S))
     try:
         floor = float(value)
     except ValueError:
@@ -120,8 +120,7 @@ class HangWatch:
         with self._lock:
             if self._paused:
                 return None
-            return hang(list(self.recent), self._since, self.clock(), factor=HANG_FACTOR, floor_s=self.floor,
-                        min_samples=MIN_SAMPLES)
+            return hang(list(self.recent), self._since, self.clock(), floor_s=self.floor)  # factor: the rule's, 10
 
     def start(self, on_hang: Callable[[str], None], every_s: float = 1.0) -> None:
         """Check every `every_s` (or a tenth of the floor, if shorter) in a daemon thread; call on_hang once."""
