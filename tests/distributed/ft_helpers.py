@@ -161,17 +161,25 @@ def kill_and_bring_back(survivor: Group, victim: Group, replacement: Group, *, k
                              lambda: len(a := [r for r in records(survivor.out)
                                                if r["step"] > killed_at and r["ft_participants"] == 1]) >= alone and a,
                              alive=survivor.alive, context=survivor.log)
+    return killed_at, steps_alone, bring_back(survivor, replacement, ckpt=ckpt)
+
+
+def bring_back(survivor: Group, replacement: Group, *, ckpt: Path | None = None) -> int:
+    """Release `replacement` (held at its gates) while `survivor` is frozen (SIGSTOP) until the replacement is at
+    the lighthouse (its quorum line, alone), so that neither the rest of its start nor the machine's speed
+    decides whether it is back before the survivor's end; with `ckpt`, no commit may exist there to read.
+    Returns the step the survivor was frozen at."""
     survivor.signal(signal.SIGSTOP)
     try:
         frozen_at = records(survivor.out)[-1]["step"]
-        assert not list(ckpt.glob("step-*")), "no commit exists to read"
+        assert ckpt is None or not list(ckpt.glob("step-*")), "no commit exists to read"
         Group.release(replacement)
         wait_until(f"{replacement.name} back at the lighthouse",
                    lambda: f"kiln: ft: group {replacement.index}: quorum" in replacement.log_path.read_text(),
                    alive=replacement.alive, context=replacement.log)
     finally:
         survivor.signal(signal.SIGCONT)
-    return killed_at, steps_alone, frozen_at
+    return frozen_at
 
 
 def lighthouse_server(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000):

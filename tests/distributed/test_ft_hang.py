@@ -12,13 +12,12 @@ its wait for the hung peer is in torchft's quorum, which must not count as a han
 from __future__ import annotations
 
 import re
-import signal
 
 import pytest
 
 from kiln.trainer.ft import LIGHTHOUSE_WAIT_ENV
 from kiln.trainer.ft_watch import HANG_EXIT_CODE, HANG_FLOOR_ENV
-from tests.distributed.ft_helpers import Group, lighthouse_server, records
+from tests.distributed.ft_helpers import Group, bring_back, lighthouse_server, records
 from tests.distributed.ranks import wait_until
 from tests.distributed.trainer_helpers import write_spec
 
@@ -56,16 +55,9 @@ def test_a_hung_group_leaves_the_quorum_the_other_steps_on_and_its_restart_heals
         # The restart's start after its gate (model, warm-up, join) can outlast group 0's remaining steps on a
         # loaded machine: group 0 is frozen until the restart is at the lighthouse (alone), then goes on. Its
         # own hang watch must not count the freeze (kiln.trainer.ft_watch.HangWatch.frozen).
-        g0.signal(signal.SIGSTOP)
-        try:
-            g1.finish()  # the hung group's worker left (group 0 steps alone); its torchrun ends too
-            log1 = g1.log_path.read_text()
-            Group.release(g1b)
-            wait_until("group 1's restart at the lighthouse",
-                       lambda: "kiln: ft: group 1: quorum" in g1b.log_path.read_text(), alive=g1b.alive,
-                       context=g1b.log)
-        finally:
-            g0.signal(signal.SIGCONT)
+        bring_back(g0, g1b)
+        g1.finish()  # the hung group's worker left (group 0 stepped alone); its torchrun ends too
+        log1 = g1.log_path.read_text()
         assert g0.finish() == 0, g0.log()
         assert g1b.finish() == 0, g1b.log()
         assert g1.proc.returncode != 0, log1[-3000:]
