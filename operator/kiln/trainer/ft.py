@@ -80,6 +80,7 @@ class ReplicaGroups:
     def __init__(self, spec, *, rank: int, world: int, device: torch.device, model_parts, optimizers,
                  snapshot: Callable[[], dict], on_membership_change: Callable[[MembershipChange], None]):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
 
         lighthouse = os.environ.get(contract.FT_LIGHTHOUSE)
         if not lighthouse:
@@ -99,8 +100,11 @@ class ReplicaGroups:
         # a quorum waits for the lighthouse (its restart) as well as for the other groups' steps
         quorum_timeout = max(timeout, timedelta(seconds=float(os.environ.get(LIGHTHOUSE_WAIT_ENV, "300"))))
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+        # a heal travels over the same process group, received straight into this group's own weight and
+        # optimizer tensors: torchft's HTTP transport pickled every tensor, and the load copied them again
+        transport = PGTransport(pg, timeout=timeout, device=device, state_dict=self._receive_into)
         self.manager = Manager(
-            pg=pg, load_state_dict=None, state_dict=None,
+            pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=1,  # one live group keeps training
             use_async_quorum=False,  # heal before the forward pass: the joining group takes part in this step
             init_sync=False,  # every group initialises the same weights from training.seed
@@ -124,23 +128,34 @@ class ReplicaGroups:
                 "optim": {k: _local(v) for k, v in state["optim"].items()},
                 "trainer": self.snapshot()}
 
+    def _receive_into(self) -> dict:
+        """Where a heal lands: the tensors of the sender's state (`_state` under torchft's own keys) that this
+        group already holds, by path (get_state_dict makes a fresh optimizer's state); the trainer state is new."""
+        state, _ = collect_state(self.model_parts, self.optimizers)
+        return {"user": {"kiln": {part: {k: _local(v) for k, v in state[part].items() if isinstance(v, torch.Tensor)}
+                                  for part in ("model", "optim")}}}
+
     def _load(self, sent: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         t0 = time.monotonic()
         state, keys = collect_state(self.model_parts, self.optimizers)
+        complete = True  # every value is in this group's own state already: nothing left to set
         with torch.no_grad():
             for part in ("model", "optim"):
                 mine = state[part]
                 for key, value in sent[part].items():
-                    if isinstance(mine.get(key), torch.Tensor):
-                        target = mine[key].to_local() if isinstance(mine[key], DTensor) else mine[key]
-                        target.copy_(value)
-                    else:
-                        mine[key] = value
-        for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
-            set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
-                           optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
+                    have = mine.get(key)
+                    if isinstance(have, torch.Tensor):
+                        target = _local(have)
+                        if target.data_ptr() != value.data_ptr():  # not received in place
+                            target.copy_(value)
+                    elif isinstance(value, torch.Tensor) or have != value:
+                        mine[key], complete = value, False
+        if not complete:  # a value that differs (the optimizer's lr of an earlier step) or a tensor it lacks
+            for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
+                set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
+                               optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
         self._healed = sent["trainer"]
         self.load_s = time.monotonic() - t0
 
