@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kiln.api import contract
 from kiln.control.plan import TORCHRUN_ENV
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, complete_lines, wait_until
 from tests.distributed.trainer_helpers import env
@@ -187,4 +188,4 @@ def lighthouse_server(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms,
-                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+                            heartbeat_timeout_ms=heartbeat_timeout_ms, quorum_tick_ms=contract.FT_QUORUM_TICK_MS)

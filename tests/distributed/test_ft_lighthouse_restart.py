@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.api import contract
 from kiln.control.plan import LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS, LIGHTHOUSE_JOIN_TIMEOUT_MS
 from tests.distributed.ft_helpers import Group, die_with_parent, records
 from tests.distributed.ranks import free_port, wait_until
@@ -38,7 +39,8 @@ class Lighthouse:
             self.proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("kiln-lighthouse")), "--min_replicas", "1",
                  "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
-                 "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS), "--bind", f"[::]:{port}"],
+                 "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS),
+                 "--quorum_tick_ms", str(contract.FT_QUORUM_TICK_MS), "--bind", f"[::]:{port}"],
                 env=env(**die_with_parent()), stdout=sink, stderr=subprocess.STDOUT)
 
     def listening(self) -> bool:

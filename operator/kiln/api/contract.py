@@ -25,6 +25,9 @@ NODE_NAME = "KILN_NODE_NAME"  # the pod's node (downward API spec.nodeName): nam
 # elastic.faultTolerance replicaGroups (kiln.trainer.ft): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
 FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
+# how often the lighthouse looks for a quorum it can form (torchft's default 100 ms): a group that died is
+# dropped at the first look after its heartbeat lapses, so each kill waited half a tick more on average
+FT_QUORUM_TICK_MS = 20
 FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.ft
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).

@@ -270,7 +270,8 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
     per_group = nproc // groups
     restarts = doc.spec.elastic.max_restarts
     # processes on one machine: a group that stops heartbeating for 1 s is gone, and nobody waits longer for it
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000,
+                                  quorum_tick_ms=contract.FT_QUORUM_TICK_MS)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 

@@ -470,6 +470,7 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
         command=["kiln-lighthouse", "--min_replicas", "1",  # one live group keeps training
                  "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS),
+                 "--quorum_tick_ms", str(contract.FT_QUORUM_TICK_MS),
                  "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
         env=[k.V1EnvVar(name="RUST_LOG", value="warn")],  # torchft logs every quorum at info
         ports=[k.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT)],

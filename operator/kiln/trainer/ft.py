@@ -65,6 +65,10 @@ def rank0_decides(value: bool) -> bool:
     return bool(box[0])
 
 
+# optimizer settings the loop sets before every step (kiln.trainer.run: set_lr), whatever a heal brings
+_SET_EACH_STEP = (".lr",)
+
+
 def _local(t: Any) -> Any:
     if isinstance(t, DTensor):
         return t.to_local().detach()
@@ -150,9 +154,9 @@ class ReplicaGroups:
                         target = _local(have)
                         if target.data_ptr() != value.data_ptr():  # not received in place
                             target.copy_(value)
-                    elif isinstance(value, torch.Tensor) or have != value:
+                    elif isinstance(value, torch.Tensor) or (have != value and not key.endswith(_SET_EACH_STEP)):
                         mine[key], complete = value, False
-        if not complete:  # a value that differs (the optimizer's lr of an earlier step) or a tensor it lacks
+        if not complete:  # a tensor it lacks, a setting that differs
             for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
                 set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
                                optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
