@@ -21,6 +21,8 @@ The job's timeline is the time each step was first reported by any group. Report
   goodput          1 − lost / wall, lost = Σ (gap − reference p50) over the gaps holding a kill or a heal:
                    steps the survivors took alone count as work (they are committed steps)
   goodput_p99      the same with every gap above the reference's p99 counted as lost (faults or load)
+  guard_events     every new step the guards skipped or rolled back, both jobs, with the job's 70 steps before
+                   it (step, loss, live groups): whether a verdict came from a real spike
   kiln_ledger      kiln's own account (kiln.control.goodput over the trainer's counters in the final
                    commit's trainer.json): productive, degraded seconds and goodput over the same wall,
                    against the benchmark's degraded time (Σ gaps ending in a step with one group live)
@@ -40,6 +42,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 from tests.bench.report import write_report
@@ -48,6 +51,7 @@ from tests.distributed.ranks import POLL_S, SAFETY_TIMEOUT_S
 from tests.distributed.trainer_helpers import write_spec
 
 GROUPS = 2
+GUARD_CONTEXT = 70  # records kept before a guard's skip or rollback (its window is 64 losses)
 
 
 def spec(path: Path, steps: int, interval: int, uri: str, endpoint: str | None) -> Path:
@@ -110,6 +114,8 @@ class Job:
         self.pending: dict | None = None
         self.next_kill, self.victim = kill_every, 0
         self.late: list[str] = []  # replacements stopped unheard: the job had ended before they were back
+        self.recent: deque[list] = deque(maxlen=GUARD_CONTEXT)  # the job's last (step, loss, live groups)
+        self.guard_events: list[dict] = []  # every skipped step and rollback, with the losses before it
 
     def _start(self, index: int, n: int, gated: bool = False) -> tuple[Group, _Tail]:
         out = self.tmp / self.name / f"g{index}-{n}"
@@ -126,6 +132,12 @@ class Job:
                     self.first_seen[r["step"]] = now
                     self.participants[r["step"]] = r.get("ft_participants", GROUPS)
                     self.step_s[r["step"]] = r["step_s"]
+                    if r.get("guard_action") not in (None, "ok"):  # every group of the quorum says the same
+                        self.guard_events.append({
+                            "step": r["step"], "action": r["guard_action"], "reason": r.get("guard_reason"),
+                            "rolled_back_to": r.get("rolled_back_to"), "participants": r.get("ft_participants"),
+                            "zscore": r.get("guard_loss_zscore"), "before": list(self.recent)})
+                    self.recent.append([r["step"], round(r["loss"], 4), r.get("ft_participants")])
                 self.last[index] = r
                 self.redone[group.name] = r.get("ft_redone_steps", 0)  # counted per process
                 self.quorum_s[index, r["step"]] = r.get("ft_quorum_s")
@@ -189,6 +201,7 @@ class Job:
             # the job's guard counters (a healed group receives them): spikes skipped, rollbacks
             "guard": {k: finals[0].get(k) for k in ("guard_skipped_spike", "guard_skipped_nonfinite",
                                                      "guard_rollbacks")} if finals else None,
+            "guard_events": self.guard_events,
             "redone_steps": sum(self.redone.values()),  # steps voted down (a group died in them), every process
             "degraded_s": sum(g for b, g in gaps.items() if self.participants[b] < GROUPS),
             "steps_degraded": sum(1 for s in order if self.participants[s] < GROUPS),

@@ -13,7 +13,7 @@ world: FSDP/TP/PP inside it exactly as without fault tolerance (the group's layo
   this quorum steps its optimizer and the step is redone with the next quorum;
 - a group that joins behind the others (restarted after a fault, or fallen behind) receives the weights,
   optimizer state and trainer state (step, data cursor, RNG, guard state, goodput counters) of a live peer
-  through torchft's checkpoint transport (HTTP) inside the quorum, and reads no checkpoint;
+  over the groups' process group (torchft's PGTransport, in place) inside the quorum, and reads no checkpoint;
 - when nobody has stepped yet (a fresh start or a whole-job restart) every group restores the newest commit,
   as without fault tolerance; only the group at replica rank 0 of the current quorum writes commits.
 
