@@ -523,7 +523,7 @@ class QueueStatus(ApiModel):
     flavors: list[str] = Field(default_factory=list, max_length=64, description="The ResourceFlavors it was given.")
     topology: QueueTopology | None = Field(
         None, description="The topology domains Kueue placed it in (a flavor with a Kueue Topology only).")
-    waiting_groups: list[int] | None = Field(
+    waiting_groups: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
         None, max_length=4096, description="elastic.faultTolerance replicaGroups: the groups Kueue has not admitted "
         "(each group is admitted alone; the run runs once one is, and admittedAt, clusterQueue and flavors are the "
         "lowest-numbered admitted group's). Empty once every group is admitted.")
