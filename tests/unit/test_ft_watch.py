@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from kiln.errors import KilnError
-from kiln.trainer.ft_watch import HANG_FLOOR_ENV, MIN_SAMPLES, HangWatch, floor_s
+from kiln.control.elastic import HANG_MIN_SAMPLES as MIN_SAMPLES
+from kiln.trainer.ft_watch import HANG_FLOOR_ENV, HangWatch, floor_s
 
 
 class Clock:

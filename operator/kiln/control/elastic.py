@@ -241,8 +241,13 @@ def p99(values: Iterable[float]) -> float:
     return xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
 
 
-def hang(recent_step_s: Iterable[float], last_progress: float, now: float, *, factor: float = 10.0,
-         floor_s: float = 60.0, min_samples: int = 5) -> str | None:
+HANG_FACTOR = 10.0  # no step for this many x p99 step time is a hang ...
+HANG_FLOOR_S = 60.0  # ... but never under this: a save or a GC pause of very fast steps is not one
+HANG_MIN_SAMPLES = 5  # step times before any verdict
+
+
+def hang(recent_step_s: Iterable[float], last_progress: float, now: float, *, factor: float = HANG_FACTOR,
+         floor_s: float = HANG_FLOOR_S, min_samples: int = HANG_MIN_SAMPLES) -> str | None:
     """A reason to restart when no step completed for factor x p99(recent step times), else None.
 
     Before `min_samples` step times exist (start-up, compile, restore) there is no baseline: no verdict.

@@ -30,8 +30,8 @@ from kiln.control.status import Event, job_condition, set_condition
 class Tuning:
     grace_s: float = 120.0  # NotReady this long → force-delete the job's pods there
     grow_cooldown_s: float = 300.0  # between a change and the next growth
-    hang_factor: float = 10.0  # no step for this many x p99 step time → restart
-    hang_floor_s: float = 60.0
+    hang_factor: float = elastic.HANG_FACTOR  # no step for this many x p99 step time → restart
+    hang_floor_s: float = elastic.HANG_FLOOR_S
 
 
 def _time(ts: str | None) -> float | None:

@@ -41,18 +41,17 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kiln.control.elastic import hang  # one place for the rule; imports only kiln.api (no Kubernetes, no kopf)
+# one place for the rule; imports only kiln.api (no Kubernetes, no kopf)
+from kiln.control.elastic import HANG_FLOOR_S, hang
 
 HANG_FLOOR_ENV = "KILN_FT_HANG_FLOOR_SECONDS"  # default: the rule's own floor (60 s)
-# the rule's defaults (the operator's): its floor, and how many step times before any verdict
-DEFAULT_FLOOR_S, MIN_SAMPLES = hang.__kwdefaults__["floor_s"], hang.__kwdefaults__["min_samples"]
 RECENT = 20  # step times the p99 is taken over, as the operator's (kiln.control.elastic_sync)
 HANG_EXIT_CODE = 124  # "timed out", as GNU timeout; torchrun reports it as the worker's exit code
 SHUTDOWN_WAIT_S = 5.0  # the manager's shutdown may not block the exit behind the stuck main thread
 
 
 def floor_s() -> float:
-    value = os.environ.get(HANG_FLOOR_ENV, str(DEFAULT_FLOOR_S))
+    value = os.environ.get(HANG_FLOOR_ENV, str(HANG_FLOOR_S))
     try:
         floor = float(value)
     except ValueError:
