@@ -71,11 +71,12 @@ def combined_job(jobs: list[dict | None]) -> dict | None:
     states = [job_condition(j) for j in present]
     # under Kueue each group is admitted alone: the run is held only while every group is, and the groups
     # Kueue admitted decide its state meanwhile (one admitted group starts the run)
-    held = all(kueue.held(j) for j in present)
+    each_held = [kueue.held(j) for j in present]
+    held = all(each_held)
     if len(present) == len(jobs) and all(state in FINAL for state in states):
         state = "Succeeded" if "Succeeded" in states else "Failed"
     else:
-        free = states if held else [s for j, s in zip(present, states) if not kueue.held(j)]
+        free = states if held else [s for s, h in zip(states, each_held) if not h]
         state = next((s for s in LIVELIEST if s in free), None)
     source = next((j for j, s in zip(present, states) if s == state), present[0])
     conditions = [c for c in (source.get("status") or {}).get("conditions") or []
@@ -88,6 +89,9 @@ def combined_job(jobs: list[dict | None]) -> dict | None:
             "status": {"conditions": conditions[-1:]}}
 
 
+GROUP_QUEUE_FIELDS = ("queued", "queueReason", "queueMessage", "admittedAt")  # status.replicaGroups[], Kueue's
+
+
 def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | None,
                  queues: list[kueue.QueueState | None] | None = None) -> list[dict]:
     """status.replicaGroups: each group's phase, running pods and restarts. A group is Restarting while its job
@@ -97,6 +101,7 @@ def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | No
     before = {g.get("group"): g for g in old or []}
     out = []
     for group, job in enumerate(jobs):
+        was = before.get(group, {})
         mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL) == str(group)]
         workers = (((job or {}).get("spec") or {}).get("pytorchReplicaSpecs") or {}).get("Worker") or {}
         desired, running, state = int(workers.get("replicas") or 0), running_pods(mine), job_condition(job)
@@ -107,20 +112,16 @@ def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | No
         elif desired and running >= desired:
             phase = "Running"
         else:
-            phase = "Restarting" if state in ("Running", "Restarting") or before.get(group, {}).get("phase") == "Running" \
-                else "Pending"
-        restarts = int(before.get(group, {}).get("restarts") or 0)
-        if before.get(group, {}).get("phase") == "Running" and phase in ("Restarting", "Pending"):
+            phase = "Restarting" if state in ("Running", "Restarting") or was.get("phase") == "Running" else "Pending"
+        restarts = int(was.get("restarts") or 0)
+        if was.get("phase") == "Running" and phase in ("Restarting", "Pending"):
             restarts += 1
-        was = before.get(group, {})
         queued = kueue.group_fields(queues[group], was) if queues is not None else \
             {k: was[k] for k in GROUP_QUEUE_FIELDS if k in was}
         out.append({"group": group, "job": ((job or {}).get("metadata") or {}).get("name"), "phase": phase,
                     "pods": running, "restarts": restarts, **queued})
     return out
 
-
-GROUP_QUEUE_FIELDS = ("queued", "queueReason", "queueMessage", "admittedAt")
 
 
 def pods_to_stop(job: dict | None, pods: list[dict]) -> list[str]:
