@@ -144,6 +144,8 @@ class ReplicaGroups:
 
         t0 = time.monotonic()
         state, keys = collect_state(self.model_parts, self.optimizers)
+        # get_state_dict's tensors are the model's and optimizer's own (STATE_OPTIONS: no full state dict, no CPU
+        # offload), so a value received or copied into them is loaded; set_state_dict is for what is not
         complete = True  # every value is in this group's own state already: nothing left to set
         with torch.no_grad():
             for part in ("model", "optim"):
