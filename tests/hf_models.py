@@ -35,7 +35,7 @@ def make_tokenizer(vocab: int = VOCAB):
     """A byte-level BPE of `vocab` tokens trained on the pydoc corpus (a second or so)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kiln.trainer.data import pydoc_bytes
+    from kiln.trainer.data.loader import pydoc_bytes
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -191,7 +191,7 @@ def metric_name(selector: str) -> str:
 NO_SAMPLES_ON_CPU = {
     "kiln_operator_reconcile_errors_total": "a series per handler and error type from its first failed reconcile; "
                                             "a healthy run has none",
-    "kiln_train_mfu": "not reported on CPU: no known peak (kiln.trainer.metrics.mfu_note); GPU runs only",
+    "kiln_train_mfu": "not reported on CPU: no known peak (kiln.trainer.observe.metrics.mfu_note); GPU runs only",
     "kiln_data_source_share": "runs that mix data.sources only; these runs read one data.uri",
     "kiln_gpu_health": "GPU nodes only (NVML)",
 }
@@ -206,7 +206,7 @@ def declared_families(prom: Prometheus) -> set[str]:
     the operator's, still up) and those the trainer's exporter registers (its pods are gone by now)."""
     from prometheus_client import CollectorRegistry
 
-    from kiln.trainer.exporter import TrainerExporter
+    from kiln.trainer.observe.exporter import TrainerExporter
 
     trainer = TrainerExporter("declared", registry=CollectorRegistry()).registry
     return {family(n) for n in prom.api("metadata")} | {family(f.name) for f in trainer.collect()}

@@ -30,7 +30,7 @@ from tests.bench.report import write_report
 
 
 def conversations(copies: int) -> list[list[dict]]:
-    from kiln.trainer.data import pydoc_bytes
+    from kiln.trainer.data.loader import pydoc_bytes
 
     paragraphs = [p.strip() for p in pydoc_bytes().decode().split("\n\n") if len(p.strip()) > 40]
     out = []
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="runs/bench/chat.json")
     args = ap.parse_args(argv)
-    from kiln.trainer.prepare import prepare
+    from kiln.trainer.data.prepare import prepare
     from tests.chat_models import WITHOUT_GENERATION, save_chat_folder
 
     batch = 1000

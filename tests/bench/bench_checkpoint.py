@@ -26,8 +26,8 @@ from kiln.api.presets import PRESETS, ModelDims, llama_ffn_dim
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import open_store
 from kiln.storage.commit import read_commit
-from kiln.trainer.checkpoint import Checkpointer
-from kiln.trainer.model import build_model
+from kiln.trainer.checkpoint.checkpointer import Checkpointer
+from kiln.trainer.model.transformer import build_model
 from tests.bench.report import write_report
 
 MiB = 1 << 20

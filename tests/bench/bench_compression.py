@@ -1,7 +1,7 @@
 """Gradient compression benchmark: bytes handed to all-reduce per step and final-loss delta, vs uncompressed.
 
 Two gloo ranks on this machine train the same MLP from the same init on the same data with each mode of
-`parallelism.gradientCompression` (plain replication, torch's comm hooks as `kiln.trainer.compression`
+`parallelism.gradientCompression` (plain replication, torch's comm hooks as `kiln.trainer.parallel.compression`
 registers them). Bytes are counted at `torch.distributed.all_reduce` (what the hooks hand to the
 network); the reference is the uncompressed fp32 all-reduce in the same run.
 
@@ -34,7 +34,7 @@ def _run_mode(rank: int, world: int, mode: str, steps: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kiln.trainer.compression import PowerSGDConfig, apply_replicate
+    from kiln.trainer.parallel.compression import PowerSGDConfig, apply_replicate
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",))
     model = _model()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from kiln.api import TrainingSpec
-from kiln.trainer.checkpoint import Checkpointer
+from kiln.trainer.checkpoint.checkpointer import Checkpointer
 from kiln.trainer.evaluate import (
     initial_model,
     load_checkpoint,

@@ -232,7 +232,7 @@ def kiln_ledger(uri: str, endpoint: str | None, wall_s: float) -> dict:
     from kiln.control.goodput import Ledger, observe
     from kiln.storage.commit import read_latest, read_trainer_state
     from kiln.storage.store import open_store
-    from kiln.trainer.status_report import DEGRADED, TRAINER_TIME
+    from kiln.trainer.observe.status_report import DEGRADED, TRAINER_TIME
 
     store = open_store(uri, endpoint=endpoint)
     latest = read_latest(store)

@@ -1,9 +1,9 @@
 """Fused kernels on one GPU: time, achieved bandwidth and memory against eager PyTorch, torch.compile and Liger.
 
 For each op, forward and forward+backward are timed (`triton.testing.do_bench`, median) for
-  eager     the plain PyTorch reference (kiln.trainer.kernels.reference)
+  eager     the plain PyTorch reference (kiln.trainer.model.kernels.reference)
   compiled  torch.compile of that reference
-  kiln      the Triton kernels (kiln.trainer.kernels.triton)
+  kiln      the Triton kernels (kiln.trainer.model.kernels.triton)
   liger     Liger-Kernel's op where it has the same one (skipped with the reason if it does not import)
 at Llama-3-8B sizes in bf16. Memory-bound ops report the bandwidth they achieve on the bytes they must move
 (each input read once, each output written once) as a fraction of the device's measured copy bandwidth.
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace, dev: str = "cuda", do_bench: Callable | None =
     without a GPU (under the Triton interpreter, with a wall-clock timer)."""
     import triton
 
-    from kiln.trainer.kernels import reference
-    from kiln.trainer.kernels import triton as kiln_ops
+    from kiln.trainer.model.kernels import reference
+    from kiln.trainer.model.kernels import triton as kiln_ops
 
     if do_bench is None:
         from triton.testing import do_bench as triton_do_bench

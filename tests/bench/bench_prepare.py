@@ -27,7 +27,7 @@ from tests.bench.report import write_report
 
 
 def make_corpus(folder: Path, copies: int) -> int:
-    from kiln.trainer.data import pydoc_bytes
+    from kiln.trainer.data.loader import pydoc_bytes
 
     paragraphs = [p for p in pydoc_bytes().decode().split("\n\n") if p.strip()]
     folder.mkdir(parents=True)
@@ -41,7 +41,7 @@ def make_corpus(folder: Path, copies: int) -> int:
 def train_tokenizer(path: Path, vocab: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kiln.trainer.data import pydoc_bytes
+    from kiln.trainer.data.loader import pydoc_bytes
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -71,7 +71,7 @@ def dedup_bytes_per_document(texts: list[str]) -> dict[str, float]:
     import hashlib
     import tracemalloc
 
-    from kiln.trainer.prepare import NearDuplicates, normalise
+    from kiln.trainer.data.prepare import NearDuplicates, normalise
 
     texts = [normalise(t) for t in texts]
     tracemalloc.start()
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dedups", nargs="+", default=["none", "exact", "minhash"], choices=["none", "exact", "minhash"])
     ap.add_argument("--out", default="runs/bench/prepare.json")
     args = ap.parse_args(argv)
-    from kiln.trainer.prepare import prepare
+    from kiln.trainer.data.prepare import prepare
 
     batch = 1000
     with tempfile.TemporaryDirectory(prefix="kiln-bench-prepare-") as tmp:

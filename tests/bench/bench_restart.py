@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, uri: str, env: dict, width: int, progress: st
 
     import torch
     from kiln.api.spec import CheckpointSpec
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
     from torch import nn
 
     logging.basicConfig(filename=f"{progress}.log", level=logging.INFO, force=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 from kiln.api import TrainingSpec, resolve_model
-from kiln.trainer import kernels
-from kiln.trainer.metrics import flops_per_token, peak_flops
-from kiln.trainer.model import build_model, cross_entropy
+from kiln.trainer.model import kernels
+from kiln.trainer.observe.metrics import flops_per_token, peak_flops
+from kiln.trainer.model.transformer import build_model, cross_entropy
 from tests.bench.report import write_report
 
 
@@ -64,7 +64,7 @@ def _rates(stamps: list[float], tokens: int, warmup: int) -> list[float]:
 
 def bench_kiln(args, out_dir: Path, device: torch.device) -> tuple[list[float], list[float]]:
     """(wall-clock tokens/s per step, the tokens/s kiln itself reported per step)."""
-    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.guards.hooks import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -1,6 +1,6 @@
 """Throughput of kiln's trainer against TorchTitan's Llama3 model on the same work, interleaved in one run.
 
-kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: what `kiln.trainer.parallel` applies
+kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: what `kiln.trainer.parallel.parallelize` applies
 at that layout — at one rank in fp32 no FSDP and the whole model compiled as one graph —, the kernels switch,
 its default guards, logging and status). TorchTitan (B): `torchtitan` 0.2.2's
 Llama3 `Transformer`, compiled per block by TorchTitan's own `apply_compile` with its loss compiled, as its
@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 from kiln.api import ModelDims, TrainingSpec, resolve_model
-from kiln.trainer.metrics import flops_per_token, peak_flops
-from kiln.trainer.model import count_params
+from kiln.trainer.observe.metrics import flops_per_token, peak_flops
+from kiln.trainer.model.transformer import count_params
 from tests.bench.report import write_report
 
 TORCHTITAN = "0.2.2"
@@ -214,7 +214,7 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
                                                                        list, dict | None]:
     """(kiln step seconds, TorchTitan step seconds, the TorchTitan side, kiln's losses, the profile with
     --profile), both after warm-up."""
-    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.guards.hooks import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
     spec = make_spec(args)

@@ -16,7 +16,7 @@ healed group receives, and the quorum), so every group injects at the same steps
 When a series needs more live groups than there are, the process stops itself (SIGSTOP, once) for the test
 to bring the missing group to the lighthouse before it steps on (SIGCONT). With KILN_TEST_HANG_AT=N the loop
 hangs in step N (after the step's vote, before its optimizer step): a wait on an event that never comes, as a
-stuck data read or a deadlock would; the group's hang watch (kiln.trainer.ft_watch) must end the process.
+stuck data read or a deadlock would; the group's hang watch (kiln.trainer.membership.hang_watch) must end the process.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch  # noqa: F401  the imports a start pays for, before the gate
 import torchft  # noqa: F401
 
-import kiln.trainer.ft  # noqa: F401
+import kiln.trainer.membership.replica_groups  # noqa: F401
 from kiln.cli.main import build_parser, run_command
 from kiln.cli.train_cmds import cmd_train
 from kiln.trainer.loop import StepHooks
@@ -55,7 +55,7 @@ def event_log(out: Path) -> StepHooks:
                       on_membership_change=[log("membership_change")])
     spikes = json.loads(os.environ.get("KILN_TEST_SPIKES", "[]"))
     if spikes:
-        from kiln.trainer.guards import GuardHooks
+        from kiln.trainer.guards.hooks import GuardHooks
 
         guards = GuardHooks()
 
@@ -83,7 +83,7 @@ def event_log(out: Path) -> StepHooks:
 
         hooks.before_update.insert(0, hang)
         if not spikes:  # setup installs the guards only when no step hook is given
-            from kiln.trainer.guards import GuardHooks
+            from kiln.trainer.guards.hooks import GuardHooks
 
             GuardHooks().install(hooks)
     return hooks

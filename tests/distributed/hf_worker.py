@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 def main(cases_path: str, out_dir: str) -> None:
     from kiln.api.spec import TrainingSpecSpec
-    from kiln.trainer import hf, kernels
+    from kiln.trainer.model import hf_folder as hf, kernels
     from kiln.trainer.run import init_distributed
-    from kiln.trainer.model import build_model
-    from kiln.trainer.parallel import build_mesh, parallelize, plan_layout
+    from kiln.trainer.model.transformer import build_model
+    from kiln.trainer.parallel import parallelize
+    from kiln.trainer.parallel.parallelize import build_mesh, plan_layout
 
     rank, world, device = init_distributed()
     kernels.set_mode("reference")
@@ -52,7 +53,7 @@ def main(cases_path: str, out_dir: str) -> None:
                     dist.send(model(tokens).contiguous(), dst=peer)
                     logits = None
                 else:
-                    # under TP the hidden states between blocks are sharded on the sequence (kiln.trainer.parallel)
+                    # under TP the hidden states between blocks are sharded on the sequence (kiln.trainer.parallel.parallelize)
                     hidden = torch.empty(tokens.shape[0], tokens.shape[1] // layout.tp, dims.dim)
                     dist.recv(hidden, src=peer)
                     logits = model(hidden)

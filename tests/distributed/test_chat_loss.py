@@ -1,7 +1,7 @@
 """data.format chat's loss: the mean over the assistant tokens of the whole global batch, whatever the layout.
 
 Two real gloo ranks run the trainer's own step functions (kiln.trainer.run `accumulate_step`,
-kiln.trainer.passes `pipeline_step`, with kiln.trainer.loss) on one global batch whose assistant tokens are spread
+kiln.trainer.parallel.microbatches `pipeline_step`, with kiln.trainer.model.loss) on one global batch whose assistant tokens are spread
 very unevenly over ranks and microbatches (one microbatch has none). Their gradients, gathered by parameter name,
 must equal those of the single-process reference: sum of the assistant tokens' cross-entropy / their count, over
 the full batch. The mean of per-microbatch means, which equal-weighting would give, differs from it by far more
@@ -49,11 +49,12 @@ def batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 def layout_grads(rank: int, world: int, out: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from kiln.trainer import hf, kernels
-    from kiln.trainer.loss import PipelineLoss, global_count, global_loss
-    from kiln.trainer.model import build_model, cross_entropy
-    from kiln.trainer.parallel import build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
-    from kiln.trainer.passes import pipeline_step
+    from kiln.trainer.model import hf_folder as hf, kernels
+    from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss
+    from kiln.trainer.model.transformer import build_model, cross_entropy
+    from kiln.trainer.parallel import parallelize
+    from kiln.trainer.parallel.parallelize import build_mesh, build_pipeline_schedule, dp_coordinates, plan_layout
+    from kiln.trainer.parallel.microbatches import pipeline_step
     from kiln.trainer.run import accumulate_step
 
     losses = {}
@@ -94,8 +95,8 @@ def layout_grads(rank: int, world: int, out: str) -> dict:
 def reference(*, per_microbatch_mean: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, the full batch: sum of assistant-token losses / their count (or, to show the difference,
     the mean of the means of the four microbatches of 2 rows)."""
-    from kiln.trainer import hf
-    from kiln.trainer.model import build_model
+    from kiln.trainer.model import hf_folder as hf
+    from kiln.trainer.model.transformer import build_model
 
     s = spec({})
     dims = hf.resolve_dims(s)
@@ -140,8 +141,8 @@ def test_kiln_train_takes_the_loss_on_the_prepared_assistant_tokens(tmp_path):
 
     import yaml
 
-    from kiln.trainer.data import GlobalBatchLoader, open_source
-    from kiln.trainer.prepare import prepare
+    from kiln.trainer.data.loader import GlobalBatchLoader, open_source
+    from kiln.trainer.data.prepare import prepare
     from tests.chat_models import CONVERSATIONS, save_chat_folder
     from tests.distributed.trainer_helpers import torchrun_train, write_spec
 

@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.distributed]
 
 def _worker(rank, world, root):
     from kiln.api.spec import CheckpointSpec
-    from kiln.trainer import checkpoint as ckpt_mod
-    from kiln.trainer import dcp_store
+    from kiln.trainer.checkpoint import checkpointer as ckpt_mod
+    from kiln.trainer.checkpoint import dcp_store
 
     if rank == 1:
         # One of this rank's two shard files fails for good (e.g. retries exhausted): at step 1 the first,

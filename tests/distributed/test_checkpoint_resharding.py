@@ -76,7 +76,7 @@ def _train_step(model, opt, step: int, layout: str, rank: int, world: int) -> fl
 
 def _worker(rank, world, root, layout, mode, result_path):
     from kiln.api.spec import CheckpointSpec
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
 
     model, opt = _build(layout, rank, world)
     ck = Checkpointer(

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, action: str, uri: str, env: dict, out: str) -
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(7 if action == "save" else 99)  # a restore starts from other weights
     model = fsdp_per_layer(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)]), world)

@@ -57,7 +57,7 @@ class CountingStore(PassThroughStore):
 def _worker(rank: int, world: int, action: str, uri: str, shm: str, out: str) -> dict:
     os.environ["KILN_SHM_DIR"] = shm
     logging.basicConfig(filename=f"{out}/log-{rank}.txt", level=logging.INFO, force=True)
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

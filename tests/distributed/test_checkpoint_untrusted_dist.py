@@ -19,7 +19,7 @@ def _worker(rank, world, root, mode):
 
     from kiln.api.spec import CheckpointSpec
     from kiln.errors import KilnError
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))

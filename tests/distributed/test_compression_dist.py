@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from kiln.errors import KilnError
-from kiln.trainer.compression import (PowerSGDConfig, apply_replicate, check_supported, fsdp_reduce_dtype)
-from kiln.trainer.guards import SdcCheck
+from kiln.trainer.parallel.compression import (PowerSGDConfig, apply_replicate, check_supported, fsdp_reduce_dtype)
+from kiln.trainer.guards.sdc import SdcCheck
 
 from tests.distributed.ranks import run_ranks
 

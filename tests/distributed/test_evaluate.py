@@ -13,7 +13,7 @@ import pytest
 import torch
 from kiln.api.load import load_file
 from kiln.cli.main import main
-from kiln.trainer.data import VALIDATION_FRACTION, pydoc_bytes
+from kiln.trainer.data.loader import VALIDATION_FRACTION, pydoc_bytes
 from kiln.trainer.evaluate import evaluate
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S

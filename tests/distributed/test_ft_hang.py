@@ -1,4 +1,4 @@
-"""A replica group whose loop hangs takes itself out (kiln.trainer.ft_watch), and the other steps on.
+"""A replica group whose loop hangs takes itself out (kiln.trainer.membership.hang_watch), and the other steps on.
 
 Real processes: a torchft lighthouse and 2 replica groups, each its own torchrun job with one gloo worker
 (tests/distributed/ft_group_entry.py). Group 1's loop hangs in a step the run reaches (KILN_TEST_HANG_AT: a wait
@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from kiln.trainer.ft import LIGHTHOUSE_WAIT_ENV
-from kiln.trainer.ft_watch import HANG_EXIT_CODE, HANG_FLOOR_ENV
+from kiln.trainer.membership.replica_groups import LIGHTHOUSE_WAIT_ENV
+from kiln.trainer.membership.hang_watch import HANG_EXIT_CODE, HANG_FLOOR_ENV
 from tests.distributed.ft_helpers import Group, bring_back, lighthouse_server, records
 from tests.distributed.ranks import wait_until
 from tests.distributed.trainer_helpers import write_spec
@@ -54,7 +54,7 @@ def test_a_hung_group_leaves_the_quorum_the_other_steps_on_and_its_restart_heals
                    >= ALONE, alive=g0.alive, context=g0.log)
         # The restart's start after its gate (model, warm-up, join) can outlast group 0's remaining steps on a
         # loaded machine: group 0 is frozen until the restart is at the lighthouse (alone), then goes on. Its
-        # own hang watch must not count the freeze (kiln.trainer.ft_watch.HangWatch.frozen).
+        # own hang watch must not count the freeze (kiln.trainer.membership.hang_watch.HangWatch.frozen).
         bring_back(g0, g1b)
         g1.finish()  # the hung group's worker left (group 0 stepped alone); its torchrun ends too
         log1 = g1.log_path.read_text()

@@ -189,7 +189,7 @@ def test_a_killed_group_of_two_ranks_heals_each_rank_from_the_same_rank_of_its_p
 
 
 def _decide_rank(rank: int, world: int) -> list[bool]:
-    from kiln.trainer.ft import rank0_decides
+    from kiln.trainer.membership.replica_groups import rank0_decides
 
     return [rank0_decides(rank == 0), rank0_decides(rank != 0)]
 

@@ -1,4 +1,4 @@
-"""Every node's GPU health reaches rank 0 (kiln.trainer.guards → kiln.trainer.health.gather), on real gloo ranks.
+"""Every node's GPU health reaches rank 0 (kiln.trainer.guards → kiln.trainer.observe.gpu_health.gather), on real gloo ranks.
 
 Three ranks stand for three nodes' local rank 0 (LOCAL_RANK 0, KILN_NODE_NAME per rank) plus one second
 process on the last node (LOCAL_RANK 1: it probes nothing but takes part in the collective). NVML is the
@@ -32,7 +32,7 @@ def _rank(rank, world, tmp):
     fake._state = lambda: (reads.append(1), read_state())[1]
     os.environ.update(FAKE_NVML_STATE=f"{tmp}/{NODES[rank]}.json", KILN_NODE_NAME=NODES[rank],
                       LOCAL_RANK=str(LOCAL[rank]))
-    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.guards.hooks import GuardHooks
 
     hooks = GuardHooks(sdc_every=0, health_every=10)
     records = []

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.trainer.guards import (Action, GuardConfig, SdcCheck, SilentDataCorruption, StepGuard,
-                                 global_scalars)
+from kiln.trainer.guards.sdc import SdcCheck, SilentDataCorruption
+from kiln.trainer.guards.step import Action, GuardConfig, StepGuard, global_scalars
 from tests.distributed.ranks import run_ranks
 from tests.distributed.trainer_helpers import read_metrics, write_spec
 
@@ -156,7 +156,7 @@ def _flip_in_training(rank, world, spec_path, out, bad_rank):
     from torch.distributed.tensor import DTensor
 
     from kiln.api.load import load_file
-    from kiln.trainer.guards import GuardHooks
+    from kiln.trainer.guards.hooks import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
     seen = {}

@@ -20,7 +20,8 @@ POISON = {2: math.nan, 7: 50.0, 8: 60.0, 9: 70.0}
 
 def _rank(rank, world, spec_path, out):
     from kiln.api.load import load_file
-    from kiln.trainer.guards import GuardConfig, GuardHooks
+    from kiln.trainer.guards.step import GuardConfig
+    from kiln.trainer.guards.hooks import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
     pending = dict(POISON)  # one-shot: the steps re-run after the rollback are clean

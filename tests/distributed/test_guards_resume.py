@@ -28,7 +28,8 @@ KILL_AT = 7  # after the step-6 commit, before the step-7 update
 
 def _rank(rank, world, spec_path, out, ckpt_uri, kill_at, legacy):
     from kiln.api.load import load_file
-    from kiln.trainer.guards import GuardConfig, GuardHooks
+    from kiln.trainer.guards.step import GuardConfig
+    from kiln.trainer.guards.hooks import GuardHooks
     from kiln.trainer.loop import StepHooks, train
 
     os.makedirs(out, exist_ok=True)

@@ -92,8 +92,8 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
 
     from kiln.api.load import load_file
     from kiln.trainer.evaluate import initial_model, load_checkpoint
-    from kiln.trainer.data import GlobalBatchLoader, open_source
-    from kiln.trainer.hf import load_tokenizer, resolve_dims
+    from kiln.trainer.data.loader import GlobalBatchLoader, open_source
+    from kiln.trainer.model.hf_folder import load_tokenizer, resolve_dims
 
     folder = tmp_path / "base"
     base = save_model(folder, "tied")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.trainer.exporter import GAUGES
+from kiln.trainer.observe.exporter import GAUGES
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
 from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
 

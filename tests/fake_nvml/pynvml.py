@@ -1,4 +1,4 @@
-"""A FAKE `pynvml` (nvidia-ml-py) for tests: the NVML boundary of kiln.trainer.health, nothing else faked.
+"""A FAKE `pynvml` (nvidia-ml-py) for tests: the NVML boundary of kiln.trainer.observe.gpu_health, nothing else faked.
 
 Put this folder first on PYTHONPATH (or this module in sys.modules["pynvml"]) and point FAKE_NVML_STATE at a
 JSON file; every call reads the file again, so a test changes a GPU's health while the trainer runs:
@@ -8,7 +8,7 @@ JSON file; every call reads the file again, so a test changes a GPU's health whi
      "init_error": null}
 
 `xids` are delivered once each through the event set (as NVML delivers each XID event once); `init_error`
-makes nvmlInit raise (a node whose driver is gone). Only the calls kiln.trainer.health makes exist here.
+makes nvmlInit raise (a node whose driver is gone). Only the calls kiln.trainer.observe.gpu_health makes exist here.
 """
 
 from __future__ import annotations

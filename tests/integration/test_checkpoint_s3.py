@@ -26,7 +26,7 @@ from kiln.errors import KilnError
 from kiln.storage import ObjectNotFound, open_store
 from kiln.storage.commit import committed_steps
 from kiln.storage.retry import RetryPolicy
-from kiln.trainer.checkpoint import Checkpointer
+from kiln.trainer.checkpoint.checkpointer import Checkpointer
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
 

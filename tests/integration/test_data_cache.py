@@ -11,7 +11,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.storage import open_store
-from kiln.trainer.data import fetch_shards
+from kiln.trainer.data.loader import fetch_shards
 
 pytestmark = pytest.mark.rig
 

@@ -32,9 +32,9 @@ def test_import_from_s3_and_export_to_s3_round_trip(rig, s3_prefix, tmp_path):
     from kiln.api.load import load_file as load_spec
     from kiln.api.spec import CheckpointSpec
     from kiln.cli.main import main
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
     from kiln.trainer.evaluate import initial_model
-    from kiln.trainer.hf import resolve_dims
+    from kiln.trainer.model.hf_folder import resolve_dims
 
     local = tmp_path / "local"
     reference = save_model(local, "llama3", max_shard_size="20KB")  # sharded, with an index and a tokenizer
@@ -80,7 +80,7 @@ def test_chat_data_prepared_from_s3_to_s3_reads_back_with_its_masks(rig, s3_pref
     import json
 
     from kiln.cli.main import main
-    from kiln.trainer.data import GlobalBatchLoader, open_source
+    from kiln.trainer.data.loader import GlobalBatchLoader, open_source
     from tests.chat_models import CONVERSATIONS, save_chat_folder
 
     model = save_chat_folder(tmp_path / "model")
@@ -120,7 +120,7 @@ def test_text_data_is_prepared_from_s3_in_ranged_reads(rig, s3_prefix, tmp_path,
 
     from kiln.storage import reader
     from kiln.storage.s3 import S3Store
-    from kiln.trainer.prepare import prepare
+    from kiln.trainer.data.prepare import prepare
     from tests.hf_models import make_tokenizer
 
     src = tmp_path / "src"

@@ -67,7 +67,7 @@ def test_trainer_image_runs_torch_and_compiles_on_cpu(built):
     # torch.compile is on by default (spec.model.compile): Inductor compiles C++ on CPU, so the image needs
     # its compiler and Python's headers; the compile cache goes where the image's ENV says (/tmp).
     code = (
-        "import os, torch, kiln.trainer.loop, kiln.trainer.kernels\n"
+        "import os, torch, kiln.trainer.loop, kiln.trainer.model.kernels\n"
         "f = torch.compile(lambda x: torch.nn.functional.silu(x) * 2)\n"
         "x = torch.randn(64)\n"
         "assert torch.allclose(f(x), torch.nn.functional.silu(x) * 2)\n"

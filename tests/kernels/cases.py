@@ -1,4 +1,4 @@
-"""Correctness cases for kiln.trainer.kernels.triton against the fp32 reference, forward and backward.
+"""Correctness cases for kiln.trainer.model.kernels.triton against the fp32 reference, forward and backward.
 
 Each case builds inputs, runs the Triton op and the reference on fp32 copies of the same inputs, and asserts
 that outputs and gradients agree within the tolerance of the dtype. The module imports Triton lazily:
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from kiln.trainer.kernels import reference
+from kiln.trainer.model.kernels import reference
 
 # (rtol, atol) per dtype of the inputs. fp32: the kernels compute in fp32 like the reference, so only
 # summation order differs. bf16: the inputs are the same bf16 values, outputs and gradients are rounded
@@ -25,7 +25,7 @@ FLCE_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
 def _ops():
-    from kiln.trainer.kernels import triton as triton_ops
+    from kiln.trainer.model.kernels import triton as triton_ops
 
     return triton_ops
 
@@ -194,7 +194,7 @@ def compile_case(device: str = "cpu") -> None:
 def switch_case(device: str = "cpu") -> None:
     """The public switch: the reference mode is exactly the reference; bad modes are a KilnError."""
     from kiln import errors
-    from kiln.trainer import kernels
+    from kiln.trainer.model import kernels
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 4, 40, generator=g).to(device)
@@ -228,7 +228,7 @@ def dtensor_case() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from kiln.trainer import kernels
+    from kiln.trainer.model import kernels
 
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
@@ -254,7 +254,7 @@ def interpreter_active() -> bool:
 
     from triton import knobs
 
-    rms_norm_module = importlib.import_module("kiln.trainer.kernels.triton.rms_norm")
+    rms_norm_module = importlib.import_module("kiln.trainer.model.kernels.triton.rms_norm")
     return bool(knobs.runtime.interpret) and type(rms_norm_module._rms_norm_fwd_kernel).__name__ == "InterpretedFunction"
 
 

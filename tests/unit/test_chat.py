@@ -15,10 +15,10 @@ import torch
 from kiln.api import TrainingSpec
 from kiln.cli.main import main
 from kiln.errors import KilnError
-from kiln.trainer.chat import ChatRefused, ChatRenderer, ChatTemplate, load_chat_template, token_mask
-from kiln.trainer.data import GlobalBatchLoader, open_source
-from kiln.trainer.loss import IGNORE
-from kiln.trainer.prepare import prepare
+from kiln.trainer.data.chat import ChatRefused, ChatRenderer, ChatTemplate, load_chat_template, token_mask
+from kiln.trainer.data.loader import GlobalBatchLoader, open_source
+from kiln.trainer.model.loss import IGNORE
+from kiln.trainer.data.prepare import prepare
 from tests.chat_models import CONVERSATIONS, LLAMA3_STYLE, WITHOUT_GENERATION, save_chat_folder
 
 
@@ -160,7 +160,7 @@ def spec(data: dict, model: dict | None = None) -> dict:
 def test_spec_rules_and_run_refuse_chat_that_cannot_work(tmp_path, folders):
     from pydantic import ValidationError
 
-    from kiln.trainer import hf
+    from kiln.trainer.model import hf_folder as hf
 
     cases = [({"format": "chat", "uri": "file:///d/", "tokenizer": "byte"}, "spec.data.format: data.format chat renders"),
              ({"format": "chat", "uri": "synthetic", "tokenizer": "file:///t/"}, "must be a folder"),
@@ -184,8 +184,8 @@ def test_spec_rules_and_run_refuse_chat_that_cannot_work(tmp_path, folders):
 def test_ignored_targets_add_nothing_to_the_loss_or_its_gradient(kernel):
     """The unfused (TP/PP) and fused loss paths: an IGNORE target's position gets exactly zero gradient, the loss
     is the mean over the others, and a microbatch with none left gives 0, not NaN."""
-    from kiln.trainer import kernels
-    from kiln.trainer.model import cross_entropy
+    from kiln.trainer.model import kernels
+    from kiln.trainer.model.transformer import cross_entropy
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 6, 8, requires_grad=True)
@@ -216,7 +216,7 @@ def test_kiln_eval_scores_chat_data_on_the_assistant_tokens(tmp_path, folders):
     weighted by its count), which a mean of microbatch means would not give."""
     from kiln.api import ModelDims
     from kiln.trainer.evaluate import mean_loss
-    from kiln.trainer.model import build_model
+    from kiln.trainer.model.transformer import build_model
 
     write_conversations(tmp_path / "src", [{"messages": c} for c in CONVERSATIONS * 4])
     prepare([str(tmp_path / "src")], tokenizer_uri=f"file://{folders['plain']}", output=f"file://{tmp_path / 'out'}",

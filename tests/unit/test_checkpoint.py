@@ -16,9 +16,9 @@ from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
 from kiln.storage import FileStore
 from kiln.storage.commit import committed_steps
-from kiln.trainer import checkpoint as ckpt_mod
-from kiln.trainer import checkpoint_restore
-from kiln.trainer.checkpoint import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
+from kiln.trainer.checkpoint import checkpointer as ckpt_mod
+from kiln.trainer.checkpoint import restore as checkpoint_restore
+from kiln.trainer.checkpoint.checkpointer import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
 
 
 def make(seed=0):
@@ -228,7 +228,7 @@ def test_restart_from_a_non_final_checkpoint_counts_as_a_failure(tmp_path):
 def test_ranged_reader_reads_like_a_file(tmp_path):
     """The S3 read path (block-aligned ranged GETs with read-ahead), driven here through a file store."""
     from kiln.storage import FileStore
-    from kiln.trainer.dcp_store import RangedReader
+    from kiln.trainer.checkpoint.dcp_store import RangedReader
 
     data = bytes(range(256)) * 40 + b"tail"  # 10244 bytes: 11 blocks of 1000, the last one short
     store = FileStore(tmp_path)
@@ -286,7 +286,7 @@ def test_restore_from_a_remote_store_reads_each_shard_once_or_twice_when_memory_
 
 def test_block_reader_serves_verified_bytes_like_a_file():
     """The restore path: the blocks a rank downloaded and checked, read by DCP as a seekable file."""
-    from kiln.trainer.dcp_store import BlockReader
+    from kiln.trainer.checkpoint.dcp_store import BlockReader
 
     data = bytes(range(256)) * 40 + b"tail"
     reader = BlockReader([data[i : i + 1000] for i in range(0, len(data), 1000)], 1000, len(data))

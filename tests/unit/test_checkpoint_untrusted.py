@@ -25,8 +25,8 @@ from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.storage import FileStore
 from kiln.storage.commit import COMMIT, Commit, FileEntry, read_commit, step_dir
-from kiln.trainer.checkpoint import Checkpointer
-from kiln.trainer.dcp_store import load_metadata
+from kiln.trainer.checkpoint.checkpointer import Checkpointer
+from kiln.trainer.checkpoint.dcp_store import load_metadata
 
 
 class RunsCommand:

@@ -12,7 +12,7 @@ from kiln.api.load import parse
 from kiln.api.spec import TrainingSpecStatus
 from kiln.control.plan import plan
 from kiln.control.status import derive, set_condition
-from kiln.trainer.status_report import status_patch
+from kiln.trainer.observe.status_report import status_patch
 
 TRAINER_SOURCES = Path(contract.__file__).resolve().parents[1] / "trainer"
 RUN = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "c", "namespace": "ml"},
@@ -32,7 +32,7 @@ def test_every_status_field_has_exactly_one_writer():
 
 
 def test_the_trainer_patches_only_its_own_status_fields():
-    record = {"step": 7, "tokens_per_second": 1e4, "mfu": 0.3,  # a replica group's (kiln.trainer.ft) too
+    record = {"step": 7, "tokens_per_second": 1e4, "mfu": 0.3,  # a replica group's (kiln.trainer.membership.replica_groups) too
               "ft_quorum_id": 3, "ft_participants": 1, "ft_groups": 2, "ft_quorum_changes": 1, "ft_heals": 0}
     info = {"lastCheckpoint": {"step": 5, "uri": "s3://ckpt/c/step-00000005/", "time": 0.0}}
     body = status_patch(record, info, 100, seconds_per_step=1.0,

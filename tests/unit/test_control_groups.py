@@ -225,11 +225,11 @@ def test_a_groups_pods_get_only_variables_the_trainer_reads():
     for job in of(rendered(), "PyTorchJob"):
         ft_env = {name for name in env(job) if name.startswith("KILN_FT_")}
         assert ft_env == set(contract.FT_POD_ENV)
-    ft_source = (Path(kiln.trainer.__file__).parent / "ft.py").read_text()
+    ft_source = (Path(kiln.trainer.__file__).parent / "membership" / "replica_groups.py").read_text()
     assert all(f"os.environ.get(contract.{name}" in ft_source for name in ("FT_LIGHTHOUSE", "FT_GROUP"))
 
 
-# ---- the trainer's side (kiln.trainer.status_report) and the goodput ledger (kiln.control.goodput) ----
+# ---- the trainer's side (kiln.trainer.observe.status_report) and the goodput ledger (kiln.control.goodput) ----
 
 def ft_record(step: int, live: int, replica_rank: int = 0, step_s: float = 1.0) -> dict:
     return {"step": step, "step_s": step_s, "ft_group": replica_rank, "ft_groups": 2, "ft_replica_rank": replica_rank,
@@ -251,7 +251,7 @@ class FakeSender:
 
 
 def test_only_the_group_at_replica_rank_0_reports_and_it_counts_degraded_steps():
-    from kiln.trainer.status_report import StatusReporter
+    from kiln.trainer.observe.status_report import StatusReporter
 
     clock = iter(range(100)).__next__
     writer, other = FakeSender(), FakeSender()

@@ -11,7 +11,7 @@ import torch
 
 from kiln.api.spec import DataSpec
 from kiln.errors import KilnError
-from kiln.trainer.data import MIX_BLOCK, GlobalBatchLoader, MixedSamples, TokenSamples, block_counts, open_data
+from kiln.trainer.data.loader import MIX_BLOCK, GlobalBatchLoader, MixedSamples, TokenSamples, block_counts, open_data
 
 SEQ = 8
 

@@ -12,8 +12,8 @@ import pytest
 
 from kiln.cli.main import main
 from kiln.errors import KilnError
-from kiln.trainer.data import open_source
-from kiln.trainer.prepare import normalise, prepare, token_dtype
+from kiln.trainer.data.loader import open_source
+from kiln.trainer.data.prepare import normalise, prepare, token_dtype
 from tests.hf_models import make_tokenizer
 
 
@@ -97,8 +97,8 @@ def test_normalise_and_token_dtype():
 
 
 def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenizer_file, monkeypatch):
-    import kiln.trainer.hf as hf
-    from kiln.trainer import prepare as prep
+    import kiln.trainer.model.hf_folder as hf
+    from kiln.trainer.data import prepare as prep
 
     src = tmp_path / "src"
     src.mkdir()
@@ -164,7 +164,7 @@ def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenize
 
 
 def test_minhash_drops_near_duplicates_that_exact_dedup_keeps(tmp_path, tokenizer_file):
-    from kiln.trainer.data import pydoc_bytes
+    from kiln.trainer.data.loader import pydoc_bytes
 
     long = (p.strip() for p in pydoc_bytes().decode().split("\n\n") if len(p.split()) > 60)
     paragraphs = list(dict.fromkeys(long))[:30]  # 30 distinct paragraphs of over 60 words

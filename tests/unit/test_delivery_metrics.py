@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.control import metrics as op
-from kiln.trainer.exporter import GAUGES, TrainerExporter
+from kiln.trainer.observe.exporter import GAUGES, TrainerExporter
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kiln" / "dashboards" / "kiln.json"
 

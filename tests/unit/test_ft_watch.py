@@ -1,4 +1,4 @@
-"""kiln.trainer.ft_watch.HangWatch: what counts as a replica group's progress, on a clock the test moves (the rule
+"""kiln.trainer.membership.hang_watch.HangWatch: what counts as a replica group's progress, on a clock the test moves (the rule
 itself, kiln.control.elastic.hang, is the operator's, tested in tests/unit/test_elastic.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.control.elastic import HANG_MIN_SAMPLES as MIN_SAMPLES
-from kiln.trainer.ft_watch import HANG_FLOOR_ENV, HangWatch, floor_s
+from kiln.trainer.membership.hang_watch import HANG_FLOOR_ENV, HangWatch, floor_s
 
 
 class Clock:
@@ -106,7 +106,7 @@ def test_the_floor_comes_from_the_environment_and_bad_values_are_refused(monkeyp
 
 def test_the_watch_imports_no_kubernetes_and_no_torch():
     """The rule is the operator's (kiln.control.elastic): importing it in the trainer must stay cheap."""
-    code = ("import sys, kiln.trainer.ft_watch; print(sorted({m.split('.')[0] for m in sys.modules} & "
+    code = ("import sys, kiln.trainer.membership.hang_watch; print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'kopf', 'kubernetes', 'kubeflow', 'torch', 'aiohttp'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,5 +1,5 @@
 """Predictive failover from GPU health, the pure parts: the trainer's reading (through a FAKE pynvml at the
-NVML boundary; kiln.trainer.health's own code runs), what it reports (status, Prometheus), and the
+NVML boundary; kiln.trainer.observe.gpu_health's own code runs), what it reports (status, Prometheus), and the
 operator's decision (kiln.control.failover) and its price in the goodput ledger."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from kiln.api.spec import TrainingSpecStatus, TrainingSpecSpec
 from kiln.control import elastic, failover
 from kiln.control.elastic import NodeView
 from kiln.control.goodput import Ledger, held, observe
-from kiln.trainer import health
-from kiln.trainer.exporter import TrainerExporter
-from kiln.trainer.metrics import MetricsLogger
-from kiln.trainer.status_report import StatusReporter
+from kiln.trainer.observe import gpu_health as health
+from kiln.trainer.observe.exporter import TrainerExporter
+from kiln.trainer.observe.metrics import MetricsLogger
+from kiln.trainer.observe.status_report import StatusReporter
 
 from tests.fake_nvml import pynvml as fake_pynvml
 

@@ -8,7 +8,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kiln.trainer.guards import Action, GuardConfig, GuardHooks, StepGuard, robust_zscore
+from kiln.trainer.guards.step import Action, GuardConfig, StepGuard, robust_zscore
+
+from kiln.trainer.guards.hooks import GuardHooks
 from kiln.trainer.loop import StepHooks
 
 
@@ -129,7 +131,7 @@ def test_guard_hooks_register_their_state_and_warn_on_a_checkpoint_without_it(ca
     assert list(fresh.guard.history) == list(guards.guard.history)
 
 
-# Replica groups (kiln.trainer.ft): the global loss that replica group 1 logged in the 10-minute benchmark
+# Replica groups (kiln.trainer.membership.replica_groups): the global loss that replica group 1 logged in the 10-minute benchmark
 # (docs/resilience.md, run C), steps 1215-1395. Up to step 1279 both groups were live (the whole batch of 4
 # sequences); from 1280 group 1 was alone (2 sequences: half the batch), and the detector saw spikes at 1352,
 # 1370 and 1395 and rolled the run back 395 steps.
@@ -230,8 +232,8 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from kiln.storage.store import FileStore
-    from kiln.trainer.exporter import TrainerExporter
-    from kiln.trainer.guards import SDC_INCIDENTS, SilentDataCorruption
+    from kiln.trainer.observe.exporter import TrainerExporter
+    from kiln.trainer.guards.sdc import SDC_INCIDENTS, SilentDataCorruption
     from kiln.trainer.loop import StepContext
 
     store = FileStore(tmp_path / "checkpoints")

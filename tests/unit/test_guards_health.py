@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from kiln.trainer.health import GpuSample, HealthReport, assess, expected_gpus, probe
+from kiln.trainer.observe.gpu_health import GpuSample, HealthReport, assess, expected_gpus, probe
 
 
 def test_healthy_gpus():

@@ -16,8 +16,8 @@ from kiln.api.load import parse
 from kiln.api.spec import ModelSpec
 from kiln.errors import KilnError
 from kiln.storage import open_store
-from kiln.trainer import hf
-from kiln.trainer.model import build_model
+from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model.transformer import build_model
 from tests.hf_models import VARIANTS, VOCAB, make_tokenizer, save_model
 
 
@@ -237,7 +237,7 @@ def test_missing_files_are_named(tmp_path, folder):
 
 
 def test_tokenizer_must_fit_the_model_and_be_readable(tmp_path, folder):
-    from kiln.trainer.hf import training_tokenizer
+    from kiln.trainer.model.hf_folder import training_tokenizer
 
     spec = spec_for(f"file://{folder}")
     dims = hf.resolve_dims(spec)

@@ -11,7 +11,7 @@ from kiln.api.load import parse
 from kiln.api.spec import TrainingSpecSpec
 from kiln.control import elastic
 from kiln.errors import KilnError
-from kiln.trainer.parallel import plan_layout
+from kiln.trainer.parallel.parallelize import plan_layout
 
 
 def unchecked(spec: dict) -> TrainingSpecSpec:

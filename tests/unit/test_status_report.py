@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 from kiln.api.spec import TrainingSpecStatus
-from kiln.trainer import status_report
-from kiln.trainer.status_report import StatusReporter, StatusSender, status_patch
+from kiln.trainer.observe import status_report
+from kiln.trainer.observe.status_report import StatusReporter, StatusSender, status_patch
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
 

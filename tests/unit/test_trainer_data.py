@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from kiln.errors import KilnError
-from kiln.trainer.data import GlobalBatchLoader, SyntheticSamples, open_source, pydoc_bytes
+from kiln.trainer.data.loader import GlobalBatchLoader, SyntheticSamples, open_source, pydoc_bytes
 
 
 def pydoc(seq_len=64, split="train"):
@@ -117,11 +117,11 @@ def test_token_shards_from_s3_are_cached_locally(rig, tmp_path, monkeypatch):
 
 def test_the_trainer_reads_shards_without_importing_the_chat_and_prepare_code():
     # A restarted rank pays every import again before step 1 (docs/resilience.md): data.py takes the shard names
-    # from kiln.trainer.shards, not from prepare, which pulls in chat and jinja2.
+    # from kiln.trainer.data.shards, not from prepare, which pulls in chat and jinja2.
     import subprocess
     import sys
 
-    probe = ("import sys, kiln.trainer.run; print(sorted(m for m in ('jinja2', 'kiln.trainer.chat', "
-             "'kiln.trainer.prepare') if m in sys.modules))")
+    probe = ("import sys, kiln.trainer.run; print(sorted(m for m in ('jinja2', 'kiln.trainer.data.chat', "
+             "'kiln.trainer.data.prepare') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

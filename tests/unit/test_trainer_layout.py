@@ -6,9 +6,9 @@ import pytest
 from kiln.api import resolve_model
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
-from kiln.trainer.metrics import PEAK_FLOPS, flops_per_token
-from kiln.trainer.model import count_params
-from kiln.trainer.parallel import plan_layout, stage_layers
+from kiln.trainer.observe.metrics import PEAK_FLOPS, flops_per_token
+from kiln.trainer.model.transformer import count_params
+from kiln.trainer.parallel.parallelize import plan_layout, stage_layers
 
 
 def spec(world: int = 1, **kw) -> TrainingSpecSpec:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.trainer import kernels, metrics
-from kiln.trainer.status_report import status_patch
+from kiln.trainer.model import kernels
+
+from kiln.trainer.observe import metrics
+from kiln.trainer.observe.status_report import status_patch
 
 CUDA = torch.device("cuda", 0)
 

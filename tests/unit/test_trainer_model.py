@@ -8,8 +8,8 @@ import pytest
 import torch
 from kiln.api import ModelDims, resolve_model
 from kiln.api.spec import ModelSpec
-from kiln.trainer import parallel
-from kiln.trainer.model import build_model, count_params, cross_entropy
+from kiln.trainer.parallel import parallelize as parallel
+from kiln.trainer.model.transformer import build_model, count_params, cross_entropy
 
 DIMS = ModelDims(dim=32, layers=3, heads=4, kv_heads=2, vocab_size=64, seq_len=16, ffn_dim=48)
 

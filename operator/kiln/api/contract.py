@@ -14,21 +14,21 @@ SPEC_MOUNT = "/etc/kiln"  # the ConfigMap `<run>-spec`, read-only
 SPEC_FILE = "spec.yaml"  # the resolved spec: `kiln train --config /etc/kiln/spec.yaml`
 SPEC_PATH = f"{SPEC_MOUNT}/{SPEC_FILE}"
 
-RUN_NAME = "KILN_RUN_NAME"  # the TrainingSpec whose status rank 0 patches (kiln.trainer.status_report)
+RUN_NAME = "KILN_RUN_NAME"  # the TrainingSpec whose status rank 0 patches (kiln.trainer.observe.status_report)
 NAMESPACE = "KILN_NAMESPACE"  # its namespace (downward API)
-METRICS_PORT = "KILN_METRICS_PORT"  # rank 0 serves Prometheus /metrics on it (kiln.trainer.exporter); unset: none
-SHM_DIR = "KILN_SHM_DIR"  # each rank keeps a copy of the newest commit here (kiln.trainer.shm_copy); unset: none
-DATA_CACHE = "KILN_DATA_CACHE"  # where downloaded data shards are cached (kiln.trainer.data)
+METRICS_PORT = "KILN_METRICS_PORT"  # rank 0 serves Prometheus /metrics on it (kiln.trainer.observe.exporter); unset: none
+SHM_DIR = "KILN_SHM_DIR"  # each rank keeps a copy of the newest commit here (kiln.trainer.checkpoint.host_copy); unset: none
+DATA_CACHE = "KILN_DATA_CACHE"  # where downloaded data shards are cached (kiln.trainer.data.loader)
 DATA_CACHE_BYTES = "KILN_DATA_CACHE_BYTES"  # the pod's ephemeral-storage limit: data that cannot fit is refused
 NODE_NAME = "KILN_NODE_NAME"  # the pod's node (downward API spec.nodeName): names the GPUs in status.gpuHealth
 
-# elastic.faultTolerance replicaGroups (kiln.trainer.ft): the torchft lighthouse, and which group this job is
+# elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
 FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
 # how often the lighthouse looks for a quorum it can form (torchft's default 100 ms): a group that died is
 # dropped at the first look after its heartbeat lapses, so each kill waited half a tick more on average
 FT_QUORUM_TICK_MS = 20
-FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.ft
+FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.membership.replica_groups
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES, NODE_NAME)
@@ -44,7 +44,7 @@ TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensP
 CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",
                    "Failed", "Elastic", "GPUHealthy")
 
-# ---- GPU health: what trainer rank 0 reports per node in status.gpuHealth (kiln.trainer.health), and the
+# ---- GPU health: what trainer rank 0 reports per node in status.gpuHealth (kiln.trainer.observe.gpu_health), and the
 # operator acts on (kiln.control.failover) ----
 
 GPU_HEALTHY, GPU_DEGRADING, GPU_FAILING, GPU_UNKNOWN, GPU_NOT_APPLICABLE = GPU_HEALTH_STATES = (

@@ -6,7 +6,7 @@ A world is `nodes` x `processes per node`. Every side asks this module, so they 
   compares the two on random specs);
 - kiln.control.elastic: the node counts in [minNodes, maxNodes] the operator may choose (`runnable`);
 - kiln.control.plan.resolve: the bounds it writes (`node_bounds`);
-- kiln.trainer.parallel.plan_layout: the world torchrun started (`plan`);
+- kiln.trainer.parallel.parallelize.plan_layout: the world torchrun started (`plan`);
 - `kiln run SPEC --nproc N`: one node x N processes (`fit_local`).
 Pure and torch-free: plain values in, a Layout or a problem naming the field out.
 """

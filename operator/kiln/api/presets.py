@@ -65,7 +65,7 @@ def resolve_model(spec: ModelSpec) -> ModelDims:
     A spec with model.from has its dimensions in the folder's config.json: kiln.api.hf.dims_from_config."""
     if spec.from_ is not None:
         raise ValueError(f"model.from {spec.from_}: the dimensions are in the folder's config.json; read it with "
-                         f"kiln.trainer.hf.resolve_dims")
+                         f"kiln.trainer.model.hf_folder.resolve_dims")
     values: dict = {}
     if spec.preset is not None:
         if spec.preset not in PRESETS:

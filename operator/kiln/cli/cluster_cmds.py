@@ -327,7 +327,7 @@ def logs(args) -> int:
     return 0
 
 
-STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.metrics prints these on rank 0 only
+STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.observe.metrics prints these on rank 0 only
 
 
 def job_of(kube, namespace: str, run: str, group: int | None) -> str:

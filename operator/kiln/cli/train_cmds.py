@@ -198,8 +198,8 @@ def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path
 def check_layout(doc: TrainingSpec, world: int) -> None:
     """Fail before starting any process when the model (a model folder's config.json against the spec's
     fields), the tokenizer or the layout cannot work for `world` processes on this one machine."""
-    from kiln.trainer import hf
-    from kiln.trainer.parallel import plan_layout
+    from kiln.trainer.model import hf_folder as hf
+    from kiln.trainer.parallel.parallelize import plan_layout
 
     dims = hf.resolve_dims(doc.spec)
     hf.training_tokenizer(doc.spec, dims)
@@ -368,7 +368,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace, hooks=None) -> int:
     """One rank of `kiln train`; `hooks` (kiln.trainer.hooks.StepHooks, None: the guards) for callers in Python."""
-    from kiln.trainer.checkpoint import sigterm_received
+    from kiln.trainer.checkpoint.checkpointer import sigterm_received
     from kiln.trainer.loop import train
 
     doc = load_one(args.config)
@@ -449,7 +449,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kiln.trainer.hf import export_hf
+    from kiln.trainer.model.hf_folder import export_hf
 
     doc = load_one(args.spec)
     max_bytes = parse_size(args.max_shard_size)
@@ -482,7 +482,7 @@ def prepare_progress(console):
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from kiln.trainer.prepare import prepare
+    from kiln.trainer.data.prepare import prepare
 
     if args.shard_tokens < 1 or args.min_chars < 0 or (args.max_doc_bytes is not None and args.max_doc_bytes < 1):
         raise KilnError("--shard-tokens and --max-doc-bytes must be at least 1 and --min-chars at least 0")

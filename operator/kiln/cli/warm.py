@@ -38,13 +38,13 @@ import sys
 import tempfile
 import threading
 
-from kiln.trainer.startup import PROCESS_START_ENV, process_start_time  # no torch: the launcher stays small
+from kiln.trainer.observe.startup import PROCESS_START_ENV, process_start_time  # no torch: the launcher stays small
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 # What a cold rank spends its start on, imported once by the server: torch._dynamo is imported on first use by
 # DeviceMesh slicing and by the optimizer's step, so a cold rank pays for it while building the model.
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "kiln.cli.main",
-           "kiln.cli.train_cmds", "kiln.trainer.checkpoint", "kiln.trainer.loop")
+           "kiln.cli.train_cmds", "kiln.trainer.checkpoint.checkpointer", "kiln.trainer.loop")
 SERVER_START_TIMEOUT_S = 600.0  # a safety net: the server reports ready (or dies) long before on any machine
 
 

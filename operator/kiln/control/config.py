@@ -37,7 +37,7 @@ class OperatorConfig:
     field_manager: str = "kiln-operator"
     health_port: int = 8080
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
-    # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.exporter); 0: no trainer metrics.
+    # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.observe.exporter); 0: no trainer metrics.
     trainer_metrics_port: int = 9400
     # Every run's objects are applied again this often (periodic resync): what someone else deleted or
     # changed in the fields kiln sets comes back. A deleted PyTorchJob is re-created at once (its watch).

@@ -1,6 +1,6 @@
 """Predictive failover from GPU health: move a run off a node whose GPUs degrade, before they fail it. Pure.
 
-Trainer rank 0 reports each node's GPU health in status.gpuHealth (kiln.trainer.health). The operator's tick
+Trainer rank 0 reports each node's GPU health in status.gpuHealth (kiln.trainer.observe.gpu_health). The operator's tick
 (kiln.control.elastic_sync, through `step`) calls `decide` with that report, the nodes the run's live pods are on, the nodes
 it already avoids and how many nodes would still host a worker without the bad ones; on a move it keeps new
 pods off the node (the hostname NotIn affinity of kiln.control.elastic), deletes the run's pods gracefully

@@ -5,7 +5,7 @@ One TrainingSpec becomes, all owned by it (deleting it deletes them):
   NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: anyone)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
-With elastic.faultTolerance replicaGroups (kiln.trainer.ft), instead of that one PyTorchJob:
+With elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups), instead of that one PyTorchJob:
   PyTorchJob `<name>-g<i>`, i < groups               one per replica group, nodes / groups Worker pods each:
                                                     a group restarts alone, the others step on
   Deployment + Service `<name>-lighthouse`          torchft's lighthouse (the trainer image has it), which
@@ -76,7 +76,7 @@ LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 LIGHTHOUSE_MEMORY = "128Mi"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.shm_copy)
+SHM_DIR = "/dev/shm/kiln"  # KILN_SHM_DIR: each node's copy of the newest commit (kiln.trainer.checkpoint.host_copy)
 # torchrun forwards SIGTERM to the ranks, then SIGKILLs them after PET_SHUTDOWN_TIMEOUT (its default: 30 s);
 # it must fit in the pod's grace period with this margin for torchrun's own exit.
 SHUTDOWN_MARGIN_S = 10
@@ -173,7 +173,7 @@ def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:
 def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
     """The spec with every default made explicit: what the pods run with (and what `kiln render` shows)."""
     s = doc.spec
-    # model.from: the dimensions are in the folder's config.json, which the trainer reads (kiln.trainer.hf)
+    # model.from: the dimensions are in the folder's config.json, which the trainer reads (kiln.trainer.model.hf_folder)
     model = s.model if s.model.from_ else s.model.model_copy(update=resolve_model(s.model).model_dump())
     lo, hi = node_bounds(s)
     uri = s.checkpoint.uri or f"file://{config.scratch_dir}/checkpoints/"
@@ -343,7 +343,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name=contract.DATA_CACHE, value=f"{config.scratch_dir}/data"))
     env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
-    if group is not None:  # kiln.trainer.ft: every group's rank 0 heartbeats to the lighthouse
+    if group is not None:  # kiln.trainer.membership.replica_groups: every group's rank 0 heartbeats to the lighthouse
         env += [k.V1EnvVar(name=contract.FT_LIGHTHOUSE, value=lighthouse_address(run)),
                 k.V1EnvVar(name=contract.FT_GROUP, value=str(group))]
     ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]

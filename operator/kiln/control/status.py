@@ -3,7 +3,7 @@
 Pure: `derive(...)` takes plain dicts (as the apiserver returns them) and the time to stamp, and returns
 the status fields the operator owns plus the Events to post. Progress fields (step, progress,
 etaSeconds, tokensPerSecond, mfu, lastCheckpoint, trainerTime) belong to trainer rank 0
-(kiln.trainer.status_report) and are never written here: the status is merge-patched, and a value
+(kiln.trainer.observe.status_report) and are never written here: the status is merge-patched, and a value
 derived from a step read earlier could overwrite a newer one the trainer wrote meanwhile. goodput and
 goodputDetail are the operator's: it sees the time no trainer runs (kiln.control.goodput).
 """

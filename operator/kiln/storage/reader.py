@@ -2,7 +2,7 @@
 prepare): a local file is opened as it is; any other store is read in ranged GETs of `chunk` bytes
 (`ObjectStore.get_bytes(key, offset, length)`, each retried on its own by the store), so memory stays at a few
 chunks whatever the object's size, and pyarrow can seek to a parquet footer and its row groups. The checkpoint
-restore (kiln.trainer.dcp_store) reads through the same `RangedReader`, with more blocks ahead."""
+restore (kiln.trainer.checkpoint.dcp_store) reads through the same `RangedReader`, with more blocks ahead."""
 
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ from torch import nn
 
 from kiln.api import ModelDims, TrainingSpec
 from kiln.errors import KilnError
-from kiln.trainer import hf, kernels
-from kiln.trainer.data import GlobalBatchLoader, open_source
-from kiln.trainer.loss import IGNORE, global_loss
-from kiln.trainer.model import build_model
-from kiln.trainer.passes import microbatch_losses, pipeline_step
+from kiln.trainer.model import hf_folder as hf, kernels
+from kiln.trainer.data.loader import GlobalBatchLoader, open_source
+from kiln.trainer.model.loss import IGNORE, global_loss
+from kiln.trainer.model.transformer import build_model
+from kiln.trainer.parallel.microbatches import microbatch_losses, pipeline_step
 
 EVAL_BATCHES = 4  # global batches of the validation split: the trainer's val_loss and `kiln eval`'s default
 
@@ -95,7 +95,7 @@ def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device, endp
 def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str, endpoint: str | None = None) -> int:
     """Load the newest intact committed step under `uri` into `model`; its step. KilnError naming `uri` when
     there is none (a damaged newest commit falls back to the one before, as a resuming run does)."""
-    from kiln.trainer.checkpoint import Checkpointer
+    from kiln.trainer.checkpoint.checkpointer import Checkpointer
 
     spec = doc.spec.checkpoint.model_copy(update={"uri": uri, "endpoint": endpoint or doc.spec.checkpoint.endpoint})
     checkpointer = Checkpointer(spec, default_uri=uri, rank=0, world_size=1)
@@ -149,7 +149,7 @@ def validation_loss(model: nn.Module, schedule, loader: GlobalBatchLoader, globa
                     *, is_first: bool, is_last: bool, reports_loss: bool) -> float:
     """The training run's `val_loss`, on its parallel model: the mean loss over the first EVAL_BATCHES global
     batches of the validation split (the same every time), each rank on its share of them, through the
-    training step's own forward (kiln.trainer.passes). Plain data: the split is builtin:pydoc's (run.py)."""
+    training step's own forward (kiln.trainer.parallel.microbatches). Plain data: the split is builtin:pydoc's (run.py)."""
     total = 0.0
     for inputs, targets in held_out_batches(loader, EVAL_BATCHES, global_batch, device):
         if schedule is not None:

@@ -9,7 +9,7 @@ provides RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. Every rank runs the sa
 each one holds.
 
 Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a resume from a commit in
-`Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.ft (it calls
+`Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.membership.replica_groups (it calls
 `StepHooks.membership_changed` itself: the run has nothing to update for it), the checkpoint store in
 `Run._build_checkpointer`; a guard's rollback in `Run._roll_back`.
 """
@@ -28,19 +28,20 @@ from torch import nn
 
 from kiln.api import TrainingSpec, contract
 from kiln.api.layout import replica_group_spec
-from kiln.trainer import hf, kernels
-from kiln.trainer.data import GlobalBatchLoader, open_data, open_source
+from kiln.trainer.model import hf_folder as hf, kernels
+from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
-from kiln.trainer.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
-from kiln.trainer.model import build_model, cross_entropy
+from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
+from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
+from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from kiln.trainer.parallel import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
-from kiln.trainer.passes import pipeline_step
+from kiln.trainer.parallel import parallelize
+from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, plan_layout
+from kiln.trainer.parallel.microbatches import pipeline_step
 from kiln.trainer.rng import rng_state, set_rng_state
-from kiln.trainer.startup import process_start_time
-from kiln.trainer.status_report import StatusReporter
+from kiln.trainer.observe.startup import process_start_time
+from kiln.trainer.observe.status_report import StatusReporter
 
 
 def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
@@ -52,7 +53,7 @@ def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     """
     hooks = hooks or StepHooks()
     if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
-        from kiln.trainer.guards import GuardHooks
+        from kiln.trainer.guards.hooks import GuardHooks
 
         GuardHooks().install(hooks)
     # where a (re)start's seconds go, as epoch times: in the first record of each process (bench_faults)
@@ -113,7 +114,7 @@ class Run:
         self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
         self.ft = None
         if ft_enabled(self.spec):  # replica groups: a group that joins live peers heals from one, not from a commit
-            from kiln.trainer.ft import ReplicaGroups
+            from kiln.trainer.membership.replica_groups import ReplicaGroups
 
             self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, model_parts=self.model_parts,
                                     optimizers=self.optimizers, snapshot=self.trainer_state,
@@ -121,7 +122,7 @@ class Run:
             self._initial_weights()  # before the join, which live groups wait on; a peer's or a commit's replace them
         exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
         if self.ft is not None:  # from its join on, the live groups wait for this one: do before it what can be
-            from kiln.trainer.metrics import preload
+            from kiln.trainer.observe.metrics import preload
 
             preload(output_dir, rank=rank)
             self.warm_up()
@@ -132,12 +133,12 @@ class Run:
 
         self.global_tokens = self.tr.global_batch_size * self.dims.seq_len
         self.flops_step = flops_per_token(self.dims) * self.global_tokens
-        self.peak = peak_flops(device, self.tr.precision)  # None: no known peak, no MFU (kiln.trainer.metrics)
+        self.peak = peak_flops(device, self.tr.precision)  # None: no known peak, no MFU (kiln.trainer.observe.metrics)
         self.logger = MetricsLogger(output_dir, rank=rank, total_steps=self.tr.steps, start_step=self.start_step,
                                     exporter=exporter)
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
-        if self.ft is not None:  # from here a loop that stops moving takes its group out (kiln.trainer.ft_watch)
+        if self.ft is not None:  # from here a loop that stops moving takes its group out (kiln.trainer.membership.hang_watch)
             self.ft.watch_hangs()
 
     # ---- setup, in order --------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class Run:
         ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
 
     def _build_checkpointer(self, checkpoint_uri: str | None, output_dir: Path | None, checkpointing: bool) -> None:
-        from kiln.trainer.checkpoint import Checkpointer, install_sigterm_handler
+        from kiln.trainer.checkpoint.checkpointer import Checkpointer, install_sigterm_handler
 
         if threading.current_thread() is threading.main_thread():
             install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
@@ -259,7 +260,7 @@ class Run:
         self.hooks.restarted(Restart(self.last_step, self.tokens_seen))
 
     def _heal(self, state: dict, *, at_start: bool) -> None:
-        """A live peer's state (its weights and optimizer state are loaded already, by kiln.trainer.ft)."""
+        """A live peer's state (its weights and optimizer state are loaded already, by kiln.trainer.membership.replica_groups)."""
         self._load_trainer_state(state)
         self.hooks.healed(Heal(self.last_step, self.tokens_seen, at_start=at_start))
 
@@ -323,7 +324,7 @@ class Run:
         timer.mark("data_s")
         lr = lr_at(step, tr)
         set_lr(self.optimizer, lr)
-        # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.loss)
+        # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.model.loss)
         denominator = global_count(targets, layout) if self.loader.masked else None
         local_loss = self._forward_backward(inputs, targets, denominator)
         timer.mark("fwd_bwd_s")
@@ -476,7 +477,7 @@ def _exporter(run: str):
     port = os.environ.get(contract.METRICS_PORT)
     if not port:
         return None
-    from kiln.trainer.exporter import TrainerExporter
+    from kiln.trainer.observe.exporter import TrainerExporter
 
     exporter = TrainerExporter(run)
     exporter.start(int(port))
@@ -489,7 +490,7 @@ def _exporter(run: str):
 def accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
                     denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP), or
-    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.loss)."""
+    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.model.loss)."""
     total = torch.zeros((), device=inputs.device)
     m = layout.micro_batch
     for i in range(layout.grad_accum):

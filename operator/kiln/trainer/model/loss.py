@@ -9,7 +9,7 @@ differs between microbatches and ranks; a mean of per-microbatch means would wei
 tokens like another's many. Instead each microbatch contributes (sum of its token losses) / N, N the number of
 loss-carrying targets in the whole global batch (`global_count`, one all-reduce per step), times the
 data-parallel size, because the gradient reduction over data-parallel ranks takes their mean. The loss kernels
-(kiln.trainer.kernels, model.cross_entropy) return the mean over a microbatch's non-IGNORE targets, so that sum is
+(kiln.trainer.model.kernels, model.cross_entropy) return the mean over a microbatch's non-IGNORE targets, so that sum is
 the mean times the microbatch's count. IGNORE targets add nothing to the loss or its gradient.
 """
 

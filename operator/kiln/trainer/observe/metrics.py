@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kiln.api import ModelDims
-from kiln.trainer.model import count_params
+from kiln.trainer.model.transformer import count_params
 
 # Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
 # without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start
@@ -120,7 +120,7 @@ class MetricsLogger:
         self.enabled = rank == 0 and out_dir is not None
         self.total_steps = total_steps
         self._jsonl = self._tb = self._progress = None
-        self._exporter = exporter  # kiln.trainer.exporter.TrainerExporter (Prometheus), rank 0 only
+        self._exporter = exporter  # kiln.trainer.observe.exporter.TrainerExporter (Prometheus), rank 0 only
         if not self.enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)

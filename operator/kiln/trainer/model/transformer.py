@@ -3,7 +3,7 @@
 RMSNorm -> grouped-query attention with RoPE (through `F.scaled_dot_product_attention`) -> RMSNorm -> SwiGLU
 MLP, repeated `layers` times, then a final RMSNorm and the output projection.
 
-Parallelism is applied from outside (kiln.trainer.parallel) to this plain module, so the code here knows
+Parallelism is applied from outside (kiln.trainer.parallel.parallelize) to this plain module, so the code here knows
 nothing about it, with two conventions that make that possible:
 - the blocks live in an `nn.ModuleDict` keyed by layer index ("0", "1", ...), so a parameter's name is the
   same in every layout: a pipeline stage deletes the blocks it does not own and sets the embedding, final
@@ -26,7 +26,7 @@ from torch import nn
 
 from kiln.api import ModelDims
 from kiln.api.presets import RopeScaling
-from kiln.trainer import kernels
+from kiln.trainer.model import kernels
 
 
 class RMSNorm(nn.Module):
@@ -145,7 +145,7 @@ class Transformer(nn.Module):
         return self.head(h, targets)
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm, then the logits, or the loss when targets are given (kiln.trainer.parallel compiles it
+        """Final norm, then the logits, or the loss when targets are given (kiln.trainer.parallel.parallelize compiles it
         when the reference kernels run)."""
         h = self.norm(h)
         if targets is not None and self.fused_loss:
@@ -156,7 +156,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """The derived, non-checkpointed buffers (RoPE tables) on the real device; weights are left as they are
-        (for a model whose weights are loaded instead, kiln.trainer.hf)."""
+        (for a model whose weights are loaded instead, kiln.trainer.model.hf_folder)."""
         d = self.dims
         cos, sin = rope_tables(d.head_dim, d.seq_len, d.rope_theta, device=self.rope_cos.device, scaling=d.rope_scaling)
         self.rope_cos.copy_(cos)
@@ -197,7 +197,7 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over the positions whose target is not ignored (-100, kiln.trainer.loss.IGNORE), in
+    """Mean next-token loss over the positions whose target is not ignored (-100, kiln.trainer.model.loss.IGNORE), in
     fp32; 0 when all are (a chat microbatch without assistant tokens), as the fused kernels give."""
     flat = targets.flatten()
     total = F.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum")

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
-from kiln.trainer.checkpoint import STATE_OPTIONS, _pairs, collect_state
-from kiln.trainer.ft_watch import HangWatch, floor_s, leave
+from kiln.trainer.checkpoint.checkpointer import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
 from kiln.trainer.hooks import MembershipChange
 
 TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
@@ -306,7 +306,7 @@ class ReplicaGroups:
                 "ft_quorum_s": self.quorum_s, "ft_heal_load_s": self.load_s}
 
     def watch_hangs(self) -> None:
-        """From the first step on: a loop with no progress takes this group out (kiln.trainer.ft_watch)."""
+        """From the first step on: a loop with no progress takes this group out (kiln.trainer.membership.hang_watch)."""
         self.watch.start(lambda why: leave(self.group, why, lambda: self.manager.shutdown(wait=False)))
 
     def close(self) -> None:

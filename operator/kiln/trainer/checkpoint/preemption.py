@@ -1,5 +1,5 @@
 """Preemption: SIGTERM becomes a flag, and every rank agrees on the step to save and stop at
-(kiln.trainer.checkpoint)."""
+(kiln.trainer.checkpoint.checkpointer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Saving a checkpoint: staging off the accelerator, upload and COMMIT in the background, retention
-(kiln.trainer.checkpoint)."""
+(kiln.trainer.checkpoint.checkpointer)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from kiln.errors import KilnError
 from kiln.storage.commit import FileEntry, apply_retention, step_dir, write_commit
-from kiln.trainer.checkpoint_state import collect_state
-from kiln.trainer.dcp_store import StoreFS, StoreWriter
-from kiln.trainer.shm_copy import SHM_MANIFEST
+from kiln.trainer.checkpoint.state import collect_state
+from kiln.trainer.checkpoint.dcp_store import StoreFS, StoreWriter
+from kiln.trainer.checkpoint.host_copy import SHM_MANIFEST
 
 log = logging.getLogger("kiln.checkpoint")
 

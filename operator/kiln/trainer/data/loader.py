@@ -14,7 +14,7 @@ Sources:
 - `file:///dir/` (or a plain path): tokenized shards `*.npy` (1-D integer arrays) or `*.bin` (raw
   little-endian uint16, nanoGPT style), read through memory maps in file-name order. With data.format chat,
   each `tokens-N.npy` has a `mask-N.npy` (kiln data prepare --format chat): targets outside the assistant's
-  turns become IGNORE, which the loss skips (kiln.trainer.loss). Conversations are packed back to back into
+  turns become IGNORE, which the loss skips (kiln.trainer.model.loss). Conversations are packed back to back into
   the windows, like documents (attention is not masked at their boundaries).
 - `data.sources`: several of the above mixed in fixed proportions (MixedSamples).
 - `s3://bucket/prefix/`: the same shards in an object store (kiln.storage; keys from AWS_ACCESS_KEY_ID /
@@ -37,8 +37,8 @@ import torch
 
 from kiln.api import contract
 from kiln.errors import KilnError
-from kiln.trainer.loss import IGNORE
-from kiln.trainer.shards import MASK_PREFIX, TOKENS_PREFIX
+from kiln.trainer.model.loss import IGNORE
+from kiln.trainer.data.shards import MASK_PREFIX, TOKENS_PREFIX
 
 VALIDATION_FRACTION = 0.1
 

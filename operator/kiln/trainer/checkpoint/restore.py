@@ -1,5 +1,5 @@
 """Restoring a checkpoint: the newest commit whose files match it, from host memory or the store; a file
-that would run code stops the restore (kiln.trainer.checkpoint)."""
+that would run code stops the restore (kiln.trainer.checkpoint.checkpointer)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from kiln.storage.commit import (
     step_dir,
     verify_files,
 )
-from kiln.trainer.checkpoint_state import STATE_OPTIONS, _pairs, collect_state
-from kiln.trainer.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, UnsafeCheckpoint
-from kiln.trainer.shm_copy import read_shm_copy
+from kiln.trainer.checkpoint.state import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.checkpoint.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, UnsafeCheckpoint
+from kiln.trainer.checkpoint.host_copy import read_shm_copy
 
 log = logging.getLogger("kiln.checkpoint")
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of a training run, on http://:<port>/metrics of rank 0.
 
-The loop hands `TrainerExporter.observe` the same per-step record it logs (kiln.trainer.metrics); the
+The loop hands `TrainerExporter.observe` the same per-step record it logs (kiln.trainer.observe.metrics); the
 exporter keeps the latest values. Keys it reads, all optional per record:
 
     step, loss, tokens_per_second, mfu, step_s, tokens_seen   every logged step
@@ -9,7 +9,7 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     guard_rollbacks, guard_skipped_spike, guard_skipped_nonfinite   the stability guards' counters so far
     steps_since_commit, checkpoint_interval_steps   how stale the newest commit is, in steps
     sdc_checks, sdc_mismatches   the silent-data-corruption check's counts (kiln.trainer.guards), every step
-    gpu_health   every node's GPU states (kiln.trainer.health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
+    gpu_health   every node's GPU states (kiln.trainer.observe.gpu_health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
                  0 Healthy, 1 Degrading, 2 Failing, -1 Unknown (kiln.api.contract.GPU_HEALTH_GAUGE); a
                  node where the run uses no GPU (NotApplicable) has no series
 """

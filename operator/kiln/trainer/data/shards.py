@@ -1,5 +1,5 @@
-"""The file names in a folder of token shards: `kiln data prepare` (kiln.trainer.prepare) writes them and data.uri
-(kiln.trainer.data) reads them. It imports nothing, so the trainer gets them without loading prepare's chat code and
+"""The file names in a folder of token shards: `kiln data prepare` (kiln.trainer.data.prepare) writes them and data.uri
+(kiln.trainer.data.loader) reads them. It imports nothing, so the trainer gets them without loading prepare's chat code and
 jinja2 before its first step (a restart pays every import again: docs/resilience.md)."""
 
 TOKENS_PREFIX = "tokens-"  # tokens-NNNNN.npy: token ids

@@ -3,7 +3,7 @@
 Model and optimizer state go through `torch.distributed.checkpoint` (DCP) as sharded, FQN-keyed state dicts
 from `get_state_dict`, so a checkpoint saved with one parallel layout loads into any other (DCP reshards).
 DCP's FileSystemWriter/Reader do the (de)serialisation; their file system is swapped for one over a kiln
-ObjectStore (kiln.trainer.dcp_store): each shard is hashed as DCP writes it and streamed into the store as a
+ObjectStore (kiln.trainer.checkpoint.dcp_store): each shard is hashed as DCP writes it and streamed into the store as a
 multipart upload whose parts go up while the rest is serialised (each part retried on its own); on file:// it is
 written in place. Restore reads each file once: every rank downloads its share (the shards it wrote), checks
 size and sha256 against COMMIT, and DCP loads those very bytes; a damaged commit falls back to the previous one.
@@ -34,23 +34,23 @@ from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.commit import step_dir
-from kiln.trainer.checkpoint_interval import (  # noqa: F401  (imported from here by tests and the CLI)
+from kiln.trainer.checkpoint.interval import (  # noqa: F401  (imported from here by tests and the CLI)
     AUTO_FIRST_STEPS,
     AUTO_MAX_STEPS,
     AUTO_MIN_STEPS,
     MTBF_PRIOR_S,
     CheckpointInterval,
 )
-from kiln.trainer.checkpoint_preemption import (  # noqa: F401
+from kiln.trainer.checkpoint.preemption import (  # noqa: F401
     CheckpointPreemption,
     _sigterm,
     install_sigterm_handler,
     sigterm_received,
 )
-from kiln.trainer.checkpoint_restore import CheckpointRestore, memory_available  # noqa: F401
-from kiln.trainer.checkpoint_save import CheckpointSave
-from kiln.trainer.checkpoint_state import STATE_OPTIONS, _pairs, collect_state  # noqa: F401
-from kiln.trainer.shm_copy import shm_dir
+from kiln.trainer.checkpoint.restore import CheckpointRestore, memory_available  # noqa: F401
+from kiln.trainer.checkpoint.save import CheckpointSave
+from kiln.trainer.checkpoint.state import STATE_OPTIONS, _pairs, collect_state  # noqa: F401
+from kiln.trainer.checkpoint.host_copy import shm_dir
 
 
 # -- the checkpointer ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from kiln.errors import KilnError
-from kiln.trainer.kernels import reference
+from kiln.trainer.model.kernels import reference
 
 MODES = ("fused", "reference")
 _MODE = "fused"
@@ -36,7 +36,7 @@ def _load_triton_ops() -> tuple[ModuleType | None, str]:
     if not torch.cuda.is_available():  # CPU-only: never import triton (the reference serves every call)
         return None, "no CUDA device"
     try:
-        from kiln.trainer.kernels import triton as triton_ops
+        from kiln.trainer.model.kernels import triton as triton_ops
     except ImportError as err:  # no triton in this environment: the reference is the only implementation
         return None, f"Triton does not import ({err})"
     return triton_ops, ""

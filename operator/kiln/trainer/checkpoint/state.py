@@ -1,4 +1,4 @@
-"""Model and optimizer state dicts of several model parts (pipeline stages), FQN-keyed (kiln.trainer.checkpoint)."""
+"""Model and optimizer state dicts of several model parts (pipeline stages), FQN-keyed (kiln.trainer.checkpoint.checkpointer)."""
 
 from __future__ import annotations
 

@@ -279,7 +279,7 @@ def _local_chunk(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tu
 @torch.no_grad()
 def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str | None = None,
                  config: dict | None = None, threads: int = 8) -> int:
-    """Copy the model folder's weights into `model` (plain, or split/sharded by kiln.trainer.parallel): each
+    """Copy the model folder's weights into `model` (plain, or split/sharded by kiln.trainer.parallel.parallelize): each
     rank reads only its own slices. Returns the bytes this rank read."""
     config = config if config is not None else read_config(uri, endpoint)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -358,7 +358,7 @@ def training_tokenizer(spec: TrainingSpecSpec, dims: ModelDims):
     tokenizer = load_tokenizer(uri, storage_endpoint(spec))
     check_tokenizer(tokenizer, uri, dims)
     if spec.data.format == "chat":  # the conversations were rendered with its template: it must have one that compiles
-        from kiln.trainer.chat import ChatRenderer, load_chat_template
+        from kiln.trainer.data.chat import ChatRenderer, load_chat_template
 
         ChatRenderer(load_chat_template(uri, storage_endpoint(spec)))
     return tokenizer
@@ -460,7 +460,7 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     as a Hugging Face folder at output_uri. dtype defaults to model.from's (its config's torch_dtype/dtype),
     else float32 (kiln's master weights)."""
     from kiln.trainer.evaluate import load_checkpoint
-    from kiln.trainer.model import build_model
+    from kiln.trainer.model.transformer import build_model
 
     spec = doc.spec
     ep = endpoint or storage_endpoint(spec)

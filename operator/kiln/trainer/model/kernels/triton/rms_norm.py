@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.trainer.kernels.triton._common import program_count, row_settings
+from kiln.trainer.model.kernels.triton._common import program_count, row_settings
 
 
 @triton.jit

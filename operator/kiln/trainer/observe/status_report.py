@@ -2,7 +2,7 @@
 
 The trainer owns step, progress, etaSeconds, tokensPerSecond, mfu, lastCheckpoint, trainerTime (its
 cumulative productive, checkpoint-stall and rollback seconds) and gpuHealth (each node's GPU states, from
-kiln.trainer.health; a list, so a merge patch replaces it whole and a node the run left drops out); the
+kiln.trainer.observe.gpu_health; a list, so a merge patch replaces it whole and a node the run left drops out); the
 operator owns phase, nodes, conditions, restarts, observedGeneration and goodput, which it computes from
 trainerTime and the time no trainer ran (kiln.control.goodput). Both send JSON merge patches, so each side
 only ever touches its own keys.
@@ -43,7 +43,7 @@ def rfc3339(epoch_s: float) -> str:
 def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, *,
                  seconds_per_step: float | None = None, trainer_time: dict | None = None,
                  gpu_health: list[dict] | None = None) -> dict:
-    """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.metrics),
+    """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.observe.metrics),
     the Checkpointer's `status()` and the run length. Only trainer-owned keys, camelCase as in the CRD."""
     step = int(metrics.get("rolled_back_to", metrics["step"]))
     status: dict = {"step": step, "progress": f"{100.0 * min(step, total_steps) / total_steps:.1f}%"}
@@ -55,7 +55,7 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
         value = metrics.get(key)
         if value is not None and math.isfinite(value):
             status[field] = max(0.0, float(value))
-    if metrics.get("ft_quorum_id") is not None:  # replica groups (kiln.trainer.ft): the last quorum
+    if metrics.get("ft_quorum_id") is not None:  # replica groups (kiln.trainer.membership.replica_groups): the last quorum
         status["quorum"] = {"id": int(metrics["ft_quorum_id"]), "liveGroups": int(metrics["ft_participants"]),
                             "groups": int(metrics["ft_groups"]), "changes": int(metrics["ft_quorum_changes"]),
                             "heals": int(metrics["ft_heals"])}

@@ -6,10 +6,10 @@ overhead per call); under `torch.compile` the same launchers run as registered `
 with fake implementations, which the compiler treats as opaque calls and traces around.
 """
 
-from kiln.trainer.kernels.triton._common import MAX_FUSED_COLS
-from kiln.trainer.kernels.triton.cross_entropy import fused_linear_cross_entropy
-from kiln.trainer.kernels.triton.rms_norm import rms_norm
-from kiln.trainer.kernels.triton.rope import apply_rope
-from kiln.trainer.kernels.triton.swiglu import swiglu
+from kiln.trainer.model.kernels.triton._common import MAX_FUSED_COLS
+from kiln.trainer.model.kernels.triton.cross_entropy import fused_linear_cross_entropy
+from kiln.trainer.model.kernels.triton.rms_norm import rms_norm
+from kiln.trainer.model.kernels.triton.rope import apply_rope
+from kiln.trainer.model.kernels.triton.swiglu import swiglu
 
 __all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "MAX_FUSED_COLS"]

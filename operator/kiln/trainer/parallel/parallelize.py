@@ -175,7 +175,7 @@ def apply_compile(model: nn.Module, *, whole: bool = False) -> None:
     parameter names) and the head (final norm, output projection, loss) when the model computes its own loss
     with the reference kernels: fused there, cross-entropy and its backward are one pass over the logits
     instead of several. The Triton kernels are fused already, and under TP or PP the loss is taken outside."""
-    from kiln.trainer import kernels
+    from kiln.trainer.model import kernels
 
     if whole:
         model.compile()
@@ -194,7 +194,7 @@ def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str, compressi
     (bf16 reduction with gradientCompression: bf16)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kiln.trainer.compression import fsdp_reduce_dtype
+    from kiln.trainer.parallel.compression import fsdp_reduce_dtype
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
     reduce_dtype = fsdp_reduce_dtype(compression, precision)
@@ -220,7 +220,7 @@ def uses_fsdp(layout: Layout, precision: str) -> bool:
 
 def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) -> nn.Module:
     """Split for the pipeline, then TP, activation checkpointing, compile, FSDP: TorchTitan's order."""
-    from kiln.trainer.compression import apply_replicate, check_supported
+    from kiln.trainer.parallel.compression import apply_replicate, check_supported
 
     compression = spec.parallelism.gradient_compression
     check_supported(compression, fsdp=spec.parallelism.fsdp, tensor=layout.tp)

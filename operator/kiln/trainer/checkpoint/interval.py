@@ -1,5 +1,5 @@
 """How often a checkpoint is saved: checkpoint.intervalSteps, or for "auto" the Young/Daly interval
-from the measured save cost and the run's failure rate (kiln.trainer.checkpoint)."""
+from the measured save cost and the run's failure rate (kiln.trainer.checkpoint.checkpointer)."""
 
 from __future__ import annotations
 

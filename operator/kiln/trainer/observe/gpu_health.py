@@ -5,8 +5,8 @@
 node's GPUs; where NVML cannot be read (nvidia-ml-py missing, no driver, no device) the report says why and
 is Unknown on a node that has GPUs for this process (`expected_gpus()`), NotApplicable on a CPU-only one:
 never Healthy. `NodeHealth` is what every rank's node contributes: trainer rank 0 gathers them
-(kiln.trainer.guards), reports them in status.gpuHealth (kiln.trainer.status_report) and as the gauge
-kiln_gpu_health{node,gpu} (kiln.trainer.exporter); the operator moves the run off a Degrading or Failing
+(kiln.trainer.guards), reports them in status.gpuHealth (kiln.trainer.observe.status_report) and as the gauge
+kiln_gpu_health{node,gpu} (kiln.trainer.observe.exporter); the operator moves the run off a Degrading or Failing
 node at its next commit (kiln.control.failover).
 """
 

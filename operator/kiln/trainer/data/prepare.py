@@ -15,7 +15,7 @@ of an interrupted run keeps its finished shards and tokenizes only the documents
 
 Chat data (format "chat"): each .jsonl line's or .parquet row's `messages` is a conversation of {role, content}
 messages (contents normalised as above); it is rendered with the tokenizer's chat template, and each shard gets a
-`mask-NNNNN.npy` of one byte per token, 1 for the assistant's tokens (kiln.trainer.chat), which the trainer's
+`mask-NNNNN.npy` of one byte per token, 1 for the assistant's tokens (kiln.trainer.data.chat), which the trainer's
 data.format chat takes the loss on. A conversation without an assistant turn, with malformed messages, or that
 the template refuses is counted under its reason.
 """
@@ -39,12 +39,12 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.reader import open_reader
-from kiln.trainer.chat import ChatRefused, check_messages, token_mask
-from kiln.trainer.shards import MASK_PREFIX, TOKENS_PREFIX
+from kiln.trainer.data.chat import ChatRefused, check_messages, token_mask
+from kiln.trainer.data.shards import MASK_PREFIX, TOKENS_PREFIX
 from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
-PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.prepare.ShardWriter); gone once MANIFEST is there
+PROGRESS = "progress.json"  # an unfinished run's state (kiln.trainer.data.prepare.ShardWriter); gone once MANIFEST is there
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 FORMATS = ("text", "chat")
 
@@ -302,9 +302,9 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     with the data is the dedup state (docs/models.md gives the bytes per kept document).
 
     format "chat": each record's `text_field` (default "messages") is a conversation, rendered with the
-    tokenizer's chat template (kiln.trainer.chat) and written with its assistant mask (mask-NNNNN.npy); a
+    tokenizer's chat template (kiln.trainer.data.chat) and written with its assistant mask (mask-NNNNN.npy); a
     conversation the template refuses is counted under the reason, like any other filter."""
-    from kiln.trainer.hf import load_tokenizer, vocab_size
+    from kiln.trainer.model.hf_folder import load_tokenizer, vocab_size
 
     out = open_store(output, endpoint=endpoint)
     if out.exists(MANIFEST):
@@ -325,7 +325,7 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     text_field = text_field or ("messages" if chat else "text")
     renderer = None
     if chat:
-        from kiln.trainer.chat import ChatRenderer, load_chat_template
+        from kiln.trainer.data.chat import ChatRenderer, load_chat_template
 
         renderer = ChatRenderer(load_chat_template(tokenizer_uri, endpoint))
     if dedup not in ("none", "exact", "minhash") or not 0 < minhash_threshold <= 1:

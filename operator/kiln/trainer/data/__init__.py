@@ -1,0 +1,1 @@
+"""Data: token sources and the global-batch loader, chat rendering, and `kiln data prepare`."""

@@ -1,0 +1,1 @@
+"""Models: the decoder (transformer), its loss, fused kernels, and Hugging Face folders in and out."""
