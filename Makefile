@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: install quickstart rig test bench venv generate
+.PHONY: install quickstart rig test test-fast bench venv generate
 
 venv: $(PY)
 $(PY):
@@ -36,8 +36,15 @@ rig: install
 	$(PY) -m tests.rig.images
 	$(PY) -m tests.prometheus
 
-test: rig
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The lanes (CONTRIBUTING.md): the fast lane is the pure tests, which need nothing built; `make test` runs it
+# first, then builds the rig (cached) and runs the rest: tools, torch.distributed processes, the rig.
+FAST_LANE := not rig and not distributed and not tools
+
+test-fast: install
+	$(PY) -m pytest -m "$(FAST_LANE)" $(PYTEST_ARGS)
+
+test: test-fast rig
+	$(PY) -m pytest -m "not ($(FAST_LANE))" $(PYTEST_ARGS)
 
 bench: rig
 	$(PY) -m tests.bench

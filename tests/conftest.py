@@ -75,12 +75,27 @@ def namespace(rig, request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_node: runs containers on the rig's real node (fixture real_node)")
+    config.addinivalue_line("markers", "tools: builds or installs an external tool into $KILN_CACHE_DIR/tools the "
+                                       "first time (promtool, actionlint, tekton-lint, kfp)")
+
+
+# Fixtures that build a tool into the cache on first use (tests/prometheus.py, tests/unit/test_delivery_pipelines.py).
+TOOL_FIXTURES = {"promtool", "actionlint", "tekton_lint", "kfp_python"}
+# Folders whose every test starts real processes or servers, whatever its own markers say.
+FOLDER_LANES = {"distributed": "distributed", "integration": "rig", "e2e": "rig"}
 
 
 def pytest_collection_modifyitems(items):
-    # Every test that uses the rig is a rig test, whether or not it says so.
+    """The lanes (CONTRIBUTING.md): a test's markers say what it needs, so `make test-fast` can run just the
+    pure ones (`-m "not rig and not distributed and not tools"`) with nothing built."""
     for item in items:
-        if "rig" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "rig" in fixtures:
             item.add_marker(pytest.mark.rig)
-        if "real_node" in getattr(item, "fixturenames", ()):
+        if "real_node" in fixtures:
             item.add_marker(pytest.mark.real_node)
+        if fixtures & TOOL_FIXTURES:
+            item.add_marker(pytest.mark.tools)
+        folder = Path(str(item.fspath)).parent.name
+        if folder in FOLDER_LANES:
+            item.add_marker(getattr(pytest.mark, FOLDER_LANES[folder]))
