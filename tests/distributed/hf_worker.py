@@ -23,8 +23,7 @@ def main(cases_path: str, out_dir: str) -> None:
     from kiln.trainer.model import hf_folder as hf, kernels
     from kiln.trainer.run import init_distributed
     from kiln.trainer.model.transformer import build_model
-    from kiln.trainer.parallel import parallelize
-    from kiln.trainer.parallel.parallelize import build_mesh, plan_layout
+    from kiln.trainer.parallel.parallelize import build_mesh, parallelize, plan_layout
 
     rank, world, device = init_distributed()
     kernels.set_mode("reference")

@@ -52,8 +52,7 @@ def layout_grads(rank: int, world: int, out: str) -> dict:
     from kiln.trainer.model import hf_folder as hf, kernels
     from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss
     from kiln.trainer.model.transformer import build_model, cross_entropy
-    from kiln.trainer.parallel import parallelize
-    from kiln.trainer.parallel.parallelize import build_mesh, build_pipeline_schedule, dp_coordinates, plan_layout
+    from kiln.trainer.parallel.parallelize import build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
     from kiln.trainer.parallel.microbatches import pipeline_step
     from kiln.trainer.run import accumulate_step
 

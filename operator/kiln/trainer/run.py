@@ -36,8 +36,7 @@ from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, mic
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from kiln.trainer.parallel import parallelize
-from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, plan_layout
+from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
 from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.observe.startup import process_start_time
