@@ -18,7 +18,9 @@ MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 
 
 def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | None = None,
                model: dict | None = None, checkpoint: dict | None = None, data: str = "builtin:pydoc",
-               nproc: int = 1, resources: dict | None = None, elastic: dict | None = None) -> Path:
+               nproc: int = 1, resources: dict | None = None, elastic: dict | None = None,
+               **spec: dict) -> Path:
+    """A TrainingSpec file of the micro model; `spec` adds top-level spec sections (e.g. tracking=...)."""
     doc = {
         "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "t"},
         "spec": {
@@ -30,6 +32,7 @@ def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | 
             "checkpoint": {"intervalSteps": 1000, **(checkpoint or {})},
             "resources": resources or {"processesPerNode": nproc},
             **({"elastic": elastic} if elastic else {}),
+            **spec,
         },
     }
     path.write_text(yaml.safe_dump(doc))

@@ -30,6 +30,11 @@ FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
 FT_QUORUM_TICK_MS = 20
 FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.membership.replica_groups
 
+# Tracking credentials, each read by reference from spec.tracking.*.credentialsSecret (optional keys: a Secret may
+# hold a token or a user and password).
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+WANDB_SECRET_KEYS = ("WANDB_API_KEY",)
+
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES, NODE_NAME)
 

@@ -335,6 +335,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             for key in S3_KEYS]
     if s.checkpoint.endpoint:
         env.append(k.V1EnvVar(name="AWS_ENDPOINT_URL", value=s.checkpoint.endpoint))
+    env += tracking_env(s.tracking)
     # SIGTERM (suspend, scale-down, preemption) → the ranks agree on a step and save it: torchrun must not
     # SIGKILL them before the pod's grace period would.
     env.append(k.V1EnvVar(name="PET_SHUTDOWN_TIMEOUT",
@@ -508,3 +509,14 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
                   "strategy": {"type": "Recreate"},  # never two lighthouses, each with half the groups
                   "template": template}},
     ]
+
+
+def tracking_env(tracking) -> list:
+    """The trackers' credentials by reference (optional keys), never their values."""
+    if tracking is None:
+        return []
+    wanted = [(t.credentials_secret, keys) for t, keys in ((tracking.mlflow, contract.MLFLOW_SECRET_KEYS),
+                                                           (tracking.wandb, contract.WANDB_SECRET_KEYS))
+              if t is not None and t.credentials_secret]
+    return [k.V1EnvVar(name=key, value_from=k.V1EnvVarSource(secret_key_ref=k.V1SecretKeySelector(
+        name=secret, key=key, optional=True))) for secret, keys in wanted for key in keys]

@@ -33,6 +33,7 @@ from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
+from kiln.trainer.observe import tracking
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -107,6 +108,8 @@ class Run:
         self.losses: list[float] = []
         self.stopped = False  # a stop was requested (SIGTERM) and saved
         self._closed = False
+        self._finished = False  # finish() ran: a tracked run ends FINISHED, else FAILED
+        self.tracking = None
 
         self._build_model()
         self._build_data()
@@ -135,6 +138,8 @@ class Run:
         self.peak = peak_flops(device, self.tr.precision)  # None: no known peak, no MFU (kiln.trainer.observe.metrics)
         self.logger = MetricsLogger(output_dir, rank=rank, total_steps=self.tr.steps, start_step=self.start_step,
                                     exporter=exporter)
+        self.tracking = tracking.start(spec_doc, store=getattr(self.checkpointer, "store", None),
+                                       output_dir=output_dir) if rank == 0 else None
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
         if self.ft is not None:  # from here a loop that stops moving takes its group out (kiln.trainer.membership.hang_watch)
@@ -395,7 +400,11 @@ class Run:
                 record["val_loss"] = validation_loss(self.model, self.schedule, self.val_loader, tr.global_batch_size,
                                                      self.layout, self.device, is_first=self.is_first,
                                                      is_last=self.is_last, reports_loss=self.reports_loss)
+        if self.tracking is not None:
+            self.tracking.commit(ckpt.get("lastCheckpoint"))
         if step % tr.log_every == 0 or final:
+            if self.tracking is not None:
+                self.tracking.offer(record)  # never waits; notes drops and a tracker's failure in the record
             self.logger.log(record)
         elif "gpu_health" in record:  # the gauge follows every health reading, logged or not
             self.logger.export(record)
@@ -419,6 +428,9 @@ class Run:
         if self.ft is not None:  # no more steps: the last upload and the barrier are not the loop's
             self.ft.watch.stop()
         self.checkpointer.wait()
+        if self.tracking is not None:
+            self.tracking.commit(self.checkpointer.status().get("lastCheckpoint"))
+        self._finished = True
         self._close_parts()
         if dist.is_initialized():
             dist.barrier()
@@ -439,6 +451,8 @@ class Run:
             self.checkpointer.close()
             self.reporter.close(self.checkpointer.status())
             self.logger.close()
+            if self.tracking is not None:
+                self.tracking.close(ok=self._finished)
         finally:
             if self.ft is not None:
                 self.ft.close()

@@ -1,0 +1,150 @@
+"""The tracking queue (kiln.trainer.observe.tracking): a step never waits for a tracker, drops are counted, a
+tracker's failure is said once, and the run id is kept in the run's store so a restart continues the tracked run."""
+
+from __future__ import annotations
+
+import threading
+
+from kiln.storage.store import FileStore
+from kiln.trainer.observe.tracking import Tracking, flat_params, numeric_metrics
+
+
+class GatedTracker:
+    """A tracker whose calls wait until the test opens the gate: a tracker that is slow for as long as we like."""
+
+    name = "gated"
+
+    def __init__(self, fail: bool = False):
+        self.gate, self.calls, self.fail = threading.Event(), [], fail
+        self.opened_with: list = []
+
+    def open(self, run_id, params):
+        self.gate.wait()
+        self.opened_with.append(run_id)
+        return run_id or "run-1"
+
+    def log(self, step, metrics):
+        if self.fail:
+            raise ConnectionError("connection refused\nsecond line")
+        self.calls.append(("log", step, metrics))
+
+    def committed(self, step, uri):
+        self.calls.append(("committed", step, uri))
+
+    def close(self, ok):
+        self.calls.append(("close", ok))
+
+
+def test_offers_never_wait_for_a_stuck_tracker_and_drops_are_counted(tmp_path):
+    tracker = GatedTracker()
+    tracking = Tracking([tracker], params={}, store=FileStore(tmp_path), capacity=3)
+    for step in range(1, 9):  # the sender is stuck in open(): 3 queued, 5 dropped, and no offer blocked
+        tracking.offer({"step": step, "loss": 1.0})
+    assert tracking.dropped == 5
+    record = {"step": 9, "loss": 1.0}
+    tracking.offer(record)
+    assert record["tracking_dropped"] == 5 and tracking.dropped == 6
+    tracker.gate.set()
+    tracking.close(ok=True)
+    assert [c[1] for c in tracker.calls if c[0] == "log"] == [1, 2, 3]
+    assert tracker.calls[-1] == ("close", True)
+
+
+def test_a_failing_tracker_is_said_once_and_noted_in_the_records(tmp_path, capsys):
+    tracker = GatedTracker(fail=True)
+    tracker.gate.set()
+    tracking = Tracking([tracker], params={}, store=FileStore(tmp_path))
+    for step in (1, 2, 3):
+        tracking.offer({"step": step, "loss": 1.0})
+    tracking.close()
+    record = {"step": 4, "loss": 1.0}
+    tracking.offer(record)
+    assert record["tracking_error"] == "gated: connection refused"
+    assert capsys.readouterr().err.count("kiln: tracking: gated is not reachable") == 1
+
+
+def test_the_run_id_is_kept_in_the_store_and_reused_by_a_restart(tmp_path):
+    store = FileStore(tmp_path)
+    first = GatedTracker()
+    first.gate.set()
+    Tracking([first], params={}, store=store).close()
+    again = GatedTracker()
+    again.gate.set()
+    Tracking([again], params={}, store=store).close()
+    assert first.opened_with == [None] and again.opened_with == ["run-1"]
+
+
+def test_each_commit_is_sent_once():
+    tracker = GatedTracker()
+    tracker.gate.set()
+    tracking = Tracking([tracker], params={})
+    for ref in (None, {"step": 4, "uri": "u4"}, {"step": 4, "uri": "u4"}, {"step": 8, "uri": "u8"}):
+        tracking.commit(ref)
+    tracking.close()
+    assert [c for c in tracker.calls if c[0] == "committed"] == [("committed", 4, "u4"), ("committed", 8, "u8")]
+
+
+def test_params_and_metrics_are_flattened_as_trackers_show_them():
+    assert flat_params({"training": {"lr": 0.001, "steps": 4}, "elastic": {"plan": [{"nodes": 2}]}}) == {
+        "training.lr": "0.001", "training.steps": "4", "elastic.plan.0.nodes": "2"}
+    assert numeric_metrics({"step": 3, "loss": 2.5, "mfu": None, "world": "pp1", "startup": {"restored": 7.0},
+                            "ok": True}) == {"loss": 2.5, "startup.restored": 7.0}
+
+
+def test_the_pods_get_tracking_credentials_by_reference_only():
+    from kiln.api.load import parse
+    from kiln.control.config import OperatorConfig
+    from kiln.control.plan import plan
+
+    from tests.unit.test_api_rules import with_
+
+    raw = with_({"tracking": {"mlflow": {"uri": "http://mlflow:5000", "credentialsSecret": "mlflow-creds"},
+                              "wandb": {"project": "p", "credentialsSecret": "wandb-creds"}}})
+    raw["metadata"].update(namespace="ml", uid="5b1c8e0c-0000-4000-8000-000000000001")
+    result = plan(parse(raw), None, OperatorConfig(image="registry.test/trainer:1"))
+    job = next(o for o in result.objects if o["kind"] == "PyTorchJob")
+    env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if e["name"].startswith(("MLFLOW_", "WANDB_"))}
+    assert refs == {
+        "MLFLOW_TRACKING_TOKEN": {"name": "mlflow-creds", "key": "MLFLOW_TRACKING_TOKEN", "optional": True},
+        "MLFLOW_TRACKING_USERNAME": {"name": "mlflow-creds", "key": "MLFLOW_TRACKING_USERNAME", "optional": True},
+        "MLFLOW_TRACKING_PASSWORD": {"name": "mlflow-creds", "key": "MLFLOW_TRACKING_PASSWORD", "optional": True},
+        "WANDB_API_KEY": {"name": "wandb-creds", "key": "WANDB_API_KEY", "optional": True},
+    }
+    assert all("value" not in e for e in env if e["name"] in refs)
+
+
+def test_a_tracking_uri_must_be_http_or_file():
+    import pytest
+
+    from kiln.api.load import parse
+    from kiln.errors import KilnError
+    from tests.unit.test_api_rules import with_
+
+    with pytest.raises(KilnError, match=r"spec\.tracking\.mlflow\.uri: String should match"):
+        parse(with_({"tracking": {"mlflow": {"uri": "mlflow:5000"}}}))
+
+
+def test_wandb_offline_writes_a_run_that_wandb_sync_accepts_and_a_restart_continues_it(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kiln.trainer.observe.tracking import WandbTracker
+
+    store = FileStore(tmp_path / "checkpoints")
+    for steps in ((1, 2, 3), (4, 5)):  # a run and its restart
+        tracking = Tracking([WandbTracker("kiln-test", None, "offline", "t", str(tmp_path))],
+                            params={"training.lr": "0.001"}, store=store)
+        for step in steps:
+            tracking.offer({"step": step, "loss": 1.0 / step})
+        tracking.close()
+        assert tracking.errors == {} and tracking.dropped == 0
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_ids = {path.stem.removeprefix("run-") for path in runs}
+    assert len(run_ids) == 1  # the restart wrote to the same W&B run id, kept in the store
+    assert (tmp_path / "checkpoints" / "tracking" / "wandb.json").exists()
+    wandb_cli = Path(sys.executable).parent / "wandb"
+    proc = subprocess.run([str(wandb_cli), "sync", "--dry-run", *map(str, {p.parent for p in runs})],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"Would sync {len(runs)} run(s)" in proc.stdout + proc.stderr, proc.stderr
