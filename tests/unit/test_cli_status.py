@@ -49,10 +49,14 @@ def test_a_terminal_narrower_than_the_table_gets_whole_values_too():
     assert text.splitlines()[1].split()[:3] == ["team-with-a-long-namespace-name", LONG, "Running"]
 
 
-def test_wide_adds_eta_goodput_checkpoint_uri_and_generation():
+def test_wide_adds_eta_goodput_cost_checkpoint_uri_and_generation():
     header, rows = status_table([_item(LONG, **STATUS)], all_namespaces=False, wide=True)
-    assert header[-4:] == ["ETA", "GOODPUT", "CHECKPOINT URI", "GENERATION"]
-    assert rows[0][0] == LONG and rows[0][-4:] == ["1h", "95.0%", STATUS["lastCheckpoint"]["uri"], "2/2"]
+    assert header[-6:] == ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION"]
+    assert rows[0][0] == LONG and rows[0][-6:] == ["1h", "95.0%", "", "", STATUS["lastCheckpoint"]["uri"], "2/2"]
+    cost = {"gpuHours": 16.0, "gpuHoursByCause": {"productive": 12.0, "restart": 4.0},
+            "pricePerGpuHour": 3.5, "currency": "USD", "amount": 56.0}
+    _, rows = status_table([_item(LONG, **STATUS, cost=cost)], all_namespaces=False, wide=True)
+    assert rows[0][-4:-2] == ["16 (75% productive)", "56.00 USD"]
 
 
 def test_conditions_keep_their_whole_message():

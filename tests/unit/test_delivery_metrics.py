@@ -80,6 +80,17 @@ def test_each_runs_goodput_and_restarts_come_from_its_status_which_the_operator_
     assert value("kiln_operator_run_goodput", namespace="t-run", run="a") is None
 
 
+def test_each_runs_gpu_hours_and_cost_by_cause_come_from_status_cost():
+    cost = {"gpuHours": 16.0, "gpuHoursByCause": {"productive": 12.0, "restart": 4.0},
+            "amount": 56.0, "amountByCause": {"productive": 42.0, "restart": 14.0}, "currency": "USD"}
+    op.observe_status("t-cost", "a", {"phase": "Running", "cost": cost})
+    assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="productive") == 12.0
+    assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="restart") == 4.0
+    assert value("kiln_operator_run_cost", namespace="t-cost", run="a", cause="restart") == 14.0
+    op.forget("t-cost", "a")
+    assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="productive") is None
+
+
 def test_operator_metrics_are_served_over_http():
     op.observe_status("t-http", "run", {"phase": "Succeeded"})
     server, _ = op.serve(0, addr="127.0.0.1")

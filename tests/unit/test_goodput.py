@@ -115,3 +115,66 @@ def test_a_write_that_ends_a_gpu_move_prices_the_move_before_it_clears_it():
     running = {**moving, "conditions": [gpu_condition("GPUsHealthy")]}
     same = {"conditions": [gpu_condition("GPUsHealthy"), {"type": "Elastic", "status": "True", "reason": "Steady"}]}
     assert settled(running, same, now=130.0, created=0.0) == same
+
+
+# ---- GPU-hours and cost (status.cost) ----
+
+def test_gpu_seconds_follow_what_held_and_the_gpus_it_held():
+    from kiln.control.goodput import gpus_held
+
+    assert gpus_held({"phase": "Running", "nodes": 2}, 8) == 16
+    assert gpus_held({"phase": "Restarting", "nodes": 2}, 8) == 16  # the pods keep their nodes' GPUs
+    for idle in ({"phase": "Pending", "nodes": 2}, queued("Preempted"), {"phase": "Suspended", "nodes": 2},
+                 {"phase": "Queued", "nodes": 2}):
+        assert gpus_held(idle, 8) == 0, idle
+    g = Ledger(observed_at=1000.0)
+    g = observe(g, 1050.0, "Pending", trainer(), gpus=0)
+    g = observe(g, 1150.0, "Running", trainer(80.0, stall=5.0), gpus=16)  # 15 s start-up: held, not stepping
+    g = observe(g, 1170.0, "Restarting", trainer(80.0, stall=5.0), gpus=16)
+    g = observe(g, 1190.0, "Running", trainer(60.0, stall=5.0), gpus=8)  # resumed at 1 node: 20 s redone
+    assert g.gpu_s == pytest.approx({"productive": 60.0 * 16, "pending": 0.0, "restart": 20 * 16 + 20 * 16,
+                                     "checkpointStall": 5.0 * 16, "rollback": 0.0, "suspended": 0.0,
+                                     "preempted": 0.0, "gpuFailover": 0.0, "other": 15 * 16 + 20 * 8})
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e5), st.sampled_from(["Pending", "Running", "Restarting", "Suspended"]),
+                          st.floats(0, 1e5), st.integers(0, 64)), max_size=20))
+def test_gpu_hours_by_cause_add_up_to_the_gpus_held_times_the_time(steps):
+    from kiln.control.goodput import cost
+
+    g, now, produced, held_gpu_s = Ledger(observed_at=0.0), 0.0, 0.0, 0.0
+    for dt, phase, work, gpus in steps:
+        produced = max(produced, min(produced + work, now + dt))
+        held_gpu_s += dt * gpus
+        g = observe(g, now + dt, phase, trainer(produced), gpus=gpus)
+        now += dt
+    c = cost(g, 2.0, "EUR")
+    assert c["gpuHours"] == pytest.approx(sum(c["gpuHoursByCause"].values()), abs=1e-3)
+    assert sum(g.gpu_s.values()) <= held_gpu_s + 1e-6  # never more GPU time than was held
+    assert c["amount"] == pytest.approx(c["gpuHours"] * 2.0, abs=0.01) and c["currency"] == "EUR"
+
+
+def test_the_operator_writes_cost_into_status_at_the_price_of_the_runs_gpu_type():
+    from kiln.control.config import Pricing
+    from kiln.control.status import derive
+
+    prices = Pricing.parse('{"NVIDIA-H200": 3.5}', "USD")
+    ts = {"metadata": {"name": "r", "namespace": "ml", "creationTimestamp": "2026-01-01T00:00:00Z"},
+          "spec": {"resources": {"nodes": 2, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"}},
+          "status": {"phase": "Running", "nodes": 2, "trainerTime": trainer(3000.0),
+                     "goodputDetail": {"observedAt": "2026-01-01T00:00:00Z"}}}
+    status = derive(ts, None, [], "2026-01-01T01:00:00Z", pricing=prices).status
+    assert status["cost"]["gpuHours"] == 16.0  # one hour on 2 nodes x 8 GPUs
+    assert status["cost"]["gpuHoursByCause"]["productive"] == pytest.approx(16.0 * 3000 / 3600, abs=1e-3)
+    assert status["cost"]["amount"] == 56.0 and status["cost"]["currency"] == "USD"
+    TrainingSpecStatus.model_validate(status)  # the CRD's status schema keeps every field written
+    unpriced = derive({**ts, "spec": {"resources": {"nodes": 2, "gpusPerNode": 8, "gpuType": "NVIDIA-L4"}}},
+                      None, [], "2026-01-01T01:00:00Z", pricing=prices).status
+    assert unpriced["cost"]["gpuHours"] == 16.0 and "amount" not in unpriced["cost"]
+
+
+def test_a_price_list_that_is_not_numbers_is_refused_by_name():
+    from kiln.control.config import Pricing
+
+    with pytest.raises(ValueError, match="KILN_GPU_PRICES"):
+        Pricing.parse('{"NVIDIA-H200": "cheap"}')

@@ -493,6 +493,35 @@ class LostSeconds(ApiModel):
     preempted: float = Field(0.0, ge=0, description="Queued after Kueue preempted the run, until it is admitted again.")
 
 
+class GpuHours(ApiModel):
+    """GPU-hours (or their price) by cause: what the run's GPUs were held for. The causes add up to the total."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    productive: float = Field(0.0, ge=0, description="Held while stepping (trainerTime.productiveSeconds).")
+    pending: float = Field(0.0, ge=0, description="Always 0: a Pending or Queued run's pods hold no GPU.")
+    restart: float = Field(0.0, ge=0, description="Held while restarting, plus the steps redone after a resume.")
+    checkpoint_stall: float = Field(0.0, ge=0, description="Held while training blocked on checkpoints.")
+    rollback: float = Field(0.0, ge=0, description="Held while steps were undone or redone after a guard rollback.")
+    suspended: float = Field(0.0, ge=0, description="Always 0: a Suspended run holds no GPU.")
+    preempted: float = Field(0.0, ge=0, description="Always 0: a preempted run waits Queued, holding no GPU.")
+    gpu_failover: float = Field(0.0, ge=0, description="Held while moving off a node whose GPUs degrade or fail.")
+    other: float = Field(0.0, ge=0, description="Held while running but not stepping: start-up, restore, data waits.")
+
+
+class CostStatus(ApiModel):
+    """What the run's GPUs cost (the operator's view: nodes × gpusPerNode while its pods hold them × time)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    gpu_hours: float = Field(0.0, ge=0, description="GPU-hours the run held since it was created.")
+    gpu_hours_by_cause: GpuHours = Field(default_factory=GpuHours, description="gpuHours by cause.")
+    price_per_gpu_hour: float | None = Field(
+        None, ge=0, description="The platform's price of a GPU-hour of the run's gpuType (operator setting "
+        "KILN_GPU_PRICES, chart values cost.pricePerGpuHour); unset: no amount.")
+    currency: str | None = Field(None, max_length=16, description="The price's currency (chart values cost.currency).")
+    amount: float | None = Field(None, ge=0, description="gpuHours × pricePerGpuHour.")
+    amount_by_cause: GpuHours | None = Field(None, description="amount by cause (the same causes as gpuHoursByCause).")
+
+
 class GoodputDetail(ApiModel):
     """The operator's goodput ledger; the rest of wallSeconds is start-up, restore and data waits."""
 
@@ -505,6 +534,9 @@ class GoodputDetail(ApiModel):
         "all groups live (degraded, still training; the time nothing stepped is in lostSeconds)."
     )
     lost_seconds: LostSeconds = Field(default_factory=LostSeconds, description="Lost seconds by cause.")
+    gpu_seconds: dict[str, float] = Field(
+        default_factory=dict, description="GPU-seconds held by cause (status.cost is this in hours and money)."
+    )
     credited: dict[str, float] = Field(
         default_factory=dict, description="The trainerTime counters already accounted (the operator's baseline)."
     )
@@ -601,6 +633,8 @@ class TrainingSpecStatus(ApiModel):
         None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."
     )
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
+    cost: CostStatus | None = Field(None, description="GPU-hours held by cause, and their price where the platform "
+                                    "set one for the run's gpuType.")
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
     replica_groups: list[ReplicaGroupStatus] | None = Field(

@@ -142,12 +142,22 @@ def _duration(seconds: float) -> str:
     return f"{int(seconds)}s"
 
 
+def _cost(cost: dict | None) -> tuple[str, str]:
+    """GPU-HOURS (with the productive share) and COST columns of `kiln status -o wide`."""
+    if not cost:
+        return "", ""
+    total, productive = cost.get("gpuHours", 0.0), (cost.get("gpuHoursByCause") or {}).get("productive", 0.0)
+    hours = f"{total:.4g} ({productive / total:.0%} productive)" if total else "0"
+    money = f"{cost['amount']:.2f} {cost.get('currency', '')}".strip() if cost.get("amount") is not None else ""
+    return hours, money
+
+
 def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     """The header and rows of `kiln status` (full values, no markup) for TrainingSpec objects."""
     header = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S",
                                                           "MFU", "LAST CHECKPOINT", "RESTARTS", "AGE"]
     if wide:
-        header += ["ETA", "GOODPUT", "CHECKPOINT URI", "GENERATION"]
+        header += ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION"]
     rows = []
     for item in items:
         st, meta = item.get("status") or {}, item["metadata"]
@@ -162,7 +172,8 @@ def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) ->
         if wide:
             observed = st.get("observedGeneration")
             row += [_duration(st["etaSeconds"]) if st.get("etaSeconds") is not None else "",
-                    f"{st['goodput']:.1%}" if st.get("goodput") is not None else "", ckpt.get("uri", ""),
+                    f"{st['goodput']:.1%}" if st.get("goodput") is not None else "", *_cost(st.get("cost")),
+                    ckpt.get("uri", ""),
                     f"{observed if observed is not None else '-'}/{meta.get('generation', '-')}"]
         rows.append(row)
     return header, rows

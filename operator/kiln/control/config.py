@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field as dataclass_field
 
 from kiln import __version__
 from kiln.control.policy import AdminPolicy
 
 DEFAULT_IMAGE = f"ghcr.io/kiln-dev/kiln-trainer:{__version__}"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a GPU-hour costs, per resources.gpuType (the node label's value), for status.cost. A type without a
+    price gets GPU-hours and no money."""
+
+    per_gpu_hour: tuple[tuple[str, float], ...] = ()  # (gpuType, price) pairs: hashable, as the config is frozen
+    currency: str = "USD"
+
+    def of(self, gpu_type: str | None) -> float | None:
+        return dict(self.per_gpu_hour).get(gpu_type) if gpu_type else None
+
+    @classmethod
+    def parse(cls, prices_json: str, currency: str = "USD") -> "Pricing":
+        """KILN_GPU_PRICES: a JSON object {gpuType: price per GPU-hour}, e.g. {"NVIDIA-H200": 3.5}."""
+        prices = json.loads(prices_json or "{}")
+        if not isinstance(prices, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   and v >= 0 for v in prices.values()):
+            raise ValueError(f"KILN_GPU_PRICES must be a JSON object of non-negative numbers, got {prices_json!r}")
+        return cls(tuple(sorted((str(k), float(v)) for k, v in prices.items())), currency)
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,9 @@ class OperatorConfig:
     # empty: kiln-operator in the operator's namespace.
     leader_lease: str = ""
 
+    # Price per GPU-hour by gpuType for status.cost (chart values cost.*; env KILN_GPU_PRICES, KILN_CURRENCY)
+    pricing: Pricing = dataclass_field(default_factory=Pricing)
+
     # What a namespace user may put into trainer pods (images, priority classes, nodes); kiln.control.policy
     policy: AdminPolicy = AdminPolicy()  # frozen: one shared default is safe
 
@@ -69,4 +94,5 @@ class OperatorConfig:
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])
-        return cls(**kwargs, policy=AdminPolicy.from_env(env))
+        pricing = Pricing.parse(env.get("KILN_GPU_PRICES", ""), env.get("KILN_CURRENCY") or "USD")
+        return cls(**kwargs, pricing=pricing, policy=AdminPolicy.from_env(env))

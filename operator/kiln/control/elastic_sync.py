@@ -211,7 +211,10 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             conditions = set_condition(conditions, "GPUHealthy", *gpu.condition, now(), old.get("observedGeneration"))
         if conditions != (old.get("conditions") or []):
             created = goodput.epoch(body["metadata"].get("creationTimestamp") or now())
-            kube.patch_status(namespace, name, goodput.settled(old, {"conditions": conditions}, now_s, created))
+            resources = body["spec"].get("resources") or {}
+            kube.patch_status(namespace, name, goodput.settled(
+                old, {"conditions": conditions}, now_s, created, gpus_per_node=int(resources.get("gpusPerNode") or 0),
+                price_per_gpu_hour=config.pricing.of(resources.get("gpuType")), currency=config.pricing.currency))
         return f"{namespace}/{name}: {decision.reason}"
 
 

@@ -21,6 +21,12 @@ Attribution of the wall time between two observations:
 - a productive counter that went *down* means a new trainer resumed from an older commit: that much
   productive time is moved to `restart` (it is done again);
 - after Succeeded / Failed nothing more is counted.
+
+GPU-seconds (`gpuSeconds` in the ledger, `status.cost` in GPU-hours and money): each interval's seconds, split as
+above, times the GPUs the run held during it (`gpus_held`: nodes × gpusPerNode while its pods hold their GPUs —
+Running, Restarting, Scaling, moving off a failing node — and none while Pending, Queued, preempted or
+Suspended, when no pod of it is bound to a GPU). The wall time the run held GPUs without stepping, checkpointing
+or rolling back (start-up, restore, data waits) is `other`. The causes add up to the total by construction.
 """
 
 from __future__ import annotations
@@ -37,6 +43,14 @@ DEGRADED = "degradedSeconds"  # status.trainerTime: productive seconds stepped w
 REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart",
              "Suspended": "suspended", PREEMPTED: "preempted", MOVING: "gpuFailover"}
 FINAL = ("Succeeded", "Failed")
+GPU_CAUSES = ("productive", *CAUSES, "other")  # status.goodputDetail.gpuSeconds and status.cost.gpuHoursByCause
+HOLDS_GPUS = frozenset({"Running", "Restarting", "Scaling", MOVING})  # held(status) values whose pods hold GPUs
+
+
+def gpus_held(status: dict | None, gpus_per_node: int) -> int:
+    """The GPUs the run held while `status` held: its nodes' GPUs when its pods hold them, else none."""
+    s = status or {}
+    return int(s.get("nodes") or 0) * gpus_per_node if held(s) in HOLDS_GPUS else 0
 
 
 def held(status: dict | None) -> str | None:
@@ -60,6 +74,7 @@ class Ledger:
     degraded_s: float = 0.0  # of productive_s: stepping with fewer than all replica groups live
     lost_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
     credited: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*COUNTERS, DEGRADED), 0.0))  # taken
+    gpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GPU_CAUSES, 0.0))  # GPU-seconds by cause
 
     @property
     def goodput(self) -> float:
@@ -71,6 +86,7 @@ class Ledger:
                                   "productiveSeconds": round(self.productive_s, 1),
                                   DEGRADED: round(self.degraded_s, 1),
                                   "lostSeconds": {k: round(v, 1) for k, v in self.lost_s.items()},
+                                  "gpuSeconds": {k: round(v, 1) for k, v in self.gpu_s.items()},
                                   "credited": dict(self.credited)}}
 
     @classmethod
@@ -82,7 +98,8 @@ class Ledger:
         return cls(observed_at=epoch(d["observedAt"]), wall_s=float(d.get("wallSeconds", 0.0)),
                    productive_s=float(d.get("productiveSeconds", 0.0)), degraded_s=float(d.get(DEGRADED, 0.0)),
                    lost_s={c: float((d.get("lostSeconds") or {}).get(c, 0.0)) for c in CAUSES},
-                   credited={c: float((d.get("credited") or {}).get(c, 0.0)) for c in (*COUNTERS, DEGRADED)})
+                   credited={c: float((d.get("credited") or {}).get(c, 0.0)) for c in (*COUNTERS, DEGRADED)},
+                   gpu_s={c: float((d.get("gpuSeconds") or {}).get(c, 0.0)) for c in GPU_CAUSES})
 
 
 def counters(status: dict | None) -> dict[str, float]:
@@ -94,14 +111,19 @@ def counters(status: dict | None) -> dict[str, float]:
     return found
 
 
-def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, float]) -> Ledger:
-    """The ledger after attributing the wall time since the last observation to `phase` (the phase that held)."""
+def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, float], gpus: int = 0) -> Ledger:
+    """The ledger after attributing the wall time since the last observation to `phase` (the phase that held),
+    and its GPU-seconds at `gpus` held during that time."""
     if phase in FINAL or now <= ledger.observed_at:
         return ledger
     elapsed = now - ledger.observed_at
     lost, credited, productive = dict(ledger.lost_s), dict(ledger.credited), ledger.productive_s
+    gpu_s = dict(ledger.gpu_s)
     if reported["productiveSeconds"] < credited["productiveSeconds"]:  # resumed from an older commit
         redone = min(credited["productiveSeconds"] - reported["productiveSeconds"], productive)
+        moved = gpu_s["productive"] * redone / productive if productive > 0 else 0.0  # at the GPUs it ran on
+        gpu_s["productive"] -= moved
+        gpu_s["restart"] += moved
         productive -= redone
         lost["restart"] += redone
     left, degraded, stepped = elapsed, ledger.degraded_s, 0.0
@@ -111,6 +133,7 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
         take = min(reported[counter] - credited[counter], left)
         credited[counter] += take
         left -= take
+        gpu_s[cause or "productive"] += take * gpus
         if cause is None:
             productive += take
             stepped = take
@@ -125,22 +148,39 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
     degraded = min(degraded + take, productive)
     if phase is not None and phase in REMAINDER:
         lost[REMAINDER[phase]] += left
+        gpu_s[REMAINDER[phase]] += left * gpus
     elif phase is None:
         lost["pending"] += left  # before the operator's first status: nothing was running yet
+    else:
+        gpu_s["other"] += left * gpus  # held while running, not stepping: start-up, restore, data waits
     return replace(ledger, observed_at=now, wall_s=ledger.wall_s + elapsed, productive_s=productive,
-                   degraded_s=degraded, lost_s=lost, credited=credited)
+                   degraded_s=degraded, lost_s=lost, credited=credited, gpu_s=gpu_s)
 
 
-def settled(old: dict | None, update: dict, now: float, created: float) -> dict:
-    """`update` (a status patch) with the ledger observed up to `now` when the patch changes what held.
+def cost(ledger: Ledger, price_per_gpu_hour: float | None, currency: str) -> dict:
+    """status.cost: the GPU-hours the run held, by cause (they add up to the total), and their price when the
+    platform set one for the run's GPU type."""
+    by_cause = {c: round(v / 3600, 4) for c, v in ledger.gpu_s.items()}
+    out: dict = {"gpuHours": round(sum(ledger.gpu_s.values()) / 3600, 4), "gpuHoursByCause": by_cause}
+    if price_per_gpu_hour is not None:
+        out.update(pricePerGpuHour=price_per_gpu_hour, currency=currency,
+                   amount=round(sum(ledger.gpu_s.values()) / 3600 * price_per_gpu_hour, 2),
+                   amountByCause={c: round(v / 3600 * price_per_gpu_hour, 2) for c, v in ledger.gpu_s.items()})
+    return out
+
+
+def settled(old: dict | None, update: dict, now: float, created: float, *, gpus_per_node: int = 0,
+            price_per_gpu_hour: float | None = None, currency: str = "USD") -> dict:
+    """`update` (a status patch) with the ledger (and status.cost) observed up to `now` when the patch changes
+    what held.
 
     The ledger prices each interval by what held during it, at the next write; a write that ends a state
     (a GPU move's MovingOffNode cleared by the tick) must price the interval it ends first, or the next
     refresh would charge it to what holds then."""
     if held(old) == held({**(old or {}), **update}):
         return update
-    ledger = observe(Ledger.from_status(old, created), now, held(old), counters(old))
-    return {**update, **ledger.as_status()}
+    ledger = observe(Ledger.from_status(old, created), now, held(old), counters(old), gpus_held(old, gpus_per_node))
+    return {**update, **ledger.as_status(), "cost": cost(ledger, price_per_gpu_hour, currency)}
 
 
 def rfc3339(epoch_s: float) -> str:

@@ -191,7 +191,8 @@ def job_changed(type, body, namespace, labels, run_jobs: kopf.Index, run_pods: k
     if not sync.job_unseen(_kube(), *key, job):
         return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
-        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key, job), pods=_pods(run_pods, key))
+        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key, job), pods=_pods(run_pods, key),
+                            pricing=_state["config"].pricing)
 
 
 def _job_deleted(namespace: str, name: str, logger) -> None:
@@ -212,7 +213,8 @@ def _job_deleted(namespace: str, name: str, logger) -> None:
 def pod_changed(namespace, labels, run_jobs: kopf.Index, run_pods: kopf.Index, **_) -> None:
     key = (namespace, labels[RUN_LABEL])
     with metrics.reconcile("pod"):
-        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key))
+        sync.refresh_status(_kube(), *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key),
+                            pricing=_state["config"].pricing)
 
 
 # Every run's periodic tick: the elastic loop, the periodic resync (every resync_seconds each object of the
@@ -242,7 +244,8 @@ def tick(namespace: str, name: str) -> None:
                 except sync.Wait as wait:  # SpecAccepted says why; the next resync tries again
                     _log.warning("%s/%s: resync: %s", namespace, name, wait)
         with metrics.reconcile("status"):
-            sync.refresh_status(kube, *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key))
+            sync.refresh_status(kube, *key, _post, job=_jobs(run_jobs, key), pods=_pods(run_pods, key),
+                            pricing=_state["config"].pricing)
     except Exception:  # counted by metrics.reconcile; the next tick tries again
         _log.exception("%s/%s: periodic tick failed", namespace, name)
     finally:

@@ -78,6 +78,13 @@ class _Phases:
                 if field in values:
                     run_family.add_metric([ns, run], values[field])
             yield run_family
+        for prefix, name, doc in COST_GAUGES:  # status.cost, one series per cause
+            cost_family = GaugeMetricFamily(name, doc, labels=["namespace", "run", "cause"])
+            for (ns, run), values in runs:
+                for key, value in values.items():
+                    if key.startswith(prefix):
+                        cost_family.add_metric([ns, run, key[len(prefix):]], value)
+            yield cost_family
         family = GaugeMetricFamily(
             "kiln_operator_trainingspecs", "TrainingSpecs known to the operator, by namespace and phase.",
             labels=["namespace", "phase"],
@@ -92,6 +99,12 @@ class _Phases:
 RUN_GAUGES = (
     ("goodput", "kiln_operator_run_goodput", "Productive step time / wall time since the run was created (0..1)."),
     ("restarts", "kiln_operator_run_restarts", "Times the run's PyTorchJob entered Restarting."),
+)
+# status.cost.<field> by cause -> (gauge, help); the causes of kiln.control.goodput.GPU_CAUSES
+COST_GAUGES = (
+    ("gpuHoursByCause.", "kiln_operator_run_gpu_hours", "GPU-hours the run held, by cause (they add up to the total)."),
+    ("amountByCause.", "kiln_operator_run_cost", "What the run's GPU-hours cost, by cause, in status.cost.currency "
+                                                 "(only where the platform set a price for its gpuType)."),
 )
 _PHASES = _Phases()
 REGISTRY.register(_PHASES)
@@ -121,6 +134,11 @@ def observe_status(namespace: str, name: str, status: dict) -> None:
     """Record a TrainingSpec's status as the apiserver holds it: its phase, goodput and restarts."""
     values = {field: float(status[field]) for field, _, _ in RUN_GAUGES
               if isinstance(status.get(field), (int, float)) and not isinstance(status.get(field), bool)}
+    cost = status.get("cost") or {}
+    for prefix, _, _ in COST_GAUGES:
+        by_cause = cost.get(prefix.rstrip(".")) or {}
+        values.update({prefix + cause: float(v) for cause, v in by_cause.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
     _PHASES.set(namespace, name, status.get("phase") or "Pending", values)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.api.contract import CONDITION_TYPES
 from kiln.control import goodput, kueue
+from kiln.control.config import Pricing
 from kiln.control.plan import GROUP_LABEL
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
@@ -207,7 +208,7 @@ def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, 
 def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
            accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None,
            group_jobs: list[dict | None] | None = None,
-           group_queues: list[kueue.QueueState | None] | None = None) -> Derived:
+           group_queues: list[kueue.QueueState | None] | None = None, pricing: Pricing = Pricing()) -> Derived:
     """Status and Events for one TrainingSpec.
 
     job: the run's PyTorchJob (None: none), or with replica groups `combined_job(group_jobs)`; group_jobs:
@@ -218,7 +219,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     condition as it is (status refreshes triggered by the job or its pods).
     queue: the run's place in Kueue (kiln.control.kueue) when it was read; None keeps condition Queued and
     status.queue as they are. group_queues: with replica groups, each group's place instead (observe_groups;
-    None: none read), folded into the run's by kueue.groups_state.
+    None: none read), folded into the run's by kueue.groups_state. pricing: the price of the run's GPU type,
+    for status.cost.
     """
     spec, old = ts.get("spec") or {}, ts.get("status") or {}
     # the generation acted on: the current one after a reconcile, else what the last reconcile saw
@@ -299,7 +301,10 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)
-    status.update(goodput.observe(ledger, goodput.epoch(now), goodput.held(old), goodput.counters(old)).as_status())
+    resources = spec.get("resources") or {}
+    gpus = goodput.gpus_held(old, int(resources.get("gpusPerNode") or 0))
+    ledger = goodput.observe(ledger, goodput.epoch(now), goodput.held(old), goodput.counters(old), gpus)
+    status.update(ledger.as_status(), cost=goodput.cost(ledger, pricing.of(resources.get("gpuType")), pricing.currency))
     return Derived(status=status, events=events)
 
 
@@ -315,7 +320,7 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
     return False
 
 
-GOODPUT_FIELDS = ("goodput", "goodputDetail")
+GOODPUT_FIELDS = ("goodput", "goodputDetail", "cost")  # all three move with the clock
 # The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
 # one is this old (the operator's 15 s tick, kiln.control.handlers, refreshes every run); with any other
 # change (phase, conditions, nodes, restarts) it goes along at once. Skipping a write loses nothing: the next

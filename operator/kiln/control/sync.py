@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from kiln.api.load import format_validation_error
 from kiln.api.spec import TrainingSpec
 from kiln.control import kueue
-from kiln.control.config import OperatorConfig
+from kiln.control.config import OperatorConfig, Pricing
 from kiln.control.elastic_state import carried_avoid, carried_nodes
 from kiln.control.kube import Kube, now
 from kiln.control.plan import Observed, job_names_of, plan
@@ -114,7 +114,7 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                             pods = []  # created just now: the training-operator has made no pod yet
                         jobs[obj["metadata"]["name"]] = applied
                 job, group_jobs = run_job(wanted, [j for j in jobs.values() if j])
-        _write_status(kube, body, post, accepted, job, pods, group_jobs)
+        _write_status(kube, body, post, accepted, job, pods, group_jobs, pricing=config.pricing)
         if accepted[0] == "False" and accepted[1] in RETRIED:
             raise Wait(accepted[2])  # retried with a delay: the cause may go away without a spec change
         return f"{namespace}/{name}: {accepted[1]}"
@@ -205,7 +205,8 @@ def run_job(wanted: list[str], found: list[dict]) -> tuple[dict | None, list[dic
     return combined_job(group_jobs), group_jobs
 
 
-def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ) -> None:
+def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ,
+                   pricing: Pricing = Pricing()) -> None:
     """Recompute the status after the job or one of its pods changed.
 
     job: the run's PyTorchJobs as the operator's watch has them (a list: with replica groups, one per group),
@@ -224,7 +225,7 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
             if job is READ:
                 job = [j for n in wanted if (j := kube.job(namespace, name, n)) is not None]
             job, group_jobs = run_job(wanted, job if isinstance(job, list) else [job] if job else [])
-            _write_status(kube, body, post, None, job, pods, group_jobs)
+            _write_status(kube, body, post, None, job, pods, group_jobs, pricing=pricing)
 
 
 def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
@@ -235,7 +236,7 @@ def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
 
 
 def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ,
-                  group_jobs: list[dict | None] | None = None) -> None:
+                  group_jobs: list[dict | None] | None = None, pricing: Pricing = Pricing()) -> None:
     """Derive and patch the status from the job (as just read or applied; with replica groups the combined
     one, kiln.control.status.combined_job, and each group's) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -248,7 +249,7 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
     # a queued run: why it waits (a Workload read; with replica groups, one per group due a read)
     queue = kueue.observe(kube, job, body.get("status")) if group_jobs is None else None
     group_queues = kueue.observe_groups(kube, group_jobs, body.get("status")) if group_jobs is not None else None
-    result = derive(body, job, pods, now(), accepted, queue, group_jobs, group_queues)
+    result = derive(body, job, pods, now(), accepted, queue, group_jobs, group_queues, pricing=pricing)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:
