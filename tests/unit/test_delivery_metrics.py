@@ -80,13 +80,16 @@ def test_each_runs_goodput_and_restarts_come_from_its_status_which_the_operator_
     assert value("kiln_operator_run_goodput", namespace="t-run", run="a") is None
 
 
-def test_each_runs_gpu_hours_and_cost_by_cause_come_from_status_cost():
+def test_each_runs_cost_by_cause_and_scaling_by_node_count_come_from_its_status():
     cost = {"gpuHours": 16.0, "gpuHoursByCause": {"productive": 12.0, "restart": 4.0},
             "amount": 56.0, "amountByCause": {"productive": 42.0, "restart": 14.0}, "currency": "USD"}
     op.observe_status("t-cost", "a", {"phase": "Running", "cost": cost})
     assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="productive") == 12.0
     assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="restart") == 4.0
     assert value("kiln_operator_run_cost", namespace="t-cost", run="a", cause="restart") == 14.0
+    op.observe_status("t-cost", "a", {"phase": "Running", "scaling": {"phases": [
+        {"nodes": 1, "efficiency": 1.0}, {"nodes": 4, "efficiency": 0.93}]}})
+    assert value("kiln_operator_run_scaling_efficiency", namespace="t-cost", run="a", nodes="4") == 0.93
     op.forget("t-cost", "a")
     assert value("kiln_operator_run_gpu_hours", namespace="t-cost", run="a", cause="productive") is None
 
@@ -155,7 +158,10 @@ def exported_names() -> set[str]:
                                                     "gpu_health": [{"node": "n1", "gpus": [{"index": 0,
                                                                                             "state": "Healthy"}]}]})
     with op.reconcile("t-dash"):
-        op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1})
+        op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1,
+                                          "cost": {"gpuHoursByCause": {"productive": 1.0},
+                                                   "amountByCause": {"productive": 3.5}},
+                                          "scaling": {"phases": [{"nodes": 1, "efficiency": 1.0}]}})
     names = set()
     for registry in (op.REGISTRY, trainer.registry):
         names |= {s.name for family in registry.collect() for s in family.samples}

@@ -40,8 +40,8 @@ POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BY
 
 # ---- the status subresource: who writes which field ----
 
-OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput", "cost",
-                             "goodputDetail", "queue", "replicaGroups"})
+OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput",
+                             "goodputDetail", "cost", "scaling", "queue", "replicaGroups"})
 TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
                             "trainerTime", "gpuHealth"})
 

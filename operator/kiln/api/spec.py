@@ -522,6 +522,31 @@ class CostStatus(ApiModel):
     amount_by_cause: GpuHours | None = Field(None, description="amount by cause (the same causes as gpuHoursByCause).")
 
 
+class ScalingPhase(ApiModel):
+    """Throughput at one node count the run trained at (kiln.control.scaling)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    nodes: int = Field(..., ge=0, le=INT32_MAX, description="The node count.")
+    workers: int = Field(..., ge=0, le=INT32_MAX, description="nodes × processes per node.")
+    tokens_per_second_per_worker: float = Field(
+        ..., ge=0, description="Moving average (weight 0.2 for the newest) of the trainer's reported tokens/s "
+        "divided by workers; the first report at a node count (its start-up) is skipped.")
+    reports: int = Field(..., ge=0, le=INT32_MAX, description="Trainer reports averaged.")
+    efficiency: float | None = Field(
+        None, ge=0, description="tokensPerSecondPerWorker / the reference phase's (referenceNodes): 1.0 is "
+        "perfect scaling.")
+
+
+class ScalingStatus(ApiModel):
+    """Scaling efficiency per phase: is the larger world worth its GPUs?"""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    reference_nodes: int | None = Field(None, ge=0, le=INT32_MAX, description="The first node count measured.")
+    phases: list[ScalingPhase] = Field(default_factory=list, max_length=64, description="One entry per node count.")
+    last_step: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="The step of the last report folded in.")
+    last_nodes: int | None = Field(None, ge=0, le=INT32_MAX, description="The node count of the last report.")
+
+
 class GoodputDetail(ApiModel):
     """The operator's goodput ledger; the rest of wallSeconds is start-up, restore and data waits."""
 
@@ -635,6 +660,8 @@ class TrainingSpecStatus(ApiModel):
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     cost: CostStatus | None = Field(None, description="GPU-hours held by cause, and their price where the platform "
                                     "set one for the run's gpuType.")
+    scaling: ScalingStatus | None = Field(None, description="Tokens/s per worker at each node count, relative to the "
+                                          "first (scaling efficiency per phase).")
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
     replica_groups: list[ReplicaGroupStatus] | None = Field(

@@ -78,13 +78,13 @@ class _Phases:
                 if field in values:
                     run_family.add_metric([ns, run], values[field])
             yield run_family
-        for prefix, name, doc in COST_GAUGES:  # status.cost, one series per cause
-            cost_family = GaugeMetricFamily(name, doc, labels=["namespace", "run", "cause"])
+        for prefix, name, doc, label in LABELLED_GAUGES:  # status.cost by cause, status.scaling by node count
+            labelled = GaugeMetricFamily(name, doc, labels=["namespace", "run", label])
             for (ns, run), values in runs:
                 for key, value in values.items():
                     if key.startswith(prefix):
-                        cost_family.add_metric([ns, run, key[len(prefix):]], value)
-            yield cost_family
+                        labelled.add_metric([ns, run, key[len(prefix):]], value)
+            yield labelled
         family = GaugeMetricFamily(
             "kiln_operator_trainingspecs", "TrainingSpecs known to the operator, by namespace and phase.",
             labels=["namespace", "phase"],
@@ -100,12 +100,17 @@ RUN_GAUGES = (
     ("goodput", "kiln_operator_run_goodput", "Productive step time / wall time since the run was created (0..1)."),
     ("restarts", "kiln_operator_run_restarts", "Times the run's PyTorchJob entered Restarting."),
 )
-# status.cost.<field> by cause -> (gauge, help); the causes of kiln.control.goodput.GPU_CAUSES
+# status.cost.<field> by cause (kiln.control.goodput.GPU_CAUSES) and status.scaling by node count ->
+# (value key prefix, gauge, help, label)
 COST_GAUGES = (
-    ("gpuHoursByCause.", "kiln_operator_run_gpu_hours", "GPU-hours the run held, by cause (they add up to the total)."),
+    ("gpuHoursByCause.", "kiln_operator_run_gpu_hours", "GPU-hours the run held, by cause (they add up to the total).",
+     "cause"),
     ("amountByCause.", "kiln_operator_run_cost", "What the run's GPU-hours cost, by cause, in status.cost.currency "
-                                                 "(only where the platform set a price for its gpuType)."),
+                                                 "(only where the platform set a price for its gpuType).", "cause"),
 )
+SCALING_GAUGE = ("scalingEfficiency.", "kiln_operator_run_scaling_efficiency",
+                 "Tokens/s per worker at a node count / at the run's first node count (status.scaling).", "nodes")
+LABELLED_GAUGES = (*COST_GAUGES, SCALING_GAUGE)
 _PHASES = _Phases()
 REGISTRY.register(_PHASES)
 
@@ -135,10 +140,13 @@ def observe_status(namespace: str, name: str, status: dict) -> None:
     values = {field: float(status[field]) for field, _, _ in RUN_GAUGES
               if isinstance(status.get(field), (int, float)) and not isinstance(status.get(field), bool)}
     cost = status.get("cost") or {}
-    for prefix, _, _ in COST_GAUGES:
+    for prefix, _, _, _ in COST_GAUGES:
         by_cause = cost.get(prefix.rstrip(".")) or {}
         values.update({prefix + cause: float(v) for cause, v in by_cause.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    for phase in (status.get("scaling") or {}).get("phases") or []:
+        if isinstance(phase.get("efficiency"), (int, float)) and "nodes" in phase:
+            values[f"{SCALING_GAUGE[0]}{phase['nodes']}"] = float(phase["efficiency"])
     _PHASES.set(namespace, name, status.get("phase") or "Pending", values)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.api.contract import CONDITION_TYPES
-from kiln.control import goodput, kueue
+from kiln.control import goodput, kueue, scaling
 from kiln.control.config import Pricing
 from kiln.control.plan import GROUP_LABEL
 
@@ -305,6 +305,10 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     gpus = goodput.gpus_held(old, int(resources.get("gpusPerNode") or 0))
     ledger = goodput.observe(ledger, goodput.epoch(now), goodput.held(old), goodput.counters(old), gpus)
     status.update(ledger.as_status(), cost=goodput.cost(ledger, pricing.of(resources.get("gpuType")), pricing.currency))
+    folded = scaling.fold(old.get("scaling"), nodes=old.get("nodes"), per_node=scaling.workers_per_node(resources),
+                          step=old.get("step"), tokens_per_second=old.get("tokensPerSecond"))
+    if folded:
+        status["scaling"] = folded
     return Derived(status=status, events=events)
 
 
@@ -320,7 +324,7 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
     return False
 
 
-GOODPUT_FIELDS = ("goodput", "goodputDetail", "cost")  # all three move with the clock
+GOODPUT_FIELDS = ("goodput", "goodputDetail", "cost", "scaling")  # they move with the clock and the reports
 # The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
 # one is this old (the operator's 15 s tick, kiln.control.handlers, refreshes every run); with any other
 # change (phase, conditions, nodes, restarts) it goes along at once. Skipping a write loses nothing: the next
