@@ -493,6 +493,20 @@ class LostSeconds(ApiModel):
     preempted: float = Field(0.0, ge=0, description="Queued after Kueue preempted the run, until it is admitted again.")
 
 
+class HangStatus(ApiModel):
+    """The last hang the trainer caught (kiln.trainer.observe.hang_report): where every rank's stacks are, and the
+    ranks the others wait for."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    detected_at: str = Field(..., max_length=64, description="When rank 0 reported it (RFC 3339).")
+    step: int = Field(..., ge=0, le=JSON_INT_MAX, description="The last step rank 0 completed.")
+    stacks_uri: str = Field(..., max_length=2048, description="The folder of rank-N.txt stack dumps in the store.")
+    ranks_reported: int = Field(..., ge=0, le=INT32_MAX, description="Ranks whose stacks reached the store.")
+    waiting_for: list[int] = Field(
+        default_factory=list, max_length=4096,
+        description="Ranks not inside a torch.distributed call while the others wait in one: whom they wait for.")
+
+
 class GpuHours(ApiModel):
     """GPU-hours (or their price) by cause: what the run's GPUs were held for. The causes add up to the total."""
 
@@ -660,6 +674,8 @@ class TrainingSpecStatus(ApiModel):
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     cost: CostStatus | None = Field(None, description="GPU-hours held by cause, and their price where the platform "
                                     "set one for the run's gpuType.")
+    hang: HangStatus | None = Field(None, description="The last hang the trainer caught: its stacks and the "
+                                    "rank the others waited for.")
     scaling: ScalingStatus | None = Field(None, description="Tokens/s per worker at each node count, relative to the "
                                           "first (scaling efficiency per phase).")
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")

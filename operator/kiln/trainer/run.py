@@ -17,6 +17,7 @@ Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a r
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -33,7 +34,8 @@ from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.observe import tracking
+from kiln.trainer.membership.hang_watch import HangWatch
+from kiln.trainer.observe import hang_report, tracking
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -109,6 +111,7 @@ class Run:
         self.stopped = False  # a stop was requested (SIGTERM) and saved
         self._closed = False
         self._finished = False  # finish() ran: a tracked run ends FINISHED, else FAILED
+        self.watch = None  # the loop's hang watch, from the first step on
         self.tracking = None
 
         self._build_model()
@@ -142,8 +145,15 @@ class Run:
                                        output_dir=output_dir) if rank == 0 else None
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
-        if self.ft is not None:  # from here a loop that stops moving takes its group out (kiln.trainer.membership.hang_watch)
+        # From the first step on, a loop that stops moving is caught by its hang watch (the operator's rule): a
+        # replica group takes itself out (kiln.trainer.membership.hang_watch); any run leaves every rank's stacks
+        # in the store and names the rank the others wait for (kiln.trainer.observe.hang_report).
+        if self.ft is not None:
+            self.watch = self.ft.watch
             self.ft.watch_hangs()
+        else:
+            self.watch = HangWatch(floor=hang_report.floor_s())
+            self.watch.start(self._hung)
 
     # ---- setup, in order --------------------------------------------------------------------------------------
 
@@ -412,12 +422,26 @@ class Run:
             self.stopped = True
             if self.rank == 0:
                 print(f"kiln: stop requested; saved step {step}, rerun to resume", flush=True)
-        if self.ft is not None:
-            self.ft.watch.stepped()
+        if self.watch is not None:
+            self.watch.stepped()
 
     def _waiting(self):
-        """A long phase of the group's own (a save, a commit read, the evaluation): paused in its hang watch."""
-        return self.ft.watch.waiting() if self.ft is not None else nullcontext()
+        """A long phase of the run's own (a save, a commit read, the evaluation): paused in its hang watch."""
+        return self.watch.waiting() if self.watch is not None else nullcontext()
+
+    def _hung(self, why: str) -> None:
+        """The hang watch's verdict (its thread; the main thread is stuck): this rank's stacks to the store, and
+        on rank 0 the rank the others wait for, in one line and status.hang. The operator restarts the run."""
+        store = getattr(self.checkpointer, "store", None)
+        if store is None:
+            print(f"kiln: hang: {why.partition('; ')[0]} (no checkpoint store for the stacks)", file=sys.stderr,
+                  flush=True)
+            return
+        try:
+            hang_report.report(store, rank=self.rank, world=self.world, step=self.last_step, why=why,
+                               status=self.reporter)
+        except Exception as err:  # a diagnosis must never be what fails the run
+            print(f"kiln: hang: could not write the stacks: {err}", file=sys.stderr, flush=True)
 
     # ---- the end ----------------------------------------------------------------------------------------------
 
@@ -425,8 +449,8 @@ class Run:
         """After the last step: wait for the last save, close, and leave together. Every rank leaves after rank
         0's last commit, status report and log lines: on a cluster, the first worker pod to exit 0 ends the
         elastic job, and a pod still running then may be stopped."""
-        if self.ft is not None:  # no more steps: the last upload and the barrier are not the loop's
-            self.ft.watch.stop()
+        if self.watch is not None:  # no more steps: the last upload and the barrier are not the loop's
+            self.watch.stop()
         self.checkpointer.wait()
         if self.tracking is not None:
             self.tracking.commit(self.checkpointer.status().get("lastCheckpoint"))
@@ -447,6 +471,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if self.watch is not None:
+            self.watch.stop()
         try:
             self.checkpointer.close()
             self.reporter.close(self.checkpointer.status())

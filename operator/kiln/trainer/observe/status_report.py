@@ -148,6 +148,11 @@ class StatusReporter:
             self._send(checkpoint_info)
         self._sender.close()
 
+    def hang(self, report: dict) -> None:
+        """status.hang at once (kiln.trainer.observe.hang_report), from the hang watch's thread."""
+        if self._sender is not None:
+            self._sender.submit({"status": {"hang": report}})
+
     def _reports(self) -> bool:
         """Whether this rank writes the status: rank 0, and with replica groups only the group at replica rank 0
         of the last quorum (the one that writes commits): two writers of trainerTime a little apart would read
