@@ -325,12 +325,12 @@ class FakeKube:
 
 
 def test_kiln_logs_reads_a_replica_groups_pods():
-    from kiln.cli.cluster_cmds import _worker_logging_steps, job_of
+    from kiln.client import job_of, worker_logging_steps
 
     grouped = FakeKube({f"ft-g{g}-worker-{w}": {RUN_LABEL: "ft", GROUP_LABEL: str(g)} for g in (0, 1) for w in (0, 1)},
                        {"ft-g1-worker-1": "kiln: ft: group 1 ...\nstep 7/100  loss 2.1\n"})
     assert job_of(grouped, "ml", "ft", None) == "ft-g0" and job_of(grouped, "ml", "ft", 1) == "ft-g1"
-    assert _worker_logging_steps(grouped, "ml", "ft", "ft-g1") == 1  # the worker holding the group's rank 0
+    assert worker_logging_steps(grouped, "ml", "ft", "ft-g1") == 1  # the worker holding the group's rank 0
     plain = FakeKube({"run-worker-0": {RUN_LABEL: "run"}}, {})
     assert job_of(plain, "ml", "run", None) == "run"
 

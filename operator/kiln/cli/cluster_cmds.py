@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 from datetime import datetime, timezone
 
 from kiln.errors import KilnError
@@ -89,43 +88,24 @@ def _kube(args):
 
 
 def _namespace(args) -> str:
-    if args.namespace:
-        return args.namespace
-    from kubernetes import config as kconfig
+    from kiln.client import default_namespace
 
-    try:
-        _, active = kconfig.list_kube_config_contexts(config_file=args.kubeconfig)
-        return active.get("context", {}).get("namespace") or "default"
-    except Exception:  # in cluster, or no kubeconfig: the API call will say what is missing
-        return "default"
+    return args.namespace or default_namespace(args.kubeconfig)
+
+
+def _client(args):
+    from kiln.client import KilnClient
+
+    return KilnClient(args.namespace, kubeconfig=args.kubeconfig, context=args.context, kube=_kube(args))
 
 
 def submit(args) -> int:
-    from kubernetes.client.exceptions import ApiException
-
-    from kiln.api.load import check_cluster, dump_for_apply, load_file
-
-    docs = load_file(args.file)
-    kube = _kube(args)
-    for doc in docs:
-        check_cluster(doc, args.file)
-        doc.metadata.namespace = doc.metadata.namespace or _namespace(args)
-        try:
-            kube.apply(dump_for_apply(doc))
-        except ApiException as err:
-            raise KilnError(f"{args.file}: the apiserver refused {doc.metadata.name}: {_api_message(err)}") from None
-        print(f"submitted {doc.metadata.namespace}/{doc.metadata.name}; "
-              f"follow it with: kiln status {doc.metadata.name} -n {doc.metadata.namespace}")
+    client = _client(args)
+    for doc in client.load(args.file):
+        name = client.submit(doc)
+        print(f"submitted {doc.metadata.namespace or client.namespace}/{name}; "
+              f"follow it with: kiln status {name} -n {doc.metadata.namespace or client.namespace}")
     return 0
-
-
-def _api_message(err) -> str:
-    import json
-
-    try:
-        return json.loads(err.body).get("message", err.reason)
-    except (TypeError, ValueError):
-        return f"{err.status} {err.reason}"
 
 
 def _age(ts: str | None) -> str:
@@ -289,83 +269,45 @@ def status(args) -> int:
 
 
 def wait(args) -> int:
-    timeout = parse_duration(args.timeout)
-    kube = _kube(args)
-    ns = _namespace(args)
+    from kiln.client import RunFailed
+
+    client = _client(args)
     want = args.phase.capitalize()
-    deadline = time.monotonic() + timeout
-    phase = None
-    while True:
-        body = kube.trainingspec(ns, args.name)
-        if body is None:
-            raise KilnError(f"no TrainingSpec {args.name!r} in namespace {ns}")
-        phase = (body.get("status") or {}).get("phase")
-        if phase == want:
-            print(f"{ns}/{args.name}: {phase}")
-            return WAIT_SUCCEEDED
-        if phase in TERMINAL:
-            message = next((c.get("message", "") for c in body["status"].get("conditions") or []
-                            if c.get("type") == phase), "")
-            print(f"{ns}/{args.name}: {phase} (waited for {want}){': ' + message if message else ''}", file=sys.stderr)
-            return WAIT_FAILED
-        if time.monotonic() >= deadline:
-            print(f"{ns}/{args.name}: still {phase or 'Pending'} after {args.timeout} (waited for {want})",
-                  file=sys.stderr)
-            return WAIT_TIMEOUT
-        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+    try:
+        status = client.wait(args.name, want, timeout=parse_duration(args.timeout), interval=args.interval)
+    except RunFailed as failed:
+        print(str(failed), file=sys.stderr)
+        return WAIT_FAILED
+    except TimeoutError:
+        print(f"{client.namespace}/{args.name}: still {client.status(args.name).phase or 'Pending'} after "
+              f"{args.timeout} (waited for {want})", file=sys.stderr)
+        return WAIT_TIMEOUT
+    print(f"{client.namespace}/{args.name}: {status.phase}")
+    return WAIT_SUCCEEDED
 
 
 def logs(args) -> int:
     from kubernetes.client.exceptions import ApiException
 
+    from kiln.client import api_message, job_of, worker_logging_steps
+
     kube = _kube(args)
     ns = _namespace(args)
     job = job_of(kube, ns, args.name, args.group)
-    worker = args.worker if args.worker is not None else _worker_logging_steps(kube, ns, args.name, job)
+    worker = args.worker if args.worker is not None else worker_logging_steps(kube, ns, args.name, job)
     pod = f"{job}-worker-{worker}"
     try:
         out = kube.logs(ns, pod, follow=args.follow, tail=args.tail)
     except ApiException as err:
         if err.status == 404:
             raise KilnError(f"pod {ns}/{pod} does not exist (yet); `kiln status {args.name}` shows the phase") from None
-        raise KilnError(f"cannot read logs of {ns}/{pod}: {_api_message(err)}") from None
+        raise KilnError(f"cannot read logs of {ns}/{pod}: {api_message(err)}") from None
     if args.follow:
         for chunk in out.stream():
             sys.stdout.write(chunk.decode(errors="replace"))
             sys.stdout.flush()
     else:
         sys.stdout.write(out)
-    return 0
-
-
-STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.observe.metrics prints these on rank 0 only
-
-
-def job_of(kube, namespace: str, run: str, group: int | None) -> str:
-    """The PyTorchJob whose pods `kiln logs` reads: the run's, or with replica groups `<run>-g<group>` (group 0
-    unless asked; each group's rank 0 logs its steps)."""
-    from kiln.control.plan import GROUP_LABEL, job_names
-
-    if group is None and not any(GROUP_LABEL in (p["metadata"].get("labels") or {}) for p in kube.pods(namespace, run)):
-        return run
-    return job_names(run, max(2, (group or 0) + 1))[group or 0]
-
-
-def _worker_logging_steps(kube, namespace: str, run: str, job: str | None = None) -> int:
-    """The index of the worker pod (of `job`, default the run's) whose log has the trainer's step lines (its
-    rank 0), else 0."""
-    from kubernetes.client.exceptions import ApiException
-
-    prefix = f"{job or run}-worker-"
-    names = sorted((p["metadata"]["name"] for p in kube.pods(namespace, run)
-                    if p["metadata"]["name"].startswith(prefix) and p["metadata"]["name"][len(prefix):].isdigit()),
-                   key=lambda n: int(n[len(prefix):]))
-    for name in names:
-        try:
-            if STEP_LINE.search(kube.logs(namespace, name, tail=200) or ""):
-                return int(name[len(prefix):])
-        except ApiException:
-            continue  # not started yet, or gone
     return 0
 
 
