@@ -1,6 +1,6 @@
 """Fused kernels behind one switch: Triton on CUDA, the reference (under torch.compile) elsewhere.
 
-Public ops: rms_norm, swiglu, apply_rope, fused_linear_cross_entropy. In mode "fused" (the default) an op
+Public ops: rms_norm, swiglu, geglu (reference only), apply_rope, fused_linear_cross_entropy. In mode "fused" (the default) an op
 runs its Triton kernel when every tensor argument is a plain CUDA tensor and Triton imports; DTensors
 (tensor parallel), CPU tensors and shapes the kernels do not cover take the plain PyTorch reference,
 which the model's per-block `torch.compile` fuses. `set_mode("reference")` forces the reference
@@ -95,6 +95,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(gate, up)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: no Triton kernel, the reference always (fused by torch.compile where it runs)."""
+    return reference.geglu(gate, up)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ops = _fused(q, k, cos, sin)
     if ops is not None:
@@ -115,5 +120,5 @@ def fused_linear_cross_entropy(
     return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
 
 
-__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe",
+__all__ = ["rms_norm", "swiglu", "geglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe",
            "reference_runs", "reference", "MODES"]
