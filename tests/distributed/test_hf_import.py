@@ -3,6 +3,8 @@
 - kiln imports small random Llamas (GQA, tied embeddings, llama3 rope scaling; one sharded with an index) under
   FSDP2 (dp2), tensor parallel (tp2) and pipeline parallel (pp2) on 2 real gloo ranks under torchrun, and their
   mixes on 4: its logits equal transformers' within fp32 tolerance, and each rank reads only its share;
+- the same for a Qwen2 (q/k/v biases) and a Gemma 3 (per-head q/k norms, sandwich norms, GeGLU, sliding layers
+  with their own RoPE base) folder, whose gradients under dp2 and tp2 are also transformers' own;
 - a short 2-rank fine-tune from a model folder, exported with `kiln export`, loads in transformers (model and
   tokenizer), generates, and gives kiln's own logits of that checkpoint; the run resumes from its own commit
   without the folder's weights.
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed.trainer_helpers import env, kiln, torchrun_train, write_spec
-from tests.hf_models import VARIANTS, VOCAB, save_model
+from tests.hf_models import FAMILIES, VARIANTS, VOCAB, save_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -40,6 +42,8 @@ CASES = {
                 [*VARIANTS, "sharded"]),
     "4-ranks-mixed": (4, {"fsdp2xtp2": {"tensor": 2}, "pp2xtp2": {"tensor": 2, "pipeline": 2},
                           "pp2xfsdp2": {"pipeline": 2}}, ["tied"]),
+    "2-ranks-families": (2, {"dp2": {"tensor": 1, "pipeline": 1}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}},
+                         ["qwen2", "gemma3"]),
 }
 
 
@@ -48,17 +52,22 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
     nproc, layouts, names = CASES[case]
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
     torch.save(tokens, tmp_path / "tokens.pt")
-    refs, sizes, cases = {}, {}, []
+    refs, ref_grads, sizes, cases = {}, {}, {}, []
     for name in names:
         folder = tmp_path / name
+        family = name in FAMILIES  # untied: transformers' tied embedding's gradient is the sum of kiln's two
         # "sharded": GQA weights cut into several files with model.safetensors.index.json
         model = save_model(folder, "gqa" if name == "sharded" else name, tokenizer=False,
+                           config_overrides={"tie_word_embeddings": False} if family else None,
                            **({"max_shard_size": "20KB"} if name == "sharded" else {}))
-        with torch.no_grad():
-            refs[name] = model(tokens).logits
+        logits = model(tokens).logits
+        if family:
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            ref_grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        refs[name] = logits.detach()
         sizes[name] = _folder_bytes(folder)
         for layout, par in layouts.items():
-            cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par,
+            cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par, "grads": family,
                           "tokens": str(tmp_path / "tokens.pt")})
     if "sharded" in names:
         assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
@@ -77,6 +86,10 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
         assert len(holders) == (nproc // 2 if layout.startswith("pp2") else nproc), case["name"]
         for r in holders:
             torch.testing.assert_close(r["logits"], refs[name], rtol=1e-5, atol=1e-5, msg=case["name"])
+            if r["grads"] is not None:
+                assert r["grads"].keys() == ref_grads[name].keys(), case["name"]
+                for n, g in r["grads"].items():
+                    torch.testing.assert_close(g, ref_grads[name][n], rtol=1e-4, atol=1e-6, msg=f"{case['name']} {n}")
         read = [r["read_bytes"] for r in results]
         # kiln holds the output layer on its own: a tied model's embedding is read a second time for it
         model_bytes = sizes[name] + (VOCAB * 32 * 4 if name == "tied" else 0)
