@@ -5,9 +5,10 @@
   mixes on 4: its logits equal transformers' within fp32 tolerance, and each rank reads only its share;
 - the same for a Qwen2 (q/k/v biases) and a Gemma 3 (per-head q/k norms, sandwich norms, GeGLU, sliding layers
   with their own RoPE base) folder, whose gradients under dp2 and tp2 are also transformers' own;
-- a short 2-rank fine-tune from a model folder, exported with `kiln export`, loads in transformers (model and
-  tokenizer), generates, and gives kiln's own logits of that checkpoint; the run resumes from its own commit
-  without the folder's weights.
+- a short 2-rank fine-tune from a model folder (a tied Llama under FSDP2; a Gemma 3 under tensor parallel with
+  selective activation checkpointing), exported with `kiln export`, loads in transformers (model and tokenizer),
+  generates, and gives kiln's own logits of that checkpoint; the run resumes on 1 rank (another world size) from
+  its own commit without the folder's weights.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
         assert not torch.allclose(refs["llama3"], refs["gqa"])
 
 
-def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path):
-    from transformers import AutoTokenizer, LlamaForCausalLM
+@pytest.mark.parametrize("variant,parallelism", [("tied", {}),
+                                                   ("gemma3", {"tensor": 2, "activationCheckpoint": "selective"})])
+def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path, variant, parallelism):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kiln.api.load import load_file
     from kiln.trainer.evaluate import initial_model, load_checkpoint
@@ -109,11 +112,13 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
     from kiln.trainer.model.hf_folder import load_tokenizer, resolve_dims
 
     folder = tmp_path / "base"
-    base = save_model(folder, "tied")
+    base = save_model(folder, variant)
+    # as published folders have: without it AutoTokenizer picks the family's class (Gemma's wants an <unk>)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     ckpt = tmp_path / "ckpt"
     spec = write_spec(tmp_path / "spec.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
                       training={"steps": 3, "lr": 3e-3, "globalBatchSize": 4},
-                      checkpoint={"uri": f"file://{ckpt}"})
+                      checkpoint={"uri": f"file://{ckpt}"}, parallelism=parallelism)
     records = torchrun_train(spec, tmp_path / "run", 2)
     assert [r["step"] for r in records] == [1, 2, 3]
     # step 1 trained the imported model: its loss is transformers' loss of the folder's model on that batch
@@ -134,7 +139,8 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
     assert (export / "model.safetensors.index.json").exists() and len(list(export.glob("*.safetensors"))) > 1
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in export.iterdir()}
 
-    hf_model = LlamaForCausalLM.from_pretrained(export).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(hf_model) is type(base)
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = tokenizer("The try statement", return_tensors="pt").input_ids
     generated = hf_model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -149,10 +155,10 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
         torch.testing.assert_close(hf_model(tokens).logits, kiln_model(tokens), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(base(tokens).logits, kiln_model(tokens), atol=1e-3)  # it did fine-tune
 
-    # a resumed run loads its own commit: the folder's weights are not read again (they are gone now)
+    # a resumed run, on 1 rank, loads its own commit: the folder's weights are not read again (they are gone now)
     for f in folder.glob("*.safetensors"):
         f.unlink()
-    longer = write_spec(tmp_path / "longer.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
+    longer = write_spec(tmp_path / "longer.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=1,
                         training={"steps": 4, "lr": 3e-3, "globalBatchSize": 4}, checkpoint={"uri": f"file://{ckpt}"})
-    records = torchrun_train(longer, tmp_path / "run", 2)
-    assert records[-1]["step"] == 4
+    records = torchrun_train(longer, tmp_path / "resumed", 1)
+    assert [r["step"] for r in records] == [4]

@@ -135,3 +135,55 @@ def test_unsupported_family_or_key_is_refused_naming_key_and_file(tmp_path, gemm
         hf.resolve_dims(spec)
     line = str(err.value)
     assert "\n" not in line and f"model.from file://{tmp_path}: config.json" in line
+
+
+# The shapes and keys of published checkpoints, written by the family's own transformers config class: what
+# `kiln run` reads from such a folder's config.json (no weights here; the tiny models above check the maths).
+PUBLISHED = {
+    "Mistral-7B-v0.3": ("MistralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768, rope_theta=1e6,
+        sliding_window=None)),
+    "Qwen2.5-7B": ("Qwen2Config", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1e6,
+        sliding_window=131072, use_sliding_window=False, max_window_layers=28)),
+    "Qwen3-8B": ("Qwen3Config", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)),
+    "gemma-2-9b": ("Gemma2Config", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma-3-1b": ("Gemma3TextConfig", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, rope_theta=1e6, rope_local_base_freq=1e4)),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_are_read(name):
+    import transformers
+
+    from kiln.api.hf import dims_from_config
+    from kiln.api.spec import ModelSpec
+
+    cls, values = PUBLISHED[name]
+    config = getattr(transformers, cls)(**values)
+    dims = dims_from_config(config.to_dict(), ModelSpec(**{"from": "x", "seqLen": 512}), "x")
+    arch = dims.arch
+    assert (dims.dim, dims.layers, dims.heads, dims.kv_heads, dims.vocab_size) == (
+        values["hidden_size"], values["num_hidden_layers"], values["num_attention_heads"],
+        values["num_key_value_heads"], values["vocab_size"])
+    assert dims.head_dim == values.get("head_dim", dims.dim // dims.heads)
+    # the sliding layers are transformers' own: the config's layer_types, or all / none for Mistral and Qwen2
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if config.sliding_window else
+                                                     "full_attention"] * dims.layers
+    assert arch.sliding_layers == tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    assert arch.sliding_window == (values.get("sliding_window") if arch.sliding_layers else None)
+    if name == "gemma-3-1b":  # 5 sliding layers with base 1e4 to each global one with 1e6
+        assert len(arch.sliding_layers) == 22 and (dims.rope_theta, arch.local_rope_theta) == (1e6, 1e4)
+    if name.startswith("gemma"):
+        assert arch.query_scale == 256 ** -0.5 and arch.sandwich_norm and arch.activation == "gelu_tanh"
+    assert arch.qkv_bias == name.startswith("Qwen2") and arch.qk_norm == (name in ("Qwen3-8B", "gemma-3-1b"))
