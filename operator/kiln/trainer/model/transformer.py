@@ -46,8 +46,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (1 + w) is a plain tensor: the fused kernel takes it as it takes w, and autograd routes w's gradient
-        return kernels.rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+        # (1 + w) in fp32, as transformers' Gemma: in bf16 (FSDP's compute dtype) 1 + w would round w to
+        # 1/128. A plain tensor: the fused kernel takes it as it takes w, and autograd routes w's gradient.
+        return kernels.rms_norm(x, self.weight.float() + self.offset if self.offset else self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
