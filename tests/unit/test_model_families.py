@@ -187,3 +187,21 @@ def test_published_configs_are_read(name):
     if name.startswith("gemma"):
         assert arch.query_scale == 256 ** -0.5 and arch.sandwich_norm and arch.activation == "gelu_tanh"
     assert arch.qkv_bias == name.startswith("Qwen2") and arch.qk_norm == (name in ("Qwen3-8B", "gemma-3-1b"))
+
+
+def test_kiln_run_refuses_an_unsupported_family_before_starting_processes(tmp_path, gemma3, capsys):
+    from kiln.cli.main import main
+
+    folder = tmp_path / "mamba"
+    folder.mkdir()
+    config = json.loads((gemma3 / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mamba",
+                                                    "architectures": ["MambaForCausalLM"]}))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "t"},
+                                "spec": {"model": {"from": f"file://{folder}"}}}))
+    assert main(["run", str(spec), "--output", str(tmp_path / "run")]) == 1
+    assert not (tmp_path / "run").exists()  # refused before anything was started or written
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"model.from file://{folder}: config.json" in lines[0], lines
+    assert "model_type 'mamba' is not supported" in lines[0], lines
