@@ -1,7 +1,8 @@
-"""Small random Llama models made by transformers itself (not by kiln), saved as Hugging Face folders.
+"""Small random models made by transformers itself (not by kiln), saved as Hugging Face folders.
 
-The reference side of kiln's import/export tests: `LlamaConfig` + `LlamaForCausalLM` + `save_pretrained`, and
-a byte-level BPE tokenizer trained with the `tokenizers` library on the built-in corpus.
+The reference side of kiln's import/export tests: each family's own config class (`LlamaConfig`,
+`MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Gemma2Config`, `Gemma3TextConfig`) + `AutoModelForCausalLM` +
+`save_pretrained`, and a byte-level BPE tokenizer trained with the `tokenizers` library on the built-in corpus.
 """
 
 from __future__ import annotations
@@ -22,13 +23,42 @@ VARIANTS = {
 }
 
 
+# name -> (transformers config class, overrides of the tiny base (dim 64, 2 layers) that make each family's
+# departures from Llama matter on 24 tokens: a window of 8, soft caps the scores and logits reach, a head_dim
+# other than dim / heads, per-layer RoPE bases)
+FAMILIES = {
+    "llama-bias": ("LlamaConfig", {"attention_bias": True}),  # Llama with q/k/v/o biases (attention_bias)
+    "mistral": ("MistralConfig", {"sliding_window": 8, "head_dim": 16}),  # every layer slides
+    "qwen2": ("Qwen2Config", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # per-head q/k RMSNorm, head_dim 32 != 64 / 4
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.5,
+                                "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "tie_word_embeddings": True}),
+}
+FAMILY_BASE = {"hidden_size": 64, "intermediate_size": 128}
+
+
 def config(**overrides):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    return LlamaConfig(**{**_base(), **overrides})
+
+
+def _base() -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1,
                 eos_token_id=2, tie_word_embeddings=False)
-    return LlamaConfig(**{**base, **overrides})
+
+
+def family_config(family: str, **overrides):
+    """The tiny config of a family (FAMILIES), made by its own transformers config class."""
+    import transformers
+
+    cls, extra = FAMILIES[family]
+    return getattr(transformers, cls)(**{**_base(), **FAMILY_BASE, **extra, **overrides})
 
 
 def make_tokenizer(vocab: int = VOCAB):
@@ -46,16 +76,24 @@ def make_tokenizer(vocab: int = VOCAB):
     return tok
 
 
-def save_model(folder: Path, variant: str = "gqa", *, seed: int = 0, tokenizer=True, **save_kwargs):
-    """A random LlamaForCausalLM of `variant` saved to folder (with tokenizer.json unless tokenizer=False)."""
-    from transformers import LlamaForCausalLM
+def save_model(folder: Path, variant: str = "gqa", *, seed: int = 0, tokenizer=True, config_overrides=None,
+               **save_kwargs):
+    """A random model saved to folder (with tokenizer.json unless tokenizer=False): a LlamaForCausalLM of
+    `variant` (VARIANTS), or the *ForCausalLM of a family (FAMILIES), made by transformers'
+    AutoModelForCausalLM from the config (eager attention: transformers' reference implementation)."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config(**VARIANTS[variant])).eval()
-    with torch.no_grad():  # transformers initialises norms to 1: random ones test the mapping of every tensor
-        for name, p in model.named_parameters():
+    overrides = config_overrides or {}
+    cfg = family_config(variant, **overrides) if variant in FAMILIES else config(**VARIANTS[variant], **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    gemma = cfg.model_type.startswith("gemma")
+    with torch.no_grad():  # transformers initialises norms to 1 (Gemma's to 0) and biases to 0: random ones
+        for name, p in model.named_parameters():  # test the mapping of every tensor
             if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.2, 0.2)
     model.save_pretrained(folder, **save_kwargs)
     if tokenizer:
         make_tokenizer().save(str(folder / "tokenizer.json"))

@@ -5,7 +5,8 @@ parallelised as the trainer does it (FSDP2, TP or PP over the ranks), and write 
 
 CASES.json: [{"name", "folder", "layout": {"tensor", "pipeline"}, "tokens": path of a saved (batch, seq) tensor}].
 Each rank that holds the logits (every rank, or the last pipeline stage) saves OUT_DIR/<name>-rank<r>.pt with the
-logits and the bytes it read from the folder.
+logits and the bytes it read from the folder; with "grads": true (layouts without a pipeline) also the gradient
+of every parameter, whole and by its transformers name, of the mean next-token loss of those tokens.
 """
 
 from __future__ import annotations
@@ -42,8 +43,16 @@ def main(cases_path: str, out_dir: str) -> None:
         model.init_buffers()
         read = hf.load_weights(model, spec.model.from_, dims)
         tokens = torch.load(case["tokens"])
+        grads = None
+        if case.get("grads") and layout.pp == 1:
+            logits = model(tokens)
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            grads = {hf.hf_name(n, dims.arch): full(p.grad) for n, p in model.named_parameters()}
+            logits = logits.detach()
         with torch.no_grad():
-            if layout.pp == 1:
+            if grads is not None:
+                pass  # the logits of the forward that gave the gradients
+            elif layout.pp == 1:
                 logits = model(tokens)
             else:  # two stages: the first sends its hidden states to the second, which computes the logits
                 stage = mesh["pp"].get_local_rank()
@@ -56,8 +65,15 @@ def main(cases_path: str, out_dir: str) -> None:
                     hidden = torch.empty(tokens.shape[0], tokens.shape[1] // layout.tp, dims.dim)
                     dist.recv(hidden, src=peer)
                     logits = model(hidden)
-        torch.save({"logits": logits, "read_bytes": read}, Path(out_dir) / f"{case['name']}-rank{rank}.pt")
+        torch.save({"logits": logits, "read_bytes": read, "grads": grads},
+                   Path(out_dir) / f"{case['name']}-rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 - kiln imports small random Llamas (GQA, tied embeddings, llama3 rope scaling; one sharded with an index) under
   FSDP2 (dp2), tensor parallel (tp2) and pipeline parallel (pp2) on 2 real gloo ranks under torchrun, and their
   mixes on 4: its logits equal transformers' within fp32 tolerance, and each rank reads only its share;
-- a short 2-rank fine-tune from a model folder, exported with `kiln export`, loads in transformers (model and
-  tokenizer), generates, and gives kiln's own logits of that checkpoint; the run resumes from its own commit
-  without the folder's weights.
+- the same for a Qwen2 (q/k/v biases) and a Gemma 3 (per-head q/k norms, sandwich norms, GeGLU, sliding layers
+  with their own RoPE base) folder, whose gradients under dp2 and tp2 are also transformers' own;
+- a short 2-rank fine-tune from a model folder (a tied Llama under FSDP2; a Gemma 3 under tensor parallel with
+  selective activation checkpointing), exported with `kiln export`, loads in transformers (model and tokenizer),
+  generates, and gives kiln's own logits of that checkpoint; the run resumes on 1 rank (another world size) from
+  its own commit without the folder's weights.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed.trainer_helpers import env, kiln, torchrun_train, write_spec
-from tests.hf_models import VARIANTS, VOCAB, save_model
+from tests.hf_models import FAMILIES, VARIANTS, VOCAB, save_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -40,6 +43,8 @@ CASES = {
                 [*VARIANTS, "sharded"]),
     "4-ranks-mixed": (4, {"fsdp2xtp2": {"tensor": 2}, "pp2xtp2": {"tensor": 2, "pipeline": 2},
                           "pp2xfsdp2": {"pipeline": 2}}, ["tied"]),
+    "2-ranks-families": (2, {"dp2": {"tensor": 1, "pipeline": 1}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}},
+                         ["qwen2", "gemma3"]),
 }
 
 
@@ -48,17 +53,22 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
     nproc, layouts, names = CASES[case]
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
     torch.save(tokens, tmp_path / "tokens.pt")
-    refs, sizes, cases = {}, {}, []
+    refs, ref_grads, sizes, cases = {}, {}, {}, []
     for name in names:
         folder = tmp_path / name
+        family = name in FAMILIES  # untied: transformers' tied embedding's gradient is the sum of kiln's two
         # "sharded": GQA weights cut into several files with model.safetensors.index.json
         model = save_model(folder, "gqa" if name == "sharded" else name, tokenizer=False,
+                           config_overrides={"tie_word_embeddings": False} if family else None,
                            **({"max_shard_size": "20KB"} if name == "sharded" else {}))
-        with torch.no_grad():
-            refs[name] = model(tokens).logits
+        logits = model(tokens).logits
+        if family:
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            ref_grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        refs[name] = logits.detach()
         sizes[name] = _folder_bytes(folder)
         for layout, par in layouts.items():
-            cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par,
+            cases.append({"name": f"{name}-{layout}", "folder": str(folder), "layout": par, "grads": family,
                           "tokens": str(tmp_path / "tokens.pt")})
     if "sharded" in names:
         assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
@@ -77,6 +87,10 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
         assert len(holders) == (nproc // 2 if layout.startswith("pp2") else nproc), case["name"]
         for r in holders:
             torch.testing.assert_close(r["logits"], refs[name], rtol=1e-5, atol=1e-5, msg=case["name"])
+            if r["grads"] is not None:
+                assert r["grads"].keys() == ref_grads[name].keys(), case["name"]
+                for n, g in r["grads"].items():
+                    torch.testing.assert_close(g, ref_grads[name][n], rtol=1e-4, atol=1e-6, msg=f"{case['name']} {n}")
         read = [r["read_bytes"] for r in results]
         # kiln holds the output layer on its own: a tied model's embedding is read a second time for it
         model_bytes = sizes[name] + (VOCAB * 32 * 4 if name == "tied" else 0)
@@ -87,8 +101,10 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
         assert not torch.allclose(refs["llama3"], refs["gqa"])
 
 
-def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path):
-    from transformers import AutoTokenizer, LlamaForCausalLM
+@pytest.mark.parametrize("variant,parallelism", [("tied", {}),
+                                                   ("gemma3", {"tensor": 2, "activationCheckpoint": "selective"})])
+def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path, variant, parallelism):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kiln.api.load import load_file
     from kiln.trainer.evaluate import initial_model, load_checkpoint
@@ -96,11 +112,13 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
     from kiln.trainer.model.hf_folder import load_tokenizer, resolve_dims
 
     folder = tmp_path / "base"
-    base = save_model(folder, "tied")
+    base = save_model(folder, variant)
+    # as published folders have: without it AutoTokenizer picks the family's class (Gemma's wants an <unk>)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     ckpt = tmp_path / "ckpt"
     spec = write_spec(tmp_path / "spec.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
                       training={"steps": 3, "lr": 3e-3, "globalBatchSize": 4},
-                      checkpoint={"uri": f"file://{ckpt}"})
+                      checkpoint={"uri": f"file://{ckpt}"}, parallelism=parallelism)
     records = torchrun_train(spec, tmp_path / "run", 2)
     assert [r["step"] for r in records] == [1, 2, 3]
     # step 1 trained the imported model: its loss is transformers' loss of the folder's model on that batch
@@ -121,7 +139,8 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
     assert (export / "model.safetensors.index.json").exists() and len(list(export.glob("*.safetensors"))) > 1
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in export.iterdir()}
 
-    hf_model = LlamaForCausalLM.from_pretrained(export).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(hf_model) is type(base)
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = tokenizer("The try statement", return_tensors="pt").input_ids
     generated = hf_model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -136,10 +155,10 @@ def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tm
         torch.testing.assert_close(hf_model(tokens).logits, kiln_model(tokens), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(base(tokens).logits, kiln_model(tokens), atol=1e-3)  # it did fine-tune
 
-    # a resumed run loads its own commit: the folder's weights are not read again (they are gone now)
+    # a resumed run, on 1 rank, loads its own commit: the folder's weights are not read again (they are gone now)
     for f in folder.glob("*.safetensors"):
         f.unlink()
-    longer = write_spec(tmp_path / "longer.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=2,
+    longer = write_spec(tmp_path / "longer.yaml", model={"from": f"file://{folder}", "seqLen": 32}, nproc=1,
                         training={"steps": 4, "lr": 3e-3, "globalBatchSize": 4}, checkpoint={"uri": f"file://{ckpt}"})
-    records = torchrun_train(longer, tmp_path / "run", 2)
-    assert records[-1]["step"] == 4
+    records = torchrun_train(longer, tmp_path / "resumed", 1)
+    assert [r["step"] for r in records] == [4]

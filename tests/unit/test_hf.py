@@ -134,13 +134,13 @@ def rewrite_config(folder: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-     r"architectures \['MistralForCausalLM'\] / model_type 'mistral' is not supported"),
-    ({"attention_bias": True}, r"attention_bias = True is not supported"),
+    ({"architectures": ["MistralForCausalLM"]},  # another family's class under model_type llama
+     r"architectures \['MistralForCausalLM'\] / model_type 'llama' is not supported"),
+    ({"mlp_bias": True}, r"mlp_bias = True is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      r"rope scaling of type 'yarn' is not supported"),
-    ({"head_dim": 16}, r"head_dim 16 x num_attention_heads 4 != hidden_size 32"),
+    ({"head_dim": 15}, r"head_dim = 15 is not a positive even integer"),
     ({"num_hidden_layers": None}, r"missing or not a positive integer: num_hidden_layers"),
     ({"num_attention_heads": 0}, r"missing or not a positive integer: num_attention_heads"),
 ])
@@ -181,7 +181,7 @@ def resave(folder: Path, change) -> None:
 @pytest.mark.parametrize("change,message", [
     (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"tensor model.layers.1.mlp.up_proj.weight is missing"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}),
-     r"tensor model.layers.0.self_attn.q_proj.bias is not part of a Llama model"),
+     r"tensor model.layers.0.self_attn.q_proj.bias is not part of a llama model"),
     (lambda t: t.update({"model.norm.weight": torch.ones(33)}),
      r"tensor model.norm.weight has shape \[33\], config.json needs \[32\]"),
     (lambda t: t.pop("lm_head.weight"), r"tensor lm_head.weight is missing.*tie_word_embeddings: true"),

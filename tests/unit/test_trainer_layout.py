@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kiln.api import resolve_model
+from kiln.api import ModelDims, resolve_model
+from kiln.api.presets import Arch
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.trainer.observe.metrics import PEAK_FLOPS, flops_per_token
@@ -95,4 +96,9 @@ def test_flops_per_token_formula():
     assert flops_per_token(dims) == 6 * n + 12 * 16 * 2048 * 2048
     # Llama-1B at 2048 tokens: ~9.4 GFLOP/token, attention adds ~10 % on top of 6N.
     assert 8e9 < flops_per_token(dims) < 1.1e10
+    # Gemma 2 9B's shape: attention 16 x 256 = 4096 wide (not dim 3584), every other layer sees 4096 keys of 8192
+    gemma = ModelDims(dim=3584, layers=42, heads=16, kv_heads=8, vocab_size=256000, seq_len=8192, ffn_dim=14336,
+                      arch=Arch(head_dim=256, sliding_window=4096, sliding_layers=tuple(range(0, 42, 2))))
+    n = count_params(gemma, embedding=False)
+    assert flops_per_token(gemma) == 6 * n + 12 * 4096 * (21 * 8192 + 21 * 4096)
     assert PEAK_FLOPS[("h200", "bf16")] == 989e12

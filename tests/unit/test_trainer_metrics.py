@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.api.presets import Arch
 from kiln.trainer.model import kernels
 
 from kiln.trainer.observe import metrics
@@ -75,7 +76,10 @@ class _Ops:
     ({"ops": _Ops}, CUDA, {"dim": 70000},
      "kernels: Triton, except rms_norm: the PyTorch reference (eager) (dim 70000 > 65536 columns)"),
     ({"ops": _Ops}, CUDA, {"dim": 4096}, "kernels: Triton (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy)"),
-], ids=["cpu", "mode", "no-triton", "tp", "wide", "triton"])
+    ({"ops": _Ops}, CUDA, {"arch": Arch(activation="gelu_tanh", attn_softcap=50.0, final_softcap=30.0)},
+     "kernels: Triton (rms_norm, apply_rope); the PyTorch reference (eager) for geglu (no Triton kernel), "
+     "soft-capped attention (SDPA cannot cap scores), the loss from soft-capped logits"),
+], ids=["cpu", "mode", "no-triton", "tp", "wide", "triton", "gemma2"])
 def test_the_run_says_which_kernels_run_and_why(kernel_state, state, device, kw, expected):
     kernel_state(**state)
     assert kernels.describe(device, **kw) == expected

@@ -20,6 +20,28 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int
 
 
+class Arch(BaseModel):
+    """How a model family departs from kiln's Llama, as data (kiln.api.hf sets it from config.json; the
+    defaults are Llama). One parametrised transformer reads these flags: docs/trainer.md says why."""
+
+    model_config = ConfigDict(frozen=True)
+    family: str = "llama"  # config.json model_type, written back on export
+    head_dim: int | None = None  # None: dim / heads (Qwen3, Gemma and Mistral-Nemo set their own)
+    qkv_bias: bool = False  # Qwen2: biases on q/k/v; attention_bias: on q/k/v and o
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of each query and key head (over head_dim) before RoPE
+    activation: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight), weights stored around 0
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(dim)
+    sandwich_norm: bool = False  # Gemma: a norm after attention and after the MLP too, before each residual add
+    query_scale: float | None = None  # Gemma: scores scaled by query_pre_attn_scalar^-0.5, not head_dim^-0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # a sliding layer's query sees the last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()  # which layers slide (Mistral: all; Gemma: interleaved)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (None: rope_theta)
+
+
 class ModelDims(BaseModel):
     """Concrete model dimensions, every field set (what the trainer builds)."""
 
@@ -34,10 +56,11 @@ class ModelDims(BaseModel):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     rope_scaling: RopeScaling | None = None  # only from a model folder's config.json (kiln.api.hf)
+    arch: Arch = Arch()  # the family's departures from Llama, only from a model folder's config.json
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.arch.head_dim or self.dim // self.heads
 
 
 def llama_ffn_dim(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int:

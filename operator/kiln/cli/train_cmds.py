@@ -84,8 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write a run's newest committed checkpoint as a Hugging Face model folder",
         description="Load the newest committed checkpoint of SPEC's run (saved by any number of processes) into "
         "this one process and write it to OUTPUT as a Hugging Face folder: sharded safetensors with their index, "
-        "config.json, generation_config.json and the tokenizer files, which transformers loads as a "
-        "LlamaForCausalLM.",
+        "config.json, generation_config.json and the tokenizer files, which transformers loads as the "
+        "model.from folder's family (LlamaForCausalLM for a preset).",
     )
     ex.add_argument("spec", help="TrainingSpec YAML file")
     ex.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face folder)")

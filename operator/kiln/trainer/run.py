@@ -174,8 +174,8 @@ class Run:
         model.init_buffers()  # the weights: a peer's, this run's commit, or _initial_weights
         model.train()
         if self.rank == 0:  # what runs, and what the numbers are measured against, once per run
-            print(f"kiln: {kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile)}",
-                  flush=True)
+            used = kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile, arch=dims.arch)
+            print(f"kiln: {used}", flush=True)
             print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
         self.model_parts = [model]
         self.params = [p for part in self.model_parts for p in part.parameters()]  # fixed from here: clipped each step

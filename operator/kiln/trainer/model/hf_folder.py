@@ -7,7 +7,8 @@ No rank ever holds a tensor it does not own, let alone the whole model. The safe
 length, a JSON header and raw little-endian data; `safetensors.safe_open` needs a local file, so the header is
 parsed here and the data read by range (tests check it against safetensors itself).
 
-Names: kiln's parameters map one to one onto transformers' Llama names (`NAME_MAP`). Both use the rotate-half
+Names: kiln's parameters map one to one onto transformers' names (`NAME_MAP`, the same for every family kiln
+reads but Gemma's extra norms). Both use the rotate-half
 RoPE convention (transformers' conversion script permutes Meta's interleaved q/k rows once, into the layout
 kiln uses too), so q/k weights are copied as they are; a test checks logits against transformers itself.
 Tied embeddings are untied: the output layer starts as a copy of the embedding and trains on its own; an
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from kiln.api import ModelDims, resolve_model
+from kiln.api.presets import Arch
 from kiln.api.hf import config_for, dims_from_config
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
@@ -51,13 +53,21 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # a buffer old conversions saved
 
-# kiln parameter name -> transformers LlamaForCausalLM name ({i}: the block index, the same on both sides)
+# kiln parameter name -> transformers' name ({i}: the block index, the same on both sides). The same in every
+# family kiln reads (Llama, Mistral, Qwen2/3, Gemma 2/3: their *ForCausalLM classes share these names), but
+# for Gemma's extra norms, which move `post_attention_layernorm` to the attention's output (SANDWICH_NAMES).
 NAME_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attention.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "layers.{i}.attention.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "layers.{i}.attention.wo.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
     "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
@@ -66,27 +76,28 @@ NAME_MAP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+SANDWICH_NAMES = {
+    "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def hf_name(kiln_name: str) -> str:
+def hf_name(kiln_name: str, arch: Arch = Arch()) -> str:
+    names = {**NAME_MAP, **SANDWICH_NAMES} if arch.sandwich_norm else NAME_MAP
     m = _LAYER.match(kiln_name)
     if m:
-        return NAME_MAP["layers.{i}." + m.group(2)].format(i=m.group(1))
-    return NAME_MAP[kiln_name]
+        return names["layers.{i}." + m.group(2)].format(i=m.group(1))
+    return names[kiln_name]
 
 
 def hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the transformers Llama with these dims, by its name, with its shape."""
-    d, hd, f, v = dims.dim, dims.head_dim, dims.ffn_dim, dims.vocab_size
-    per_layer = {"attention.wq.weight": (dims.heads * hd, d), "attention.wk.weight": (dims.kv_heads * hd, d),
-                 "attention.wv.weight": (dims.kv_heads * hd, d), "attention.wo.weight": (d, dims.heads * hd),
-                 "feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d), "feed_forward.w2.weight": (d, f),
-                 "attention_norm.weight": (d,), "ffn_norm.weight": (d,)}
-    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
-    for i in range(dims.layers):
-        shapes.update({f"layers.{i}.{k}": s for k, s in per_layer.items()})
-    return {hf_name(k): s for k, s in shapes.items()}
+    """Every tensor of the transformers model with these dims, by its name, with its shape: those of kiln's
+    model (built on the meta device), renamed."""
+    from kiln.trainer.model.transformer import build_model
+
+    return {hf_name(n, dims.arch): tuple(p.shape) for n, p in build_model(dims).named_parameters()}
 
 
 # -- where: the store of model.from -------------------------------------------------------------------------------
@@ -246,16 +257,16 @@ class Checkpoint:
                                "; a model with tied embeddings says tie_word_embeddings: true in config.json"))
         extra = sorted(present - set(expected))
         if extra:
-            raise KilnError(f"model.from {self.uri}: tensor {extra[0]} is not part of a Llama model with this "
-                            f"config.json" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+            raise KilnError(f"model.from {self.uri}: tensor {extra[0]} is not part of a {dims.arch.family} model "
+                            f"with this config.json" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
         for name, shape in expected.items():
             entry = self.tensors.get(name)
             if entry is not None and entry.shape != shape:
                 raise KilnError(f"model.from {self.uri}: tensor {name} has shape {list(entry.shape)}, config.json "
                                 f"needs {list(shape)}")
 
-    def source_of(self, kiln_name: str, tied: bool) -> TensorEntry:
-        name = hf_name(kiln_name)
+    def source_of(self, kiln_name: str, tied: bool, arch: Arch) -> TensorEntry:
+        name = hf_name(kiln_name, arch)
         if name == "lm_head.weight" and tied and name not in self.tensors:
             name = "model.embed_tokens.weight"  # untied on import: the output layer starts as the embedding
         return self.tensors[name]
@@ -288,7 +299,7 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
     jobs = []
     for name, param in model.named_parameters():
         local, offsets, sizes = _local_chunk(param)
-        jobs.append((local, ckpt.source_of(name, tied), offsets, sizes))
+        jobs.append((local, ckpt.source_of(name, tied, dims.arch), offsets, sizes))
     read = 0
     window: deque = deque()  # reads in flight: at most 2 x threads slices are held in memory at once
 
@@ -368,8 +379,8 @@ def training_tokenizer(spec: TrainingSpecSpec, dims: ModelDims):
 
 
 def hf_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The transformers Llama state dict of a plain (single-process) kiln model."""
-    return {hf_name(n): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
+    """The transformers state dict of a plain (single-process) kiln model, in its family's names."""
+    return {hf_name(n, model.dims.arch): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
 
 
 def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

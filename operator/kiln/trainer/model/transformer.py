@@ -3,6 +3,12 @@
 RMSNorm -> grouped-query attention with RoPE (through `F.scaled_dot_product_attention`) -> RMSNorm -> SwiGLU
 MLP, repeated `layers` times, then a final RMSNorm and the output projection.
 
+The other families (Mistral, Qwen2/3, Gemma 2/3) are the same decoder with the departures that
+`dims.arch` (kiln.api.presets.Arch) lists as data: q/k/v biases, per-head q/k norms, a GeGLU MLP, Gemma's
+(1 + w) norms, scaled embeddings, norms after attention and MLP, soft-capped scores and logits, sliding-window
+layers with their own RoPE base. Each is one `if` where it applies; docs/trainer.md says why not one module
+per family.
+
 Parallelism is applied from outside (kiln.trainer.parallel.parallelize) to this plain module, so the code here knows
 nothing about it, with two conventions that make that possible:
 - the blocks live in an `nn.ModuleDict` keyed by layer index ("0", "1", ...), so a parameter's name is the
@@ -17,6 +23,7 @@ Build on the meta device (no memory), parallelize, then `to_empty(device=...)` a
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -30,13 +37,18 @@ from kiln.trainer.model import kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm scaling by (offset + weight): Llama's offset 0, Gemma's 1 (its weights are stored around 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        # (1 + w) in fp32, as transformers' Gemma: in bf16 (FSDP's compute dtype) 1 + w would round w to
+        # 1/128. A plain tensor: the fused kernel takes it as it takes w, and autograd routes w's gradient.
+        return kernels.rms_norm(x, self.weight.float() + self.offset if self.offset else self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
@@ -63,17 +75,45 @@ def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim). `window`: a query sees itself and the window - 1
+    positions before it (transformers' sliding window). `softcap`: scores -> softcap * tanh(scores / softcap)
+    before the mask, which SDPA cannot do, so those layers take the explicit path (fp32 softmax, as
+    transformers' eager attention)."""
+    seq = q.shape[-2]
+    if window is not None and window >= seq:
+        window = None  # the window covers every earlier position: plain causal
+    if window is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    pos = torch.arange(seq, device=q.device)
+    offset = pos[:, None] - pos[None, :]  # query position - key position
+    mask = (offset >= 0) & (offset < window) if window is not None else offset >= 0
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: kv_heads key/value heads shared by heads // kv_heads query heads each."""
 
-    def __init__(self, dims: ModelDims):
+    def __init__(self, dims: ModelDims, sliding: bool = False):
         super().__init__()
+        arch = dims.arch
         self.head_dim = dims.head_dim
         self.n_rep = dims.heads // dims.kv_heads
-        self.wq = nn.Linear(dims.dim, dims.heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dims.dim, dims.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dims.dim, dims.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(dims.heads * self.head_dim, dims.dim, bias=False)
+        self.wq = nn.Linear(dims.dim, dims.heads * self.head_dim, bias=arch.qkv_bias)
+        self.wk = nn.Linear(dims.dim, dims.kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.wv = nn.Linear(dims.dim, dims.kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.wo = nn.Linear(dims.heads * self.head_dim, dims.dim, bias=arch.o_bias)
+        # Qwen3 / Gemma 3: each query and key head normalised over head_dim, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, dims.norm_eps, arch.norm_offset) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, dims.norm_eps, arch.norm_offset) if arch.qk_norm else None
+        self.scale = arch.query_scale
+        self.window = arch.sliding_window if sliding else None
+        self.softcap = arch.attn_softcap
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -81,40 +121,50 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos[:seq], sin[:seq])
         # (bsz, heads, seq, head_dim) for SDPA; repeat each kv head for its group of query heads.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.n_rep > 1:  # a copy of k and v, even for n_rep 1
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+    """Gated MLP: w2(act(w1 x) * w3 x), act silu (SwiGLU) or tanh-approximated gelu (Gemma's GeGLU)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.gate = kernels.swiglu if activation == "silu" else kernels.geglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(kernels.swiglu(self.w1(x), self.w3(x)))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dims: ModelDims):
+    def __init__(self, dims: ModelDims, sliding: bool = False):
         super().__init__()
-        self.attention_norm = RMSNorm(dims.dim, dims.norm_eps)
-        self.attention = Attention(dims)
-        self.ffn_norm = RMSNorm(dims.dim, dims.norm_eps)
-        self.feed_forward = FeedForward(dims.dim, dims.ffn_dim)
+        arch, norm = dims.arch, functools.partial(RMSNorm, dims.dim, dims.norm_eps, dims.arch.norm_offset)
+        self.attention_norm = norm()
+        self.attention = Attention(dims, sliding)
+        self.ffn_norm = norm()
+        self.feed_forward = FeedForward(dims.dim, dims.ffn_dim, arch.activation)
+        # Gemma: the attention's and the MLP's outputs are normalised too, before each residual add
+        self.attention_post_norm = norm() if arch.sandwich_norm else None
+        self.ffn_post_norm = norm() if arch.sandwich_norm else None
+        self.local_rope = sliding and arch.local_rope_theta is not None  # Gemma 3: its own RoPE base
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin)
+        h = x + (a if self.attention_post_norm is None else self.attention_post_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.ffn_post_norm is None else self.ffn_post_norm(f))
 
 
 class Transformer(nn.Module):
@@ -123,23 +173,40 @@ class Transformer(nn.Module):
     def __init__(self, dims: ModelDims):
         super().__init__()
         self.dims = dims
+        sliding = set(dims.arch.sliding_layers)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(dims.vocab_size, dims.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dims) for i in range(dims.layers)})
-        self.norm: RMSNorm | None = RMSNorm(dims.dim, dims.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dims, i in sliding) for i in range(dims.layers)})
+        self.norm: RMSNorm | None = RMSNorm(dims.dim, dims.norm_eps, dims.arch.norm_offset)
         self.output: nn.Linear | None = nn.Linear(dims.dim, dims.vocab_size, bias=False)
-        # Derived, never checkpointed: recomputed by init_weights on the real device.
-        cos, sin = rope_tables(dims.head_dim, dims.seq_len, dims.rope_theta, scaling=dims.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Derived, never checkpointed: recomputed by init_buffers on the real device.
+        for name, (cos, sin) in self._rope_tables().items():
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
         # The fused linear+cross-entropy needs the whole output weight and the last hidden state in one
-        # place; under tensor or pipeline parallelism the loss is taken from the logits instead.
-        self.fused_loss = True
+        # place; under tensor or pipeline parallelism the loss is taken from the logits instead, and so it
+        # is when the logits are soft-capped (Gemma 2), which the fused kernel does not do.
+        self.fused_loss = dims.arch.final_softcap is None
+
+    def _rope_tables(self, device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        d = self.dims
+        tables = {"rope": rope_tables(d.head_dim, d.seq_len, d.rope_theta, device, scaling=d.rope_scaling)}
+        if d.arch.local_rope_theta is not None:  # Gemma 3's sliding layers: another base, no scaling
+            tables["rope_local"] = rope_tables(d.head_dim, d.seq_len, d.arch.local_rope_theta, device)
+        return tables
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         # Pipeline stages: the first stage embeds tokens, later ones receive hidden states.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is None:
+            h = tokens
+        else:
+            h = self.tok_embeddings(tokens)
+            if self.dims.arch.embed_scale:  # Gemma; sqrt(dim) rounded to the activations' dtype, as transformers
+                h = h * torch.tensor(self.dims.dim ** 0.5, dtype=h.dtype)
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            if block.local_rope:
+                h = block(h, self.rope_local_cos, self.rope_local_sin)
+            else:
+                h = block(h, self.rope_cos, self.rope_sin)
         if self.norm is None:
             return h
         return self.head(h, targets)
@@ -151,16 +218,18 @@ class Transformer(nn.Module):
         if targets is not None and self.fused_loss:
             return kernels.fused_linear_cross_entropy(h, self.output.weight, targets)
         logits = self.output(h)
+        cap = self.dims.arch.final_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
         return logits if targets is None else cross_entropy(logits, targets)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """The derived, non-checkpointed buffers (RoPE tables) on the real device; weights are left as they are
         (for a model whose weights are loaded instead, kiln.trainer.model.hf_folder)."""
-        d = self.dims
-        cos, sin = rope_tables(d.head_dim, d.seq_len, d.rope_theta, device=self.rope_cos.device, scaling=d.rope_scaling)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for name, (cos, sin) in self._rope_tables(self.rope_cos.device).items():
+            getattr(self, f"{name}_cos").copy_(cos)
+            getattr(self, f"{name}_sin").copy_(sin)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -176,7 +245,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             full = torch.empty(param.shape, dtype=torch.float32, device=device)
             if name.endswith("norm.weight"):
-                full.fill_(1.0)
+                full.fill_(1.0 - self.dims.arch.norm_offset)  # a scale of 1
+            elif name.endswith(".bias"):
+                full.zero_()
             else:
                 gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
@@ -212,9 +283,10 @@ def build_model(dims: ModelDims) -> Transformer:
 
 def count_params(dims: ModelDims, *, embedding: bool = True) -> int:
     """Parameters of the full model from its dims (the input embedding is a lookup, not a matmul)."""
-    hd = dims.head_dim
+    hd, arch = dims.head_dim, dims.arch
     attn = dims.dim * hd * (2 * dims.heads + 2 * dims.kv_heads)
+    attn += arch.qkv_bias * hd * (dims.heads + 2 * dims.kv_heads) + arch.o_bias * dims.dim + arch.qk_norm * 2 * hd
     ffn = 3 * dims.dim * dims.ffn_dim
-    per_layer = attn + ffn + 2 * dims.dim
+    per_layer = attn + ffn + (4 if arch.sandwich_norm else 2) * dims.dim
     total = dims.layers * per_layer + dims.dim + dims.vocab_size * dims.dim
     return total + (dims.vocab_size * dims.dim if embedding else 0)

@@ -69,9 +69,14 @@ def flops_per_token(dims: ModelDims) -> float:
     multiply-add forward (2 FLOPs) and twice that backward (4), hence 6N. Attention scores and the weighted
     sum add 2 * 2 * seq_len * dim per layer forward, times 3 with backward: 12 * L * dim * seq_len. The
     causal mask is not subtracted (the usual convention, as in the MFU figures published for Llama/PaLM).
+    Where a family's attention is not `dim` wide (heads x head_dim: Qwen3, Gemma) that width counts, and a
+    sliding-window layer's query sees at most `sliding_window` keys instead of seq_len.
     """
     n = count_params(dims, embedding=False)
-    return 6 * n + 12 * dims.layers * dims.dim * dims.seq_len
+    width, arch = dims.heads * dims.head_dim, dims.arch
+    keys = sum(min(arch.sliding_window, dims.seq_len) if i in arch.sliding_layers else dims.seq_len
+               for i in range(dims.layers))
+    return 6 * n + 12 * width * keys
 
 
 def peak_memory_gib(device: torch.device) -> float:

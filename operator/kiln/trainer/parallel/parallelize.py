@@ -90,7 +90,10 @@ def build_pipeline_schedule(stage_module: nn.Module, mesh, layout: Layout, devic
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Megatron-style plan: q/k/v and w1/w3 column-wise, wo and w2 row-wise; norms sequence-parallel."""
+    """Megatron-style plan: q/k/v and w1/w3 column-wise (their biases sharded with them), wo and w2 row-wise;
+    norms sequence-parallel. Qwen3/Gemma 3's per-head q/k norms see this rank's heads: their weight is
+    replicated and the heads dimension (2 of batch, seq, heads, head_dim) is the sharded one, so their
+    gradient is summed over the TP ranks as a sequence-parallel norm's is."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -110,7 +113,15 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
+        extra = {}
+        if block.attention.q_norm is not None:
+            heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+            extra.update({"attention.q_norm": heads, "attention.k_norm": heads})
+        if block.attention_post_norm is not None:  # Gemma: on the row-parallel outputs, sequence-sharded
+            extra.update({"attention_post_norm": SequenceParallel(use_local_output=True),
+                          "ffn_post_norm": SequenceParallel(use_local_output=True)})
         parallelize_module(block, tp_mesh, {
+            **extra,
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                             desired_input_layouts=(Replicate(), None, None)),

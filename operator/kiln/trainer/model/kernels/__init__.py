@@ -1,7 +1,7 @@
 """Fused kernels behind one switch: Triton on CUDA, the reference (under torch.compile) elsewhere.
 
-Public ops: rms_norm, swiglu, apply_rope, fused_linear_cross_entropy. In mode "fused" (the default) an op
-runs its Triton kernel when every tensor argument is a plain CUDA tensor and Triton imports; DTensors
+Public ops: rms_norm, swiglu, geglu (reference only), apply_rope, fused_linear_cross_entropy. In mode "fused"
+(the default) an op runs its Triton kernel when every tensor argument is a plain CUDA tensor and Triton imports; DTensors
 (tensor parallel), CPU tensors and shapes the kernels do not cover take the plain PyTorch reference,
 which the model's per-block `torch.compile` fuses. `set_mode("reference")` forces the reference
 everywhere (the `parallelism.kernels` field of the spec).
@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from kiln.api.presets import Arch
 from kiln.errors import KilnError
 from kiln.trainer.model.kernels import reference
 
@@ -51,9 +52,10 @@ def reference_runs() -> bool:
     return _MODE != "fused" or _TRITON_OPS is None
 
 
-def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, compiled: bool = False) -> str:
+def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, compiled: bool = False,
+             arch: Arch | None = None) -> str:
     """One line for the start of a run: which implementation the ops run with, and why when not Triton.
-    Mirrors the per-call choice in `_fused` for a model of width `dim` on `device`."""
+    Mirrors the per-call choice in `_fused` for a model of width `dim` and family `arch` on `device`."""
     reference_is = "the PyTorch reference" + (" under torch.compile" if compiled else " (eager)")
     if _MODE != "fused":
         why = "parallelism.kernels is reference"
@@ -67,8 +69,20 @@ def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, co
         return (f"kernels: Triton, except rms_norm: {reference_is} (dim {dim} > {_TRITON_OPS.MAX_FUSED_COLS} "
                 f"columns)")
     else:
-        return "kernels: Triton (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy)"
+        return _triton_line(arch or Arch(), reference_is)
     return f"kernels: {reference_is}, because {why}"
+
+
+def _triton_line(arch: Arch, reference_is: str) -> str:
+    """The ops a family takes through Triton, and those it takes through the reference (Gemma's, kiln.api.presets)."""
+    gated = "swiglu" if arch.activation == "silu" else None
+    loss = "fused_linear_cross_entropy" if arch.final_softcap is None else None
+    triton = ", ".join(op for op in ("rms_norm", gated, "apply_rope", loss) if op)
+    reference = [why for why in (
+        "geglu (no Triton kernel)" if gated is None else None,
+        "soft-capped attention (SDPA cannot cap scores)" if arch.attn_softcap is not None else None,
+        "the loss from soft-capped logits" if loss is None else None) if why]
+    return f"kernels: Triton ({triton})" + (f"; {reference_is} for {', '.join(reference)}" if reference else "")
 
 
 def _fused(*tensors: torch.Tensor) -> ModuleType | None:
@@ -95,6 +109,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(gate, up)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: no Triton kernel, the reference always (fused by torch.compile where it runs)."""
+    return reference.geglu(gate, up)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ops = _fused(q, k, cos, sin)
     if ops is not None:
@@ -115,5 +134,5 @@ def fused_linear_cross_entropy(
     return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss)
 
 
-__all__ = ["rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode", "describe",
-           "reference_runs", "reference", "MODES"]
+__all__ = ["rms_norm", "swiglu", "geglu", "apply_rope", "fused_linear_cross_entropy", "set_mode", "get_mode",
+           "describe", "reference_runs", "reference", "MODES"]

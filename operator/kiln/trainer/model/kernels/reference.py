@@ -51,3 +51,8 @@ def fused_linear_cross_entropy(
         losses = losses + z_loss * torch.logsumexp(logits, dim=-1).pow(2)
     valid = (flat_targets != ignore_index).float()
     return (losses * valid).sum() / valid.sum().clamp(min=1.0)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: Gemma's gated MLP (transformers' gelu_pytorch_tanh)."""
+    return F.gelu(gate, approximate="tanh") * up
