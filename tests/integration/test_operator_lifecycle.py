@@ -92,15 +92,16 @@ class Operator:
 def shipped_rbac(rig, ns: str, scope: str):
     """The operator's shipped RBAC, bound to a ServiceAccount in `ns`; yields (ServiceAccount, Lease name).
 
-    cluster: manifests/rbac as `kubectl apply -k` installs it (a ClusterRoleBinding; the leader Role in
-    `ns` instead of kiln-system). namespaced: the Helm chart rendered with watchNamespaces=[ns] (the
+    cluster: manifests/rbac as `kubectl apply -k manifests/cluster-wide` installs it (a ClusterRoleBinding;
+    the leader Role in `ns` instead of kiln-system). namespaced: the Helm chart rendered with watchNamespaces=[ns] (the
     ClusterRole bound in `ns` only, its cluster-scoped rules cluster-wide, the leader Role in `ns`)."""
     from tests.integration.test_helm import render
 
     cluster_scoped: list[tuple[str, str]] = []
     if scope == "cluster":
         sa, lease = "kiln-operator", "kiln-operator"
-        objs = [o for path in sorted(RBAC.glob("operator-*.yaml")) for o in yaml.safe_load_all(path.read_text())]
+        paths = [*sorted(RBAC.glob("operator-*.yaml")), RBAC.parent / "cluster-wide" / "operator-clusterrolebinding.yaml"]
+        objs = [o for path in paths for o in yaml.safe_load_all(path.read_text())]
         for obj in objs:
             if obj["kind"] == "ClusterRoleBinding":
                 obj["metadata"]["name"] = f"kiln-operator-{ns}"

@@ -202,7 +202,7 @@ def test_queue_priorities_under_an_allow_list():
     # BASE: nodes 2, elastic.maxNodes 4, 8 GPUs per node: the run may grow to 4 nodes, 32 GPUs
     (AdminPolicy(max_nodes=3), {}, "spec.elastic.maxNodes: 4 nodes is more than this cluster allows per run (3)"),
     (AdminPolicy(max_nodes=1), {"elastic": None}, "spec.resources.nodes: 2 nodes is more than"),
-    (AdminPolicy(max_gpus=31), {}, "spec.resources.gpusPerNode: 4 nodes x 8 GPUs = 32 GPUs is more than"),
+    (AdminPolicy(max_gpus=31), {}, "spec.resources.gpusPerNode: 4 node(s) x 8 GPUs = 32 GPUs is more than"),
     (AdminPolicy(max_groups=2), {"elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 4}}},
      "spec.elastic.faultTolerance.groups: 4 replica groups is more than this cluster allows per run (2)"),
 ])

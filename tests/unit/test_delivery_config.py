@@ -21,6 +21,7 @@ SETTINGS = {
     "KILN_DEFAULT_EPHEMERAL_STORAGE": ("default_ephemeral_storage", "2Ti"),
     "KILN_TRAINER_METRICS_PORT": ("trainer_metrics_port", 19400),
     "KILN_LEADER_LEASE": ("leader_lease", "team-a/kiln-operator-a"),
+    "KILN_MONITORING_NAMESPACE": ("monitoring_namespace", "prometheus"),
 }
 
 
@@ -31,6 +32,11 @@ POLICY_SETTINGS = {
     "KILN_POLICY_PRIORITY_CLASSES": ("allowed_priority_classes", "batch-low", ("batch-low",)),
     "KILN_POLICY_FORBIDDEN_NODE_KEYS": ("forbidden_node_keys", "corp/reserved", ("corp/reserved",)),
     "KILN_POLICY_ALLOW_TOLERATE_ALL": ("allow_tolerate_all", "true", True),
+    "KILN_POLICY_QUEUE_PRIORITIES": ("allowed_queue_priorities", "low,normal", ("low", "normal")),
+    "KILN_POLICY_ALLOW_NODE_NAMES": ("allow_node_names", "true", True),
+    "KILN_POLICY_MAX_NODES": ("max_nodes", "64", 64),
+    "KILN_POLICY_MAX_GPUS": ("max_gpus", "512", 512),
+    "KILN_POLICY_MAX_GROUPS": ("max_groups", "16", 16),
 }
 
 

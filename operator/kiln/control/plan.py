@@ -2,7 +2,8 @@
 
 One TrainingSpec becomes, all owned by it (deleting it deletes them):
   ServiceAccount/Role/RoleBinding `<name>-trainer`  rank 0 may get/patch this run's status, nothing else
-  NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: anyone)
+  NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: the
+                                                    monitoring namespace's pods)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
 With elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups), instead of that one PyTorchJob:
@@ -272,12 +273,14 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
 def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
     """Only this run's own pods may connect to its pods: the rendezvous store (torch's TCPStore has no
     authentication) and the collectives' ports would otherwise take connections from any pod of any tenant.
-    Rank 0's metrics port stays open to scrapers. Enforced where the cluster's network plugin implements
-    NetworkPolicy; elsewhere the object is inert."""
+    Rank 0's metrics port (its metrics name the run's data) is open to the monitoring namespace's pods only.
+    Enforced where the cluster's network plugin implements NetworkPolicy; elsewhere the object is inert."""
     pods = {"matchLabels": {RUN_LABEL: run}}
     ingress: list[dict] = [{"from": [{"podSelector": pods}]}]
-    if config.trainer_metrics_port:
-        ingress.append({"ports": [{"protocol": "TCP", "port": config.trainer_metrics_port}]})
+    if config.trainer_metrics_port and config.monitoring_namespace:
+        scrapers = {"matchLabels": {"kubernetes.io/metadata.name": config.monitoring_namespace}}
+        ingress.append({"from": [{"namespaceSelector": scrapers}],
+                        "ports": [{"protocol": "TCP", "port": config.trainer_metrics_port}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata(names(run)["trainer"]),
             "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
 

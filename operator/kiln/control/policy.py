@@ -108,7 +108,7 @@ def _size_violations(spec: Any, policy: AdminPolicy) -> list[str]:
         field = "resources.nodes" if nodes == r.nodes else "elastic.maxNodes"
         out.append(f"spec.{field}: {nodes} nodes is more than this cluster allows per run ({policy.max_nodes})")
     if policy.max_gpus and nodes * r.gpus_per_node > policy.max_gpus:
-        out.append(f"spec.resources.gpusPerNode: {nodes} nodes x {r.gpus_per_node} GPUs = {nodes * r.gpus_per_node} "
+        out.append(f"spec.resources.gpusPerNode: {nodes} node(s) x {r.gpus_per_node} GPUs = {nodes * r.gpus_per_node} "
                    f"GPUs is more than this cluster allows per run ({policy.max_gpus})")
     if policy.max_groups and groups > policy.max_groups:
         out.append(f"spec.elastic.faultTolerance.groups: {groups} replica groups is more than this cluster allows "
