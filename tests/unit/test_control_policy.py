@@ -221,3 +221,10 @@ def test_the_new_rules_from_the_operators_environment():
                                       "KILN_POLICY_MAX_GROUPS": "", "KILN_POLICY_ALLOW_TOLERATE_ALL": "false"}).policy
     assert policy == AdminPolicy(allowed_queue_priorities=("low", "normal"), allow_node_names=True, max_nodes=64,
                                  max_gpus=512)
+
+
+def test_a_cap_that_is_not_a_number_is_named():
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="KILN_POLICY_MAX_GPUS='eight': a cap is a whole number"):
+        AdminPolicy.from_env({"KILN_POLICY_MAX_GPUS": "eight"})

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.api.layout import node_bounds, replica_groups
+from kiln.errors import KilnError
 
 CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 # The taint `kubectl cordon` sets: the cluster's own "no new pods here" (drains, repairs), never a tenant's to lift
@@ -70,8 +71,10 @@ class AdminPolicy:
                 kwargs[field] = env[var].strip().lower() in ("1", "true", "yes")
         for field, var in (("max_nodes", "KILN_POLICY_MAX_NODES"), ("max_gpus", "KILN_POLICY_MAX_GPUS"),
                            ("max_groups", "KILN_POLICY_MAX_GROUPS")):
-            if env.get(var, "").strip():
-                kwargs[field] = int(env[var])
+            if (raw := env.get(var, "").strip()):
+                if not raw.isdigit():
+                    raise KilnError(f"{var}={raw!r}: a cap is a whole number (0: no cap)")
+                kwargs[field] = int(raw)
         return cls(**kwargs)
 
 
