@@ -48,7 +48,8 @@ def install(request, rig):
         user = f"system:serviceaccount:{home}:{release}-operator"
         try:
             # the apiserver starts enforcing a new policy once its informer has it: wait for the first refusal
-            rig.wait_for("the admission policy to refuse an unlabelled ConfigMap", lambda: refused(
+            # (RBAC allows the create: the refusal, once it comes, is the policy's)
+            rig.wait_for("the admission policy to refuse an unlabelled ConfigMap", lambda: "ValidatingAdmissionPolicy" in refused(
                 rig, user, "create", "configmap", f"probe-{uuid.uuid4().hex[:6]}", "-n", runs), timeout=SAFETY_TIMEOUT_S)
             yield home, runs, user, f"{release}-operator", request.param
         finally:
