@@ -69,10 +69,6 @@ def refused(rig, user: str, *args: str, stdin: str | None = None) -> str:
     return proc.stderr
 
 
-def as_admin(rig, obj: dict) -> None:
-    rig.apply(obj)
-
-
 def test_the_operator_can_make_and_run_a_run(rig, install):
     home, runs, user, lease, _ = install
     body = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "wide", "namespace": runs},
@@ -95,7 +91,7 @@ def test_the_operator_can_make_and_run_a_run(rig, install):
         assert rig.kubectl("get", kind, name, "-n", runs, check=False).returncode == 0, (kind, name)
 
     # a run's pod (the training-operator makes them from kiln's template, labels included) may be deleted
-    as_admin(rig, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+    rig.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": "wide-g0-worker-0", "namespace": runs, "labels": {**KILN, "kiln.dev/trainingspec": "wide"}},
         "spec": {"containers": [{"name": "pytorch", "image": "registry.invalid/none", "securityContext": {
             "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
@@ -142,15 +138,12 @@ def test_the_operator_cannot_touch_what_it_did_not_make(rig, install):
 
     # kube-system, even an object labelled as kiln's: RBAC refuses it in the namespaced install, the admission
     # policy in the cluster-wide one (where RBAC alone would let it through)
-    as_admin(rig, {"apiVersion": "v1", "kind": "ConfigMap",
-                   "metadata": {"name": f"kiln-bait-{uuid.uuid4().hex[:6]}", "namespace": "kube-system", "labels": KILN},
-                   "data": {"a": "b"}})
-    bait = json.loads(rig.kubectl("get", "configmap", "-n", "kube-system", "-l", "app.kubernetes.io/managed-by=kiln",
-                                  "-o", "json").stdout)["items"]
+    bait = f"kiln-bait-{uuid.uuid4().hex[:6]}"
+    rig.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": bait, "namespace": "kube-system", "labels": KILN}, "data": {"a": "b"}})
     try:
-        for item in bait:
-            why = refused(rig, user, "patch", "configmap", item["metadata"]["name"], "-n", "kube-system", *patch)
-            assert why and (policy in why if scope == "cluster" else True), why
+        why = refused(rig, user, "patch", "configmap", bait, "-n", "kube-system", *patch)
+        assert why and (policy in why if scope == "cluster" else True), why
         coredns_like = {"apiVersion": "apps/v1", "kind": "Deployment",
                         "metadata": {"name": "kiln-evil", "namespace": "kube-system", "labels": KILN},
                         "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
@@ -159,8 +152,7 @@ def test_the_operator_cannot_touch_what_it_did_not_make(rig, install):
         why = refused(rig, user, "create", "-f", "-", stdin=json.dumps(coredns_like))
         assert why and (policy in why if scope == "cluster" else True), why
     finally:
-        for item in bait:
-            rig.kubectl("delete", "configmap", item["metadata"]["name"], "-n", "kube-system", check=False)
+        rig.kubectl("delete", "configmap", bait, "-n", "kube-system", check=False)
 
     # its own namespace: only the Lease
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": home, "labels": KILN}}
