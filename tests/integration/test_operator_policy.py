@@ -80,7 +80,8 @@ STRICT = OperatorConfig(policy=AdminPolicy(allowed_image_prefixes=("registry.cor
      "spec.resources.tolerations[0]"),
     ("urgent", {"scheduling": {"priority": "urgent"}}, "spec.scheduling.priority"),
     ("huge", {"resources": {"nodes": 16}, "training": {"steps": 10, "globalBatchSize": 16}}, "spec.resources.nodes"),
-    ("many-gpus", {"resources": {"gpusPerNode": 16}}, "spec.resources.gpusPerNode"),
+    ("many-gpus", {"resources": {"gpusPerNode": 16}, "training": {"steps": 10, "globalBatchSize": 16}},
+     "spec.resources.gpusPerNode"),
     ("many-groups", {"resources": {"nodes": 4}, "elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 4}}},
      "spec.elastic.faultTolerance.groups"),
 ])
