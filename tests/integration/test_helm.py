@@ -22,31 +22,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
-from tests.rig import versions
+from tests.rig.install import CHART, KUBE, helm, render
 
 pytestmark = pytest.mark.rig
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "kiln"
 MANIFESTS = REPO / "manifests"
 SAMPLE = MANIFESTS / "samples" / "quickstart.yaml"
 OPERATOR_DOCKERFILE = REPO / "images" / "operator" / "Dockerfile"
 CRD_NAME = "trainingspecs.kiln.dev"
-# Offline, helm assumes Kubernetes 1.20 and the chart's kubeVersion refuses it: render for the rig's.
-KUBE = ("--kube-version", versions.KUBERNETES)
-
-
-def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(rig.bin / "helm"), "--kubeconfig", str(rig.kubeconfig), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def render(rig, *args: str, release: str = "kiln", namespace: str = "kiln-system") -> list[dict]:
-    out = helm(rig, "template", release, str(CHART), "--namespace", namespace, "--include-crds", *KUBE, *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 def kustomize(rig, root: Path = MANIFESTS) -> list[dict]:

@@ -13,8 +13,7 @@ from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.policy import AdminPolicy
 
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import scratch_namespace
+from tests.rig.install import install_crd, scratch_namespace
 
 pytestmark = pytest.mark.rig
 

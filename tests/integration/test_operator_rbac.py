@@ -23,8 +23,7 @@ from kiln.control.kube import Kube, api_client
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.integration.test_helm import render
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import scratch_namespace
+from tests.rig.install import install_crd, scratch_namespace
 
 pytestmark = pytest.mark.rig
 
