@@ -47,10 +47,15 @@ def deployment_env() -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container["env"] if e["name"] not in ("POD_ID", "POD_NAMESPACE")}
 
 
+# The prices for status.cost (kiln.control.config.Pricing): one structured setting from two variables
+PRICING_SETTINGS = ("KILN_GPU_PRICES", "KILN_CURRENCY")
+
+
 def test_every_deployment_variable_is_an_operator_setting():
     env = deployment_env()
-    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS), \
+    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS) | set(PRICING_SETTINGS), \
         "a variable the operator does not read, or a setting the chart lacks"
+    assert OperatorConfig.from_env({k: env[k] for k in PRICING_SETTINGS}).pricing == OperatorConfig().pricing
     policy = OperatorConfig.from_env({name: raw for name, (_, raw, _) in POLICY_SETTINGS.items()}).policy
     for name, (field, _, expected) in POLICY_SETTINGS.items():
         assert getattr(policy, field) == expected, name
