@@ -142,11 +142,11 @@ STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.observe.m
 def job_of(kube, namespace: str, run: str, group: int | None) -> str:
     """The PyTorchJob whose pods hold the run's log: the run's, or with replica groups `<run>-g<group>` (group 0
     unless asked; each group's rank 0 logs its steps)."""
-    from kiln.control.plan import GROUP_LABEL, job_names
+    from kiln.control.plan import GROUP_LABEL, group_job_name
 
     if group is None and not any(GROUP_LABEL in (p["metadata"].get("labels") or {}) for p in kube.pods(namespace, run)):
         return run
-    return job_names(run, max(2, (group or 0) + 1))[group or 0]
+    return group_job_name(run, group or 0)
 
 
 def worker_logging_steps(kube, namespace: str, run: str, job: str | None = None) -> int:

@@ -22,35 +22,19 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
-from tests.rig import versions
+from tests.rig.install import CHART, KUBE, helm, render
 
 pytestmark = pytest.mark.rig
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "kiln"
 MANIFESTS = REPO / "manifests"
 SAMPLE = MANIFESTS / "samples" / "quickstart.yaml"
 OPERATOR_DOCKERFILE = REPO / "images" / "operator" / "Dockerfile"
 CRD_NAME = "trainingspecs.kiln.dev"
-# Offline, helm assumes Kubernetes 1.20 and the chart's kubeVersion refuses it: render for the rig's.
-KUBE = ("--kube-version", versions.KUBERNETES)
 
 
-def helm(rig, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(rig.bin / "helm"), "--kubeconfig", str(rig.kubeconfig), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def render(rig, *args: str, release: str = "kiln", namespace: str = "kiln-system") -> list[dict]:
-    out = helm(rig, "template", release, str(CHART), "--namespace", namespace, "--include-crds", *KUBE, *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def kustomize(rig) -> list[dict]:
-    return [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
+def kustomize(rig, root: Path = MANIFESTS) -> list[dict]:
+    return [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(root)).stdout) if d]
 
 
 def ident(obj: dict) -> tuple[str, str, str]:
@@ -153,8 +137,10 @@ def test_values_schema_refuses_bad_values(rig, setting, says):
         proc.stderr
 
 
-def test_default_render_is_the_kustomize_install(rig):
-    chart, plain = by_ident(render(rig)), by_ident(kustomize(rig))
+@pytest.mark.parametrize("values,overlay", [((), MANIFESTS), (("--set", "clusterWide=true"), MANIFESTS / "cluster-wide")])
+def test_default_render_is_the_kustomize_install(rig, values, overlay):
+    """The namespaced default (and the cluster-wide opt-in): the chart and `kubectl apply -k` define the same."""
+    chart, plain = by_ident(render(rig, *values)), by_ident(kustomize(rig, overlay))
     # The namespace is Helm's --create-namespace, a file of its own in manifests/.
     assert ("Namespace", "kiln-system", "") in plain
     assert set(chart) == set(plain) - {("Namespace", "kiln-system", "")}
@@ -164,7 +150,8 @@ def test_default_render_is_the_kustomize_install(rig):
             assert obj["rules"] == other["rules"], key
         elif obj["kind"] in ("ClusterRoleBinding", "RoleBinding"):
             assert (obj["roleRef"], obj["subjects"]) == (other["roleRef"], other["subjects"]), key
-        elif obj["kind"] == "CustomResourceDefinition":
+        elif obj["kind"] in ("CustomResourceDefinition", "ValidatingAdmissionPolicy",
+                             "ValidatingAdmissionPolicyBinding", "NetworkPolicy"):
             assert obj["spec"] == other["spec"], key
         elif obj["kind"] == "Service":
             assert (obj["spec"]["ports"], obj["spec"]["selector"]) == (other["spec"]["ports"], other["spec"]["selector"])
@@ -190,7 +177,7 @@ def test_default_deployment_is_hardened_and_probed(rig):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     env = {e["name"]: e.get("value") for e in container["env"]}  # POD_ID comes from the downward API
     assert int(env["KILN_HEALTH_PORT"]) == ports["health"] and int(env["KILN_METRICS_PORT"]) == ports["metrics"]
-    assert "args" not in container  # every namespace
+    assert container["args"] == ["--namespace=default"]  # namespaced by default: where the samples go
 
 
 def test_watched_namespaces_get_namespaced_grants_only(rig):
@@ -211,6 +198,41 @@ def test_watched_namespaces_get_namespaced_grants_only(rig):
     deployment = next(o for o in objs if o["kind"] == "Deployment")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["args"] == \
         ["--namespace=ml", "--namespace=research"]
+
+
+def test_cluster_wide_is_an_explicit_opt_in(rig):
+    default = render(rig)
+    assert not [o for o in default if ident(o) == ("ClusterRoleBinding", "kiln-operator", "")]
+    assert ("RoleBinding", "kiln-operator", "default") in by_ident(default)
+    wide = render(rig, "--set", "clusterWide=true")
+    binding = by_ident(wide)[("ClusterRoleBinding", "kiln-operator", "")]
+    assert binding["roleRef"]["name"] == "kiln-operator"
+    assert not [o for o in wide if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "kiln-operator"]
+    assert "args" not in next(o for o in wide if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    proc = helm(rig, "template", "kiln", str(CHART), *KUBE, "--set", "watchNamespaces=null", check=False)
+    assert proc.returncode != 0 and "watchNamespaces is empty" in proc.stderr and "clusterWide=true" in proc.stderr
+    # no rule of the operator's may grant more than it holds, or act as someone else
+    verbs = {v for o in wide if o["kind"] in ("ClusterRole", "Role") for r in o["rules"] for v in r["verbs"]}
+    assert not verbs & {"escalate", "bind", "impersonate", "*"}, verbs
+
+
+def test_image_digest_and_the_operators_network_policy(rig):
+    digest = "sha256:" + "ab" * 32
+    deployment = next(o for o in render(rig, "--set", f"image.digest={digest}") if o["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == f"ghcr.io/kiln-dev/kiln-operator@{digest}"
+    proc = helm(rig, "template", "kiln", str(CHART), *KUBE, "--set", "image.digest=latest", check=False)
+    assert proc.returncode != 0 and "digest" in proc.stderr
+    objs = render(rig, "--set", "metrics.monitoringNamespace=prom")
+    policy = by_ident(objs)[("NetworkPolicy", "kiln-operator", "kiln-system")]
+    pod_labels = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8080}]},
+        {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prom"}}}],
+         "ports": [{"protocol": "TCP", "port": 9090}]}]
+    env = {e["name"]: e.get("value") for e in next(
+        o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KILN_MONITORING_NAMESPACE"] == "prom"  # the trainers' NetworkPolicy admits the same namespace
 
 
 def test_optional_servicemonitor_and_dashboard(rig):
@@ -243,8 +265,11 @@ def test_optional_prometheusrule_carries_the_tested_alert_rules(rig):
 
 def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace, tmp_path):
     release = f"kiln-{uuid.uuid4().hex[:6]}"  # its own cluster-scoped names: other tests' objects stay apart
+    # runs live apart from the operator: its admission policy refuses its writes in its own namespace
+    runs = f"{namespace[:50]}-runs"
+    rig.kubectl("create", "namespace", runs)
     install = helm(rig, "install", release, str(CHART), "--namespace", namespace,
-                   "--set", f"watchNamespaces={{{namespace}}}")
+                   "--set", f"watchNamespaces={{{runs}}}")
     uninstalled = False
     try:
         assert "kiln validate" in install.stdout and "kiln wait" in install.stdout  # NOTES: the next step
@@ -257,16 +282,17 @@ def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace
         def can(*args: str) -> bool:
             return rig.kubectl("auth", "can-i", *args, f"--as={me}", check=False).stdout.strip() == "yes"
 
-        assert can("create", "pytorchjobs.kubeflow.org", "-n", namespace)
-        assert can("patch", "trainingspecs.kiln.dev", "--subresource=status", "-n", namespace)
+        assert can("create", "pytorchjobs.kubeflow.org", "-n", runs)
+        assert can("patch", "trainingspecs.kiln.dev", "--subresource=status", "-n", runs)
         assert can("list", "customresourcedefinitions")
         assert not can("create", "pytorchjobs.kubeflow.org", "-n", "default")  # only the watched namespace
-        assert not can("delete", "pytorchjobs.kubeflow.org", "-n", namespace)  # garbage collection deletes
-        assert not can("list", "secrets", "-n", namespace)
+        assert not can("delete", "pytorchjobs.kubeflow.org", "-n", runs)  # garbage collection deletes
+        assert not can("list", "secrets", "-n", runs)
 
+        # the operator as installed, its admission policy active: a run's writes pass it
         kubeconfig = rig.kubeconfig_for_service_account(namespace, sa)
         with operator_from_deployment(deployment, kubeconfig, tmp_path / "operator.log") as (health, metrics):
-            job = reconcile_sample(rig, namespace, metrics)
+            job = reconcile_sample(rig, runs, metrics)
             assert get(health)[0] == 200
         owner = job["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"]) == ("TrainingSpec", "quickstart")
@@ -279,7 +305,8 @@ def test_install_operator_as_chart_service_account_then_uninstall(rig, namespace
             assert rig.kubectl(*args, check=False).returncode != 0, f"{kind} {name} survived helm uninstall"
         # Helm's convention: CRDs (and with them every TrainingSpec) stay.
         assert rig.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
-        assert rig.kubectl("get", "trainingspec", "quickstart", "-n", namespace, check=False).returncode == 0
+        assert rig.kubectl("get", "trainingspec", "quickstart", "-n", runs, check=False).returncode == 0
     finally:
         if not uninstalled:  # the release's ClusterRoles and bindings outlive the test's namespace
             helm(rig, "uninstall", release, "--namespace", namespace, check=False)
+        rig.kubectl("delete", "namespace", runs, "--wait=false", check=False)

@@ -1,5 +1,8 @@
-"""`kubectl apply -k manifests/` into the rig's apiserver, then the operator that install defines, run
-out of cluster as its ServiceAccount (kiln-system/kiln-operator), reconciles the quickstart sample."""
+"""`kubectl apply -k manifests/cluster-wide/` (the opt-in; manifests/ is the namespaced default, which
+test_helm keeps equal to the chart's) into the rig's apiserver, then the operator that install defines, run
+out of cluster as its ServiceAccount (kiln-system/kiln-operator), reconciles the quickstart sample in a
+namespace of its own: its rights come from the ClusterRoleBinding, and its admission policy lets a run's
+writes through."""
 
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ pytestmark = pytest.mark.rig
 
 
 def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path):
-    objs = [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(MANIFESTS)).stdout) if d]
+    overlay = MANIFESTS / "cluster-wide"
+    objs = [d for d in yaml.safe_load_all(rig.kubectl("kustomize", str(overlay)).stdout) if d]
     # A namespace left Terminating by an earlier run refuses new objects: let it go first.
     rig.kubectl("wait", "--for=delete", "namespace/kiln-system", f"--timeout={SAFETY_TIMEOUT_S}s", check=False)
     fresh = rig.kubectl("get", "namespace", "kiln-system", check=False).returncode != 0
-    rig.kubectl("apply", "-k", str(MANIFESTS))  # as docs/install.md says
+    rig.kubectl("apply", "-k", str(overlay))  # as docs/install.md says
     try:
         rig.kubectl("wait", "--for=condition=Established",
                     f"--timeout={SAFETY_TIMEOUT_S}s", "crd/trainingspecs.kiln.dev")
@@ -33,10 +37,11 @@ def test_apply_k_then_the_operator_reconciles_a_sample(rig, namespace, tmp_path)
         assert job["metadata"]["ownerReferences"][0]["kind"] == "TrainingSpec"
     finally:
         if fresh:
-            # Remove what grants or runs something: the namespace (with the Deployment, Service and
-            # ServiceAccount) and the binding. Keep the CRD (every TrainingSpec) and the ClusterRoles: other
+            # Remove what grants, limits or runs something: the namespace (with the Deployment, Service and
+            # ServiceAccount), the binding and the admission policy. Keep the CRD (every TrainingSpec) and the ClusterRoles: other
             # tests on this rig apply and bind the same manifests/rbac roles.
             for obj in objs:
-                if obj["kind"] in ("Namespace", "ClusterRoleBinding"):
+                if obj["kind"] in ("Namespace", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                                   "ValidatingAdmissionPolicyBinding"):
                     rig.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--wait=false",
                                 "--ignore-not-found", check=False)

@@ -29,18 +29,12 @@ from kiln.control.plan import plan
 from kiln.errors import KilnError
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
+from tests.rig.install import CRD_FILE, install_crd  # noqa: F401 (install_crd: other modules import it here)
 
 pytestmark = pytest.mark.rig
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
-
-
-def install_crd(rig) -> None:
-    """Apply the checked-in CRD (server side: it is large) and wait until it is served."""
-    rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    rig.kubectl("wait", "--for=condition=Established", f"--timeout={SAFETY_TIMEOUT_S}s", f"crd/{PLURAL}.{GROUP}")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import yaml
 from kiln.cli.main import main
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
-from tests.integration.test_operator_api import install_crd
+from tests.rig.install import install_crd, render, scratch_namespace  # noqa: F401 (re-exported)
 
 pytestmark = pytest.mark.rig
 
@@ -92,15 +91,14 @@ class Operator:
 def shipped_rbac(rig, ns: str, scope: str):
     """The operator's shipped RBAC, bound to a ServiceAccount in `ns`; yields (ServiceAccount, Lease name).
 
-    cluster: manifests/rbac as `kubectl apply -k` installs it (a ClusterRoleBinding; the leader Role in
-    `ns` instead of kiln-system). namespaced: the Helm chart rendered with watchNamespaces=[ns] (the
+    cluster: manifests/rbac as `kubectl apply -k manifests/cluster-wide` installs it (a ClusterRoleBinding;
+    the leader Role in `ns` instead of kiln-system). namespaced: the Helm chart rendered with watchNamespaces=[ns] (the
     ClusterRole bound in `ns` only, its cluster-scoped rules cluster-wide, the leader Role in `ns`)."""
-    from tests.integration.test_helm import render
-
     cluster_scoped: list[tuple[str, str]] = []
     if scope == "cluster":
         sa, lease = "kiln-operator", "kiln-operator"
-        objs = [o for path in sorted(RBAC.glob("operator-*.yaml")) for o in yaml.safe_load_all(path.read_text())]
+        paths = [*sorted(RBAC.glob("operator-*.yaml")), RBAC.parent / "cluster-wide" / "operator-clusterrolebinding.yaml"]
+        objs = [o for path in paths for o in yaml.safe_load_all(path.read_text())]
         for obj in objs:
             if obj["kind"] == "ClusterRoleBinding":
                 obj["metadata"]["name"] = f"kiln-operator-{ns}"
@@ -129,17 +127,6 @@ def shipped_rbac(rig, ns: str, scope: str):
 @pytest.fixture(scope="module", params=["cluster", "namespaced"])
 def scope(request) -> str:
     return request.param
-
-
-@contextmanager
-def scratch_namespace(rig, prefix: str):
-    """A namespace of this test module's own, deleted (without waiting) afterwards."""
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    rig.kubectl("create", "namespace", name)
-    try:
-        yield name
-    finally:
-        rig.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @contextmanager

@@ -300,14 +300,26 @@ def test_a_model_from_a_folder_renders_with_the_dimensions_left_to_the_trainer(t
     assert main(["render", str(sample)]) == 0
 
 
-def test_only_the_runs_own_pods_reach_its_pods_and_scrapers_reach_the_metrics_port():
+def test_only_the_runs_own_pods_reach_its_pods_and_the_monitoring_namespace_the_metrics_port():
     policy = objects(BASE)["NetworkPolicy"]
     run = BASE["metadata"]["name"]
     mine = {"matchLabels": {"kiln.dev/trainingspec": run}}
     assert policy["metadata"]["name"] == f"{run}-trainer" and policy["spec"]["podSelector"] == mine
     assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (S3, the apiserver) is left alone
-    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": mine}]},
-                                         {"ports": [{"protocol": "TCP", "port": OperatorConfig().trainer_metrics_port}]}]
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}  # the label the apiserver sets
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": mine}]},
+        {"from": [{"namespaceSelector": monitoring}],
+         "ports": [{"protocol": "TCP", "port": OperatorConfig().trainer_metrics_port}]}]
+    # another monitoring namespace, or none: then nothing outside the run reaches the metrics port
+    config = OperatorConfig.from_env({"KILN_MONITORING_NAMESPACE": "prometheus"})
+    other = plan(parse(BASE), None, config).objects
+    (np,) = [o for o in other if o["kind"] == "NetworkPolicy"]
+    assert np["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "prometheus"}
+    closed = plan(parse(BASE), None, OperatorConfig.from_env({"KILN_MONITORING_NAMESPACE": ""})).objects
+    (np,) = [o for o in closed if o["kind"] == "NetworkPolicy"]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": mine}]}]
     # the pods it selects are the job's pods
     labels = objects(BASE)["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"]
     assert labels["kiln.dev/trainingspec"] == run

@@ -21,6 +21,7 @@ SETTINGS = {
     "KILN_DEFAULT_EPHEMERAL_STORAGE": ("default_ephemeral_storage", "2Ti"),
     "KILN_TRAINER_METRICS_PORT": ("trainer_metrics_port", 19400),
     "KILN_LEADER_LEASE": ("leader_lease", "team-a/kiln-operator-a"),
+    "KILN_MONITORING_NAMESPACE": ("monitoring_namespace", "prometheus"),
 }
 
 
@@ -31,6 +32,11 @@ POLICY_SETTINGS = {
     "KILN_POLICY_PRIORITY_CLASSES": ("allowed_priority_classes", "batch-low", ("batch-low",)),
     "KILN_POLICY_FORBIDDEN_NODE_KEYS": ("forbidden_node_keys", "corp/reserved", ("corp/reserved",)),
     "KILN_POLICY_ALLOW_TOLERATE_ALL": ("allow_tolerate_all", "true", True),
+    "KILN_POLICY_QUEUE_PRIORITIES": ("allowed_queue_priorities", "low,normal", ("low", "normal")),
+    "KILN_POLICY_ALLOW_NODE_NAMES": ("allow_node_names", "true", True),
+    "KILN_POLICY_MAX_NODES": ("max_nodes", "64", 64),
+    "KILN_POLICY_MAX_GPUS": ("max_gpus", "512", 512),
+    "KILN_POLICY_MAX_GROUPS": ("max_groups", "16", 16),
 }
 
 
@@ -41,10 +47,15 @@ def deployment_env() -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container["env"] if e["name"] not in ("POD_ID", "POD_NAMESPACE")}
 
 
+# The prices for status.cost (kiln.control.config.Pricing): one structured setting from two variables
+PRICING_SETTINGS = ("KILN_GPU_PRICES", "KILN_CURRENCY")
+
+
 def test_every_deployment_variable_is_an_operator_setting():
     env = deployment_env()
-    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS), \
+    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS) | set(PRICING_SETTINGS), \
         "a variable the operator does not read, or a setting the chart lacks"
+    assert OperatorConfig.from_env({k: env[k] for k in PRICING_SETTINGS}).pricing == OperatorConfig().pricing
     policy = OperatorConfig.from_env({name: raw for name, (_, raw, _) in POLICY_SETTINGS.items()}).policy
     for name, (field, _, expected) in POLICY_SETTINGS.items():
         assert getattr(policy, field) == expected, name

@@ -31,6 +31,9 @@ INT32_MAX = 2**31 - 1
 JSON_INT_MAX = 2**53 - 1
 DEFAULT_DATA_URI = "builtin:pydoc"  # also what data.sources requires data.uri to be left at
 JSON_INT_MIN = -JSON_INT_MAX
+# elastic.faultTolerance.groups: each group is a PyTorchJob the operator renders and applies on every resync, and
+# a status entry; one small spec must not fan out into more work than the operator can redo (status lists stop here)
+MAX_REPLICA_GROUPS = 4096
 # A Kubernetes resource quantity as people write them: 32, 500m, 1.5, 512Gi, 100G (no exponents, no signs)
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
@@ -235,9 +238,9 @@ class FaultToleranceSpec(ApiModel):
         "and optimizer state from a live peer, not from the checkpoint.",
     )
     groups: int = Field(
-        2, ge=1, le=INT32_MAX,
+        2, ge=1, le=MAX_REPLICA_GROUPS,
         description="Replica groups; must divide the data-parallel size (world / (tensor × pipeline)). Each "
-        "group reads globalBatchSize / groups sequences per step.",
+        "group reads globalBatchSize / groups sequences per step; at most 4096 (the admin may cap it lower).",
     )
 
 
@@ -643,7 +646,7 @@ class QueueStatus(ApiModel):
     topology: QueueTopology | None = Field(
         None, description="The topology domains Kueue placed it in (a flavor with a Kueue Topology only).")
     waiting_groups: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
-        None, max_length=4096, description="elastic.faultTolerance replicaGroups: the groups Kueue has not admitted "
+        None, max_length=MAX_REPLICA_GROUPS, description="elastic.faultTolerance replicaGroups: the groups Kueue has not admitted "
         "(each group is admitted alone; the run runs once one is, and admittedAt, clusterQueue and flavors are the "
         "lowest-numbered admitted group's). Empty once every group is admitted.")
 
@@ -681,7 +684,7 @@ class TrainingSpecStatus(ApiModel):
     restarts: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Times the PyTorchJob entered Restarting.")
     queue: QueueStatus | None = Field(None, description="Kueue: the queue, and when and where it admitted the run.")
     replica_groups: list[ReplicaGroupStatus] | None = Field(
-        None, max_length=4096, description="elastic.faultTolerance replicaGroups: each group's PyTorchJob (operator)."
+        None, max_length=MAX_REPLICA_GROUPS, description="elastic.faultTolerance replicaGroups: each group's PyTorchJob (operator)."
     )
     quorum: QuorumStatus | None = Field(
         None, description="elastic.faultTolerance replicaGroups: the last quorum of live groups (trainer)."

@@ -61,6 +61,9 @@ class OperatorConfig:
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
     # The trainer's rank 0 serves /metrics here in its pod (kiln.trainer.observe.exporter); 0: no trainer metrics.
     trainer_metrics_port: int = 9400
+    # Pods of this namespace may reach the trainers' metrics port (the run's NetworkPolicy); empty: none outside
+    # the run. Its metrics carry the run's data URIs.
+    monitoring_namespace: str = "monitoring"
     # Every run's objects are applied again this often (periodic resync): what someone else deleted or
     # changed in the fields kiln sets comes back. A deleted PyTorchJob is re-created at once (its watch).
     resync_seconds: float = 300.0
@@ -94,5 +97,7 @@ class OperatorConfig:
         ):
             if env.get(var):
                 kwargs[field] = conv(env[var])
+        if "KILN_MONITORING_NAMESPACE" in env:  # set empty: no namespace
+            kwargs["monitoring_namespace"] = env["KILN_MONITORING_NAMESPACE"].strip()
         pricing = Pricing.parse(env.get("KILN_GPU_PRICES", ""), env.get("KILN_CURRENCY") or "USD")
         return cls(**kwargs, pricing=pricing, policy=AdminPolicy.from_env(env))

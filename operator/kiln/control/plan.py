@@ -2,7 +2,8 @@
 
 One TrainingSpec becomes, all owned by it (deleting it deletes them):
   ServiceAccount/Role/RoleBinding `<name>-trainer`  rank 0 may get/patch this run's status, nothing else
-  NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: anyone)
+  NetworkPolicy `<name>-trainer`                    only the run's own pods reach its pods (metrics port: the
+                                                    monitoring namespace's pods)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
 With elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups), instead of that one PyTorchJob:
@@ -30,7 +31,7 @@ from kiln.api import contract
 from kiln.api.contract import SPEC_FILE, SPEC_MOUNT, SPEC_PATH
 from kiln.api.layout import node_bounds, processes_per_node, replica_groups
 from kiln.api.rules import check
-from kiln.api.spec import API_VERSION, KIND, TrainingSpec, TrainingSpecSpec
+from kiln.api.spec import API_VERSION, KIND, MAX_REPLICA_GROUPS, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.policy import violations
@@ -138,14 +139,19 @@ def names(run: str) -> dict[str, str]:
 
 def job_names(run: str, groups: int = 1) -> list[str]:
     """The run's PyTorchJobs: `<run>`, or with replica groups `<run>-g0` .. `<run>-g<groups-1>`."""
-    return [run] if groups <= 1 else [f"{run}-g{i}" for i in range(groups)]
+    return [run] if groups <= 1 else [group_job_name(run, i) for i in range(groups)]
+
+
+def group_job_name(run: str, group: int) -> str:
+    """The PyTorchJob of one replica group."""
+    return f"{run}-g{group}"
 
 
 def job_names_of(body: dict) -> list[str]:
     """job_names for a TrainingSpec as stored (not validated yet: a malformed faultTolerance counts as off)."""
     ft = (((body.get("spec") or {}).get("elastic") or {}).get("faultTolerance") or {})
     groups = ft.get("groups", 2) if ft.get("mode") == "replicaGroups" else 1
-    return job_names(body["metadata"]["name"], groups if isinstance(groups, int) and 1 <= groups <= 4096 else 1)
+    return job_names(body["metadata"]["name"], groups if isinstance(groups, int) and 1 <= groups <= MAX_REPLICA_GROUPS else 1)
 
 
 def group_problem(spec: TrainingSpecSpec) -> str | None:
@@ -253,11 +259,13 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(n["configmap"]),
                  "data": {SPEC_FILE: yaml.dump(resolved_dict, Dumper=SafeDumper, sort_keys=False)}}
     groups = replica_groups(resolved.spec)
+    # the names once: per job it was O(groups) each, O(groups²) a plan (16,000 groups: 45 s of CPU)
+    job_name = job_names(meta.name, groups)
     if groups == 1:
-        jobs = [pytorchjob(resolved, observed, config, metadata)]
+        jobs = [pytorchjob(resolved, observed, config, metadata, job_name[0])]
     else:  # the lighthouse before the jobs: a group's first quorum asks it
         jobs = [*lighthouse(resolved, config, metadata),
-                *(pytorchjob(resolved, observed, config, metadata, group=i) for i in range(groups))]
+                *(pytorchjob(resolved, observed, config, metadata, job_name[i], group=i) for i in range(groups))]
     return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
                          configmap, *jobs])
 
@@ -265,12 +273,14 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
 def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
     """Only this run's own pods may connect to its pods: the rendezvous store (torch's TCPStore has no
     authentication) and the collectives' ports would otherwise take connections from any pod of any tenant.
-    Rank 0's metrics port stays open to scrapers. Enforced where the cluster's network plugin implements
-    NetworkPolicy; elsewhere the object is inert."""
+    Rank 0's metrics port (its metrics name the run's data) is open to the monitoring namespace's pods only.
+    Enforced where the cluster's network plugin implements NetworkPolicy; elsewhere the object is inert."""
     pods = {"matchLabels": {RUN_LABEL: run}}
     ingress: list[dict] = [{"from": [{"podSelector": pods}]}]
-    if config.trainer_metrics_port:
-        ingress.append({"ports": [{"protocol": "TCP", "port": config.trainer_metrics_port}]})
+    if config.trainer_metrics_port and config.monitoring_namespace:
+        scrapers = {"matchLabels": {"kubernetes.io/metadata.name": config.monitoring_namespace}}
+        ingress.append({"from": [{"namespaceSelector": scrapers}],
+                        "ports": [{"protocol": "TCP", "port": config.trainer_metrics_port}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata(names(run)["trainer"]),
             "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
 
@@ -289,9 +299,10 @@ def trainer_identity(run: str, metadata) -> list[dict]:
     ]
 
 
-def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata, group: int | None = None) -> dict:
-    """The PyTorchJob for a resolved spec, built with the kubeflow-training models; with `group`, the one of
-    that replica group: nodes / groups workers, at a fixed size, told the lighthouse and its group number."""
+def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata, name: str,
+               group: int | None = None) -> dict:
+    """The PyTorchJob `name` for a resolved spec, built with the kubeflow-training models; with `group`, the one
+    of that replica group: nodes / groups workers, at a fixed size, told the lighthouse and its group number."""
     s: TrainingSpecSpec = doc.spec
     r, run = s.resources, doc.metadata.name
     n = names(run)
@@ -445,7 +456,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     if s.scheduling.priority:
         labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
     labels = {**labels, **group_label} or None
-    body["metadata"] = metadata(n["job"] if group is None else job_names(run, groups)[group], labels)
+    body["metadata"] = metadata(name, labels)
     return body
 
 
