@@ -11,7 +11,7 @@ import pytest
 from kiln.api.load import parse
 from kiln.client import KilnClient, RunFailed
 from kiln.errors import KilnError
-from tests.integration.test_operator_api import install_crd
+from tests.rig.install import install_crd
 from tests.integration.test_operator_lifecycle import small_run
 
 pytestmark = pytest.mark.rig
