@@ -12,7 +12,7 @@ from kiln.api.load import parse
 from kiln.api.spec import TrainingSpecStatus
 from kiln.control.plan import plan
 from kiln.control.status import derive, set_condition
-from kiln.trainer.observe.status_report import status_patch
+from kiln.trainer.observe.status_report import StatusReporter, status_patch
 
 TRAINER_SOURCES = Path(contract.__file__).resolve().parents[1] / "trainer"
 RUN = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "c", "namespace": "ml"},
@@ -38,7 +38,12 @@ def test_the_trainer_patches_only_its_own_status_fields():
     body = status_patch(record, info, 100, seconds_per_step=1.0,
                         trainer_time={"productive_s": 1.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0},
                         gpu_health=[{"node": "n1", "state": "Healthy", "gpus": [{"index": 0, "state": "Healthy"}]}])
-    assert set(body["status"]) == contract.TRAINER_STATUS
+    # the step's patch carries every trainer field but the hang report, which its own patch carries
+    # (kiln.trainer.observe.hang_report, from the hang watch's thread)
+    sent = []
+    StatusReporter(100, sender=type("Sender", (), {"submit": lambda self, b: sent.append(b)})()).hang({"step": 7})
+    assert set(body["status"]) | set(sent[0]["status"]) == contract.TRAINER_STATUS
+    assert set(sent[0]["status"]) == {"hang"}
 
 
 def test_the_operator_writes_only_its_own_fields_and_listed_conditions():
