@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from torch import nn
 from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
 from kiln.storage import FileStore
+from kiln.storage.bounded import LIMITS
 from kiln.storage.commit import committed_steps
 from kiln.trainer.checkpoint import checkpointer as ckpt_mod
 from kiln.trainer.checkpoint import restore as checkpoint_restore
@@ -112,6 +114,44 @@ def test_damaged_newest_commit_falls_back_to_the_previous(tmp_path, caplog, dama
     assert_same(model, opt, snaps[2])
     warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
     assert "step 4" in warning and shard.name in warning and "falling back" in warning
+
+
+def forge_commit(folder, name: str, data: bytes) -> None:
+    """Replace one file of a committed step and rewrite its COMMIT to match (as a bucket writer could)."""
+    commit = json.loads((folder / "COMMIT").read_text())
+    (folder / name).write_bytes(data)
+    commit["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "COMMIT").write_text(json.dumps(commit))
+
+
+@pytest.mark.parametrize("damage", ["nested 200k deep", "over its size cap", "not JSON", "wrong shape",
+                                    "trainer.json nested 200k deep"])
+def test_a_commit_that_does_not_parse_falls_back_to_the_previous(tmp_path, caplog, damage):
+    """Issue 28: a COMMIT (or the trainer.json it covers) that raises anything while parsing is a damaged commit,
+    as a truncated shard is: rank 0 must not crash (losing the run's progress) but restore the previous one."""
+    snaps = run(tmp_path, 4, interval_steps=2)
+    folder = tmp_path / "step-00000004"
+    commit = folder / "COMMIT"
+    if damage == "nested 200k deep":
+        commit.write_bytes(b"[" * 200_000)
+    elif damage == "over its size cap":
+        with open(commit, "r+b") as f:
+            f.truncate(LIMITS["COMMIT"] + 1)  # sparse
+    elif damage == "not JSON":
+        commit.write_bytes(b"\xff{")
+    elif damage == "wrong shape":
+        commit.write_text(json.dumps({"step": 4, "files": {"a": {"size": 1e999, "sha256": "x"}}}))
+    else:
+        forge_commit(folder, "trainer.json", b"{" + b'"a":[' * 100_000)
+
+    model, opt = make(seed=1)
+    with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
+        state = checkpointer(tmp_path).restore([model], [opt])
+    assert state["step"] == 2
+    assert_same(model, opt, snaps[2])
+    warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
+    named = "trainer.json" if damage.startswith("trainer.json") else "COMMIT"
+    assert "step 4" in warning and f"step-00000004/{named}" in warning and "falling back" in warning
 
 
 def test_uncommitted_step_is_never_loaded(tmp_path):

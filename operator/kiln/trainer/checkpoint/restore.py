@@ -103,6 +103,11 @@ class CheckpointRestore:
                     return trainer_state
             t0 = time.perf_counter()
             problems, fetched = self._fetch_verified(step)
+            if not problems:  # a trainer.json that matches COMMIT but does not parse is damage too
+                try:
+                    trainer_state = read_trainer_state(self.store, step)
+                except (KilnError, OSError) as err:
+                    problems = [str(err)]
             if problems:
                 if self.rank == 0:
                     log.warning(
@@ -120,7 +125,7 @@ class CheckpointRestore:
                     f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
                     f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
                 ) from None
-            return self._restored(step, read_trainer_state(self.store, step), self.store.url(step_dir(step)), t0)
+            return self._restored(step, trainer_state, self.store.url(step_dir(step)), t0)
         return None
 
     def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
