@@ -87,6 +87,16 @@ def test_round_trip_restores_weights_optimizer_and_trainer_state(tmp_path):
     assert_same(model, opt, snaps[6])
 
 
+def test_a_resume_names_the_commit_its_step_uri_and_age(tmp_path):
+    run(tmp_path, 6, interval_steps=3)
+    committed_at = json.loads((tmp_path / "step-00000006" / "COMMIT").read_text())["time"]
+    model, opt = make(seed=1)
+    ck = checkpointer(tmp_path)
+    ck.restore([model], [opt])
+    assert ck.resume_line(now=committed_at + 150) == \
+        f"kiln: resumed from step 6 at file://{tmp_path}/step-00000006 (committed 2m ago)"
+
+
 def test_no_checkpoint_restores_nothing(tmp_path):
     model, opt = make()
     before = snapshot(model, opt)
