@@ -17,7 +17,7 @@ import pytest
 from kiln.cli.main import main
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.distributed.trainer_helpers import MICRO_MODEL, env, write_spec
-from tests.unit.test_checkpoint_untrusted import RunsCommand, forge, metadata_with
+from tests.forged_checkpoints import RunsCommand, forge, metadata_with
 
 RERUN = "rerunning resumes"
 

@@ -13,8 +13,8 @@ from kiln.errors import KilnError
 from kiln.storage import FileStore
 from kiln.storage.bounded import LIMITS, read_bytes, read_json
 from kiln.storage.commit import read_commit, read_trainer_state, step_dir
-from kiln.trainer import hf
-from kiln.trainer.chat import load_chat_template
+from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.data.chat import load_chat_template
 
 DEEP = b"[" * 200_000  # json.loads raises RecursionError on this
 BAD = {"nested": DEEP, "not utf-8": b"\xff\xfe{", "huge int": b'{"a": ' + b"9" * 5000 + b"}"}
