@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from kiln.storage.commit import committed_steps
 from kiln.trainer.checkpoint import checkpointer as ckpt_mod
 from kiln.trainer.checkpoint import restore as checkpoint_restore
 from kiln.trainer.checkpoint.checkpointer import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
+from tests.forged_checkpoints import forge
 
 
 def make(seed=0):
@@ -117,21 +117,18 @@ def test_damaged_newest_commit_falls_back_to_the_previous(tmp_path, caplog, dama
     else:
         shard.unlink()
 
+    assert_falls_back_to_step_2(tmp_path, caplog, snaps, shard.name)
+
+
+def assert_falls_back_to_step_2(root, caplog, snaps, named: str) -> None:
+    """Restoring from `root` skips the damaged step 4 with a warning naming `named` and restores step 2."""
     model, opt = make(seed=1)
     with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
-        state = checkpointer(tmp_path).restore([model], [opt])
+        state = checkpointer(root).restore([model], [opt])
     assert state["step"] == 2
     assert_same(model, opt, snaps[2])
     warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
-    assert "step 4" in warning and shard.name in warning and "falling back" in warning
-
-
-def forge_commit(folder, name: str, data: bytes) -> None:
-    """Replace one file of a committed step and rewrite its COMMIT to match (as a bucket writer could)."""
-    commit = json.loads((folder / "COMMIT").read_text())
-    (folder / name).write_bytes(data)
-    commit["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "COMMIT").write_text(json.dumps(commit))
+    assert "step 4" in warning and named in warning and "falling back" in warning
 
 
 @pytest.mark.parametrize("damage", ["nested 200k deep", "over its size cap", "not JSON", "wrong shape",
@@ -152,16 +149,9 @@ def test_a_commit_that_does_not_parse_falls_back_to_the_previous(tmp_path, caplo
     elif damage == "wrong shape":
         commit.write_text(json.dumps({"step": 4, "files": {"a": {"size": 1e999, "sha256": "x"}}}))
     else:
-        forge_commit(folder, "trainer.json", b"{" + b'"a":[' * 100_000)
-
-    model, opt = make(seed=1)
-    with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
-        state = checkpointer(tmp_path).restore([model], [opt])
-    assert state["step"] == 2
-    assert_same(model, opt, snaps[2])
-    warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
+        forge(tmp_path, 4, {"trainer.json": b"{" + b'"a":[' * 100_000})  # with a COMMIT that matches it
     named = "trainer.json" if damage.startswith("trainer.json") else "COMMIT"
-    assert "step 4" in warning and f"step-00000004/{named}" in warning and "falling back" in warning
+    assert_falls_back_to_step_2(tmp_path, caplog, snaps, f"step-00000004/{named}")
 
 
 def test_uncommitted_step_is_never_loaded(tmp_path):
