@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -308,8 +309,13 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
     per_group = nproc // groups
     restarts = doc.spec.elastic.max_restarts
     # processes on one machine: a group that stops heartbeating for 1 s is gone, and nobody waits longer for it
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000,
-                                  quorum_tick_ms=contract.FT_QUORUM_TICK_MS)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=1000, quorum_tick_ms=contract.FT_QUORUM_TICK_MS)
+    # the groups reach it through a tunnel that admits only holders of this run's secret (issue 28)
+    from kiln.trainer.membership.auth import Tunnel, host_port
+
+    secret = secrets.token_bytes(32)
+    tunnel = Tunnel("server", secret, ("127.0.0.1", host_port(lighthouse.address())[1]))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
@@ -317,11 +323,12 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
         cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={per_group}",
                "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output / f"group-{group}")]
         group_env = failure_env(output / "logs" / f"group-{group}-failure.json", output, debug)
-        return subprocess.Popen(cmd, env={**env, **group_env, contract.FT_LIGHTHOUSE: lighthouse.address(),
-                                          contract.FT_GROUP: str(group)}, start_new_session=True)
+        return subprocess.Popen(cmd, env={**env, **group_env, contract.FT_LIGHTHOUSE: tunnel.address(),
+                                          contract.FT_SECRET: secret.hex(), contract.FT_GROUP: str(group)},
+                                start_new_session=True)
 
     print(f"kiln: training {doc.metadata.name} as {groups} replica groups of {per_group} process(es) (torchft "
-          f"lighthouse {lighthouse.address()}); output in {output}", flush=True)
+          f"lighthouse {tunnel.address()}, admitting holders of the run's secret); output in {output}", flush=True)
     procs = {group: start(group) for group in range(groups)}
     finished: set[int] = set()
     try:
@@ -352,6 +359,7 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
               file=sys.stderr)
         return 130
     finally:
+        tunnel.close()
         lighthouse.shutdown()
     print(f"kiln: done; metrics in {output}/group-*/metrics.jsonl", flush=True)
     return 0
