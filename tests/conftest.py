@@ -79,8 +79,9 @@ def pytest_configure(config):
                                        "first time (promtool, actionlint, tekton-lint, kfp)")
 
 
-# Fixtures that build a tool into the cache on first use (tests/prometheus.py, tests/unit/test_delivery_pipelines.py).
-TOOL_FIXTURES = {"promtool", "actionlint", "tekton_lint", "kfp_python"}
+# Fixtures that build a tool into the cache on first use (tests/tools.py; here, tests/prometheus.py,
+# tests/unit/test_delivery_pipelines.py).
+TOOL_FIXTURES = {"promtool", "actionlint", "tekton_lint", "kfp_python", "checkov"}
 # Folders whose every test starts real processes or servers, whatever its own markers say.
 FOLDER_LANES = {"distributed": "distributed", "integration": "rig", "e2e": "rig"}
 
@@ -99,3 +100,23 @@ def pytest_collection_modifyitems(items):
         folder = Path(str(item.fspath)).parent.name
         if folder in FOLDER_LANES:
             item.add_marker(getattr(pytest.mark, FOLDER_LANES[folder]))
+
+
+ACTIONLINT = "v1.7.12"
+CHECKOV = ["checkov==3.3.30"]
+
+
+@pytest.fixture(scope="session")
+def actionlint() -> Path:
+    """The GitHub Actions linter (tests/unit/test_delivery_pipelines.py, test_delivery_release.py)."""
+    from tests.tools import go_installed
+
+    return go_installed("github.com/rhysd/actionlint/cmd/actionlint", ACTIONLINT)
+
+
+@pytest.fixture(scope="session")
+def checkov() -> Path:
+    """checkov, the IaC scanner (tests/unit/test_delivery_checkov.py), in a virtualenv of its own."""
+    from tests.tools import venv_installed
+
+    return venv_installed("checkov", CHECKOV, timeout=1800) / "checkov"

@@ -40,14 +40,14 @@ RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL_S}s"
 
 def server() -> Path:
     """The prometheus executable (built on first use: minutes)."""
-    from tests.unit.test_delivery_pipelines import go_installed
+    from tests.tools import go_installed
 
     return go_installed("github.com/prometheus/prometheus/cmd/prometheus", VERSION, timeout=2400,
                         tags="remove_all_sd,enable_kubernetes_sd")
 
 
 def promtool() -> Path:
-    from tests.unit.test_delivery_pipelines import go_installed
+    from tests.tools import go_installed
 
     return go_installed("github.com/prometheus/prometheus/cmd/promtool", VERSION, timeout=2400)
 

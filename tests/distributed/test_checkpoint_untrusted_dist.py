@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tests.distributed.ranks import run_ranks
-from tests.unit.test_checkpoint_untrusted import RunsCommand, redirect_item, torch_blob
+from tests.forged_checkpoints import RunsCommand, redirect_item, torch_blob
 
 pytestmark = [pytest.mark.distributed]
 

@@ -14,15 +14,19 @@ test_operator_lifecycle.py::shipped_rbac); the test observes with the rig's admi
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from datetime import datetime
 
 import pytest
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
+from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
 from tests.integration.test_operator_api import install_crd
 from tests.integration.test_operator_lifecycle import (
     Operator, condition, events, get, scratch_namespace, shipped_rbac, small_run, status, submit, wait_phase)
@@ -215,3 +219,18 @@ def test_only_the_leader_acts_and_the_other_takes_over(rig, ns, cluster, op_a):
     finally:
         op_b.stop()
         print(f"--- op-b log (tail) ---\n{op_b.tail()}")
+
+
+def test_an_operator_whose_lease_namespace_does_not_exist_names_it_and_exits(rig):
+    """`kiln operator` out of cluster with one's own kubeconfig on a cluster without the Lease's namespace (issue
+    28): the apiserver refuses the Lease (404); the operator names the namespace and --leader-lease, exits 1."""
+    missing = f"kiln-nowhere-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "KILN_METRICS_PORT": str(free_port())}
+    env.pop("KUBECONFIG", None)
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "operator", "--kubeconfig", str(rig.kubeconfig),
+                           "--health-port", "0", "--leader-lease", f"{missing}/kiln-operator"],
+                          capture_output=True, text=True, env=env, timeout=SAFETY_TIMEOUT_S, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kiln: error: cannot create the leader election Lease {missing}/kiln-operator: "
+                           f"namespace {missing} does not exist;") and "--leader-lease" in last, proc.stderr[-3000:]

@@ -15,10 +15,12 @@ from torch import nn
 from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
 from kiln.storage import FileStore
+from kiln.storage.bounded import LIMITS
 from kiln.storage.commit import committed_steps
 from kiln.trainer.checkpoint import checkpointer as ckpt_mod
 from kiln.trainer.checkpoint import restore as checkpoint_restore
 from kiln.trainer.checkpoint.checkpointer import AUTO_FIRST_STEPS, AUTO_MAX_STEPS, AUTO_MIN_STEPS, Checkpointer
+from tests.forged_checkpoints import forge
 
 
 def make(seed=0):
@@ -85,6 +87,16 @@ def test_round_trip_restores_weights_optimizer_and_trainer_state(tmp_path):
     assert_same(model, opt, snaps[6])
 
 
+def test_a_resume_names_the_commit_its_step_uri_and_age(tmp_path):
+    run(tmp_path, 6, interval_steps=3)
+    committed_at = json.loads((tmp_path / "step-00000006" / "COMMIT").read_text())["time"]
+    model, opt = make(seed=1)
+    ck = checkpointer(tmp_path)
+    ck.restore([model], [opt])
+    assert ck.resume_line(now=committed_at + 150) == \
+        f"kiln: resumed from step 6 at file://{tmp_path}/step-00000006 (committed 2m ago)"
+
+
 def test_no_checkpoint_restores_nothing(tmp_path):
     model, opt = make()
     before = snapshot(model, opt)
@@ -105,13 +117,41 @@ def test_damaged_newest_commit_falls_back_to_the_previous(tmp_path, caplog, dama
     else:
         shard.unlink()
 
+    assert_falls_back_to_step_2(tmp_path, caplog, snaps, shard.name)
+
+
+def assert_falls_back_to_step_2(root, caplog, snaps, named: str) -> None:
+    """Restoring from `root` skips the damaged step 4 with a warning naming `named` and restores step 2."""
     model, opt = make(seed=1)
     with caplog.at_level(logging.WARNING, logger="kiln.checkpoint"):
-        state = checkpointer(tmp_path).restore([model], [opt])
+        state = checkpointer(root).restore([model], [opt])
     assert state["step"] == 2
     assert_same(model, opt, snaps[2])
     warning = " ".join(r.message for r in caplog.records if r.levelno == logging.WARNING)
-    assert "step 4" in warning and shard.name in warning and "falling back" in warning
+    assert "step 4" in warning and named in warning and "falling back" in warning
+
+
+@pytest.mark.parametrize("damage", ["nested 200k deep", "over its size cap", "not JSON", "wrong shape",
+                                    "trainer.json nested 200k deep"])
+def test_a_commit_that_does_not_parse_falls_back_to_the_previous(tmp_path, caplog, damage):
+    """Issue 28: a COMMIT (or the trainer.json it covers) that raises anything while parsing is a damaged commit,
+    as a truncated shard is: rank 0 must not crash (losing the run's progress) but restore the previous one."""
+    snaps = run(tmp_path, 4, interval_steps=2)
+    folder = tmp_path / "step-00000004"
+    commit = folder / "COMMIT"
+    if damage == "nested 200k deep":
+        commit.write_bytes(b"[" * 200_000)
+    elif damage == "over its size cap":
+        with open(commit, "r+b") as f:
+            f.truncate(LIMITS["COMMIT"] + 1)  # sparse
+    elif damage == "not JSON":
+        commit.write_bytes(b"\xff{")
+    elif damage == "wrong shape":
+        commit.write_text(json.dumps({"step": 4, "files": {"a": {"size": 1e999, "sha256": "x"}}}))
+    else:
+        forge(tmp_path, 4, {"trainer.json": b"{" + b'"a":[' * 100_000})  # with a COMMIT that matches it
+    named = "trainer.json" if damage.startswith("trainer.json") else "COMMIT"
+    assert_falls_back_to_step_2(tmp_path, caplog, snaps, f"step-00000004/{named}")
 
 
 def test_uncommitted_step_is_never_loaded(tmp_path):

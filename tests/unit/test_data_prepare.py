@@ -33,6 +33,7 @@ def corpus(folder):
         json.dumps({"text": "Second document."}).encode(),
         json.dumps({"text": "  Second document.  "}).encode(),   # a duplicate once normalised
         b"{not json",                                              # invalid_json
+        b"[" * 200_000,                                            # invalid_json: past the parser's recursion limit
         json.dumps({"body": "no text field"}).encode(),           # missing_field
         b'{"text": "bad \xff byte"}',                              # undecodable
         json.dumps({"text": "x"}).encode(),                        # too_short with --min-chars 2
@@ -50,11 +51,11 @@ def test_prepare_counts_filters_dedups_and_writes_the_tokenizers_ids(tmp_path, t
     out = tmp_path / "out"
     assert main(["data", "prepare", "--input", str(src), "--tokenizer", f"file://{tokenizer_file}",
                  "--output", f"file://{out}", "--min-chars", "2", "--eos", "<eos>", "--shard-tokens", "7"]) == 0
-    assert "3 of 8 documents" in capsys.readouterr().out
+    assert "3 of 9 documents" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["removed"] == {"duplicate": 1, "invalid_json": 1, "missing_field": 1, "too_short": 1,
+    assert manifest["removed"] == {"duplicate": 1, "invalid_json": 2, "missing_field": 1, "too_short": 1,
                                    "undecodable": 1}
-    assert (manifest["documents_in"], manifest["documents_out"], manifest["dtype"]) == (8, 3, "uint16")
+    assert (manifest["documents_in"], manifest["documents_out"], manifest["dtype"]) == (9, 3, "uint16")
     tok = Tokenizer.from_file(str(tokenizer_file))
     kept = ["First document.\nWith two lines.", "Second document.", "Third, caf\u00e9."]
     want = [i for text in kept for i in tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<eos>")]]

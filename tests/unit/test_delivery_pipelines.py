@@ -12,7 +12,6 @@ protobuf<7 and would downgrade the kubernetes client and protobuf that kiln itse
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -21,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ import yaml
 
 from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+from tests.tools import go_env, locked, run, tools_dir, venv_installed
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINES = REPO / "pipelines"
@@ -38,46 +37,7 @@ GITLAB = PIPELINES / "ci" / "gitlab" / "kiln-train.gitlab-ci.yml"
 TEKTON = sorted((PIPELINES / "tekton").glob("*.yaml"))
 KFP = PIPELINES / "kfp" / "pipeline.py"
 
-ACTIONLINT = "v1.7.12"
 KFP_PACKAGES = ["kfp==2.17.3", "kfp-kubernetes==2.17.3", "minio>=7.2"]
-
-
-def tools_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or REPO / ".cache") / "tools"
-
-
-@contextmanager
-def locked(name: str):
-    """One builder at a time per tool, across pytest sessions."""
-    tools_dir().mkdir(parents=True, exist_ok=True)
-    with open(tools_dir() / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def run(cmd, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False, **kw)
-
-
-def go_env() -> dict:
-    return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
-
-
-def go_installed(package: str, version: str, timeout: float = 1200, tags: str = "") -> Path:
-    """`go install [-tags tags] package@version` once into $KILN_CACHE_DIR/tools/<name>-<version>/; the executable."""
-    name = package.rsplit("/", 1)[-1]
-    exe = tools_dir() / f"{name}-{version.lstrip('v')}" / name
-    with locked(name):
-        if not exe.exists():
-            proc = run(["go", "install", *(["-tags", tags] if tags else []), f"{package}@{version}"],
-                       env={**go_env(), "GOBIN": str(exe.parent)}, timeout=timeout)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-    return exe
-
-
-@pytest.fixture(scope="session")
-def actionlint() -> Path:
-    return go_installed("github.com/rhysd/actionlint/cmd/actionlint", ACTIONLINT)
 
 
 @pytest.fixture(scope="session")
@@ -94,17 +54,7 @@ def tekton_lint() -> Path:
 
 @pytest.fixture(scope="session")
 def kfp_python() -> Path:
-    key = hashlib.sha256(" ".join(KFP_PACKAGES).encode()).hexdigest()[:12]
-    venv = tools_dir() / f"kfp-{key}"
-    python = venv / "bin" / "python"
-    with locked("kfp"):
-        if not (venv / ".complete").exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            assert run([sys.executable, "-m", "venv", venv]).returncode == 0
-            proc = run([python, "-m", "pip", "install", "-q", *KFP_PACKAGES], timeout=1200)
-            assert proc.returncode == 0, proc.stderr
-            (venv / ".complete").touch()
-    return python
+    return venv_installed("kfp", KFP_PACKAGES) / "python"
 
 
 def broken_copy(tmp_path: Path, src: Path, old: str, new: str) -> Path:

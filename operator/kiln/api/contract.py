@@ -25,6 +25,9 @@ NODE_NAME = "KILN_NODE_NAME"  # the pod's node (downward API spec.nodeName): nam
 # elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
 FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
+# the run's secret (hex) that the lighthouse's tunnel asks every group to prove (kiln.trainer.membership.auth);
+# set by `kiln run` today, not yet by the operator's pods
+FT_SECRET = "KILN_FT_SECRET"
 # how often the lighthouse looks for a quorum it can form (torchft's default 100 ms): a group that died is
 # dropped at the first look after its heartbeat lapses, so each kill waited half a tick more on average
 FT_QUORUM_TICK_MS = 20

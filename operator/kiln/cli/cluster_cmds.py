@@ -8,6 +8,7 @@ import sys
 from datetime import datetime, timezone
 
 from kiln.errors import KilnError
+from kiln.text import duration
 
 WAIT_SUCCEEDED, WAIT_FAILED, WAIT_TIMEOUT = 0, 1, 2
 TERMINAL = {"Succeeded", "Failed"}
@@ -112,14 +113,7 @@ def _age(ts: str | None) -> str:
     if not ts:
         return ""
     seconds = (datetime.now(timezone.utc) - datetime.fromisoformat(ts.replace("Z", "+00:00"))).total_seconds()
-    return _duration(seconds)
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit}"
-    return f"{int(seconds)}s"
+    return duration(seconds)
 
 
 def _cost(cost: dict | None) -> tuple[str, str]:
@@ -151,7 +145,7 @@ def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) ->
         ]
         if wide:
             observed = st.get("observedGeneration")
-            row += [_duration(st["etaSeconds"]) if st.get("etaSeconds") is not None else "",
+            row += [duration(st["etaSeconds"]) if st.get("etaSeconds") is not None else "",
                     f"{st['goodput']:.1%}" if st.get("goodput") is not None else "", *_cost(st.get("cost")),
                     ckpt.get("uri", ""),
                     f"{observed if observed is not None else '-'}/{meta.get('generation', '-')}"]

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(func, args: argparse.Namespace) -> int:
     """func(args) as `kiln` runs every command: its exit code; a KilnError is one line `kiln: error: ...` and
-    its exit code, Ctrl-C 130. For entry points that call a command with more than args (e.g. hooks)."""
+    its exit code, Ctrl-C 130; any other exception one line naming it and the file holding its traceback (the
+    traceback itself with --debug). For entry points that call a command with more than args (e.g. hooks)."""
     try:
         return int(func(args) or 0)
     except KilnError as err:
@@ -56,6 +57,14 @@ def run_command(func, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - not a KilnError: a bug or a library's failure
+        if getattr(args, "debug", False):
+            raise
+        from kiln.cli.failure import unexpected
+
+        name = f"{getattr(args, 'command', None) or 'kiln'}.traceback"
+        print(f"kiln: error: {unexpected(err, folder=None, name=name)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--steps", type=int, default=None, help="override training.steps")
     run.add_argument("--output", default=None, help="run folder: metrics.jsonl, tensorboard/, checkpoints/ "
                      "(default: runs/<metadata.name>)")
+    debug_option(run)
     run.set_defaults(func=cmd_run)
 
     # Every argument belongs to torchrun ("+" is this parser's option prefix, so "--nproc-per-node" passes).
@@ -78,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help='also write {"step", "loss", "perplexity", "tokens", "checkpoint"} to FILE')
     ev.add_argument("--max-loss", type=float, default=None, metavar="X",
                     help="a gate for CI: exit 1 (after printing and writing --json) when the loss is above X")
+    debug_option(ev)
     ev.set_defaults(func=cmd_eval)
 
     ex = subparsers.add_parser(
@@ -99,6 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="dtype of the written weights (default: model.from's, else float32)")
     ex.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
+    debug_option(ex)
     ex.set_defaults(func=cmd_export)
 
     data = subparsers.add_parser("data", help="prepare training data (kiln data prepare)")
@@ -133,6 +137,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(default 32 MiB): what bounds a record's memory")
     pr.add_argument("--endpoint", default=None, help="S3 endpoint URL; keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
     pr.set_defaults(func=cmd_data_prepare)
+
+
+def debug_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an unexpected failure (by "
+                        "default it goes to a file the error names)")
 
 
 def load_one(path: str) -> TrainingSpec:
@@ -235,10 +244,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec_path.write_text(yaml.safe_dump(run_doc.model_dump(by_alias=True, exclude_none=True, mode="json"),
                                         sort_keys=False))
     if ft_mode(run_doc):
-        return run_replica_groups(run_doc, spec_path, nproc, output)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        return run_replica_groups(run_doc, spec_path, nproc, output, args.debug)
+    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output)]
-    env = dict(os.environ)
+    failure = output / "logs" / "failure.json"
+    env = failure_env(failure, output, args.debug)
     # Share the cores between the ranks instead of oversubscribing them (torchrun warns otherwise).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     print(f"kiln: training {doc.metadata.name} with {nproc} process(es); output in {output}", flush=True)
@@ -252,13 +262,42 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     if rc != 0:
-        raise KilnError(f"training failed (torchrun exit code {rc}); see the messages above. Rerunning resumes "
-                        f"from the last checkpoint in {output}/checkpoints")
+        raise failed("training failed", rc, failure, output)
     print(f"kiln: done; metrics in {output / 'metrics.jsonl'}", flush=True)
     return 0
 
 
-def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: Path) -> int:
+# `kiln torchrun`: torchrun, and the failing rank's own error as the cause (kiln.cli.failure)
+TORCHRUN = [sys.executable, "-m", "kiln.cli.main", "torchrun"]
+
+
+def failure_env(failure: Path, output: Path, debug: bool) -> dict[str, str]:
+    """The environment of a `kiln torchrun` that `kiln run` starts: it writes the cause to `failure`, and the
+    ranks' tracebacks go to OUTPUT/logs (to stderr with --debug)."""
+    from kiln.cli.failure import FAILURE_FILE_ENV, TRACEBACKS_ENV
+
+    failure.parent.mkdir(parents=True, exist_ok=True)
+    failure.unlink(missing_ok=True)
+    own = failure.with_suffix(".torchrun.json")  # torchrun copies the failed rank's error file here
+    own.unlink(missing_ok=True)
+    env = {**os.environ, FAILURE_FILE_ENV: str(failure), "TORCHELASTIC_ERROR_FILE": str(own)}
+    env.pop(TRACEBACKS_ENV, None)
+    if not debug:
+        env[TRACEBACKS_ENV] = str(output / "logs")
+    return env
+
+
+def failed(what: str, rc: int, failure: Path, output: Path) -> KilnError:
+    """The error `kiln run` ends with: the failing rank's cause, and a rerun advised only when it can help."""
+    from kiln.cli.failure import read_cause
+
+    found = read_cause(failure)
+    if found is None:  # no rank failed: torchrun itself did (its messages are above)
+        return KilnError(f"{what} (torchrun exit code {rc}); see the messages above")
+    return KilnError(f"{what}: " + found.advice(f"rerunning resumes from the last checkpoint in {output}/checkpoints"))
+
+
+def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: Path, debug: bool = False) -> int:
     """elastic.faultTolerance replicaGroups on this machine: torchft's lighthouse in this process and one torchrun
     per group (nproc / groups processes each, metrics in OUTPUT/group-<i>/). A group that fails is started again
     at once (up to elastic.maxRestarts): it heals from a live group, or resumes from the newest commit when none
@@ -270,19 +309,26 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
     per_group = nproc // groups
     restarts = doc.spec.elastic.max_restarts
     # processes on one machine: a group that stops heartbeating for 1 s is gone, and nobody waits longer for it
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000,
-                                  quorum_tick_ms=contract.FT_QUORUM_TICK_MS)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=1000, quorum_tick_ms=contract.FT_QUORUM_TICK_MS)
+    # the groups reach it through a tunnel that admits only holders of this run's secret (issue 28)
+    from kiln.trainer.membership.auth import Tunnel, host_port
+
+    secret = secrets.token_bytes(32)
+    tunnel = Tunnel("server", secret, ("127.0.0.1", host_port(lighthouse.address())[1]))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
     def start(group: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={per_group}",
+        cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={per_group}",
                "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output / f"group-{group}")]
-        return subprocess.Popen(cmd, env={**env, contract.FT_LIGHTHOUSE: lighthouse.address(),
-                                          contract.FT_GROUP: str(group)}, start_new_session=True)
+        group_env = failure_env(output / "logs" / f"group-{group}-failure.json", output, debug)
+        return subprocess.Popen(cmd, env={**env, **group_env, contract.FT_LIGHTHOUSE: tunnel.address(),
+                                          contract.FT_SECRET: secret.hex(), contract.FT_GROUP: str(group)},
+                                start_new_session=True)
 
     print(f"kiln: training {doc.metadata.name} as {groups} replica groups of {per_group} process(es) (torchft "
-          f"lighthouse {lighthouse.address()}); output in {output}", flush=True)
+          f"lighthouse {tunnel.address()}, admitting holders of the run's secret); output in {output}", flush=True)
     procs = {group: start(group) for group in range(groups)}
     finished: set[int] = set()
     try:
@@ -299,8 +345,8 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
                 for p in procs.values():
                     if p.poll() is None:
                         _stop(p)
-                raise KilnError(f"replica group {group} failed (torchrun exit code {rc}) and elastic.maxRestarts is "
-                                f"spent; rerunning resumes from the last checkpoint in {output}/checkpoints")
+                raise failed(f"replica group {group} failed and elastic.maxRestarts is spent", rc,
+                             output / "logs" / f"group-{group}-failure.json", output)
             restarts -= 1
             print(f"kiln: replica group {group} failed (torchrun exit code {rc}); restarting it, the other groups "
                   f"keep training ({restarts} restart(s) left)", flush=True)
@@ -313,6 +359,7 @@ def run_replica_groups(doc: TrainingSpec, spec_path: Path, nproc: int, output: P
               file=sys.stderr)
         return 130
     finally:
+        tunnel.close()
         lighthouse.shutdown()
     print(f"kiln: done; metrics in {output}/group-*/metrics.jsonl", flush=True)
     return 0
@@ -352,10 +399,18 @@ def _children(pid: int) -> list[int]:
 
 def cmd_torchrun(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    from kiln.cli.failure import cause, write_cause
 
     try:
         torchrun_main(args.torchrun_args)
+    except ChildFailedError as err:  # the failed ranks' error files: the cause is the last line, not a traceback
+        found = cause(err.failures)
+        if write_cause(found):
+            return 1
+        raise KilnError(found.line) from None
     except SignalException as err:
         # torchrun forwarded the signal to the ranks, which saved; it then raises, and Python exits 1, which
         # PyTorchJob's ExitCode policy counts as a permanent failure: one deleted pod failed the whole run.
@@ -381,10 +436,15 @@ def cmd_train(args: argparse.Namespace, hooks=None) -> int:
         if note and os.environ.get("RANK", "0") == "0":
             print(note, flush=True)
     output = Path(args.output or f"runs/{doc.metadata.name}")
+    from kiln.cli.failure import record_rank_failure, tracebacks_to_file
+
+    tracebacks_to_file(os.environ.get("RANK", "0"))
     try:
         result = train(doc, output_dir=output, hooks=hooks)
     except KeyboardInterrupt:
         return 130  # the launcher reports the interruption once
+    except Exception as err:  # noqa: BLE001 - recorded for torchrun, which tells the launcher which rank failed why
+        raise record_rank_failure(err, os.environ.get("RANK", "0")) from None
     return stop_exit_code(result.final_step, doc.spec.training.steps, signalled=sigterm_received())
 
 

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from kubernetes.client.exceptions import ApiException
 
 from kiln.control.kube import Kube
+from kiln.errors import KilnError
 
 DEFAULT_NAME = "kiln-operator"
 DEFAULT_NAMESPACE = "kiln-system"
@@ -131,6 +132,11 @@ class Elector:
         except ApiException as err:
             if err.status == 409:  # someone else wrote it first: look again next time
                 return False
+            if err.status == 404 and lease is None:  # creating in a namespace that does not exist: never works
+                raise KilnError(
+                    f"cannot create the leader election {self.where}: namespace {self.namespace} does not exist; "
+                    f"create it (kubectl create namespace {self.namespace}) or name a Lease in a namespace that "
+                    f"exists with --leader-lease NAMESPACE/NAME (or KILN_LEADER_LEASE)") from None
             raise
         return True
 

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
+from kiln.storage.bounded import parse_json, read_bytes, read_json_object
 from kiln.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 log = logging.getLogger("kiln.storage")
@@ -71,11 +72,11 @@ class Commit:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Commit:
+        body = parse_json(data, where)
         try:
-            body = json.loads(data)
             files = {n: FileEntry(int(e["size"]), str(e["sha256"])) for n, e in body["files"].items()}
             return cls(step=int(body["step"]), files=files, time=float(body.get("time", 0.0)))
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
             raise KilnError(f"{where} is not a valid COMMIT file ({err})") from None
 
 
@@ -171,7 +172,7 @@ def committed_steps(store: ObjectStore) -> list[int]:
 
 def read_commit(store: ObjectStore, step: int) -> Commit:
     key = f"{step_dir(step)}/{COMMIT}"
-    commit = Commit.from_bytes(store.get_bytes(key), where=store.url(key))
+    commit = Commit.from_bytes(read_bytes(store, key, kind=COMMIT), where=store.url(key))
     if commit.step != step:
         raise KilnError(f"{store.url(key)} says step {commit.step}, not {step}")
     return commit
@@ -224,18 +225,14 @@ def write_commit(store: ObjectStore, step: int, shard_files: dict[str, FileEntry
 
 
 def read_trainer_state(store: ObjectStore, step: int) -> dict:
-    key = f"{step_dir(step)}/{TRAINER_STATE}"
-    try:
-        return json.loads(store.get_bytes(key))
-    except ValueError as err:
-        raise KilnError(f"{store.url(key)} is not valid JSON ({err})") from None
+    return read_json_object(store, f"{step_dir(step)}/{TRAINER_STATE}", kind=TRAINER_STATE)
 
 
 def read_latest(store: ObjectStore) -> int | None:
     """The step `latest` names (a hint for people and tools; readers still check COMMIT)."""
     try:
-        return parse_step(store.get_bytes(LATEST).decode(errors="replace"))
-    except ObjectNotFound:
+        return parse_step(read_bytes(store, LATEST, kind=LATEST).decode(errors="replace"))
+    except (ObjectNotFound, KilnError):  # a hint only: a damaged one is as good as none
         return None
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, Unavailable
 
 log = logging.getLogger("kiln.storage")
 
@@ -97,7 +97,7 @@ def call_with_retry(
             elapsed = time.monotonic() - start
             wait = policy.delay(attempt)
             if elapsed + wait > policy.budget_s:
-                raise KilnError(
+                raise Unavailable(
                     f"{what}: still failing after {attempt + 1} attempts over {elapsed:.0f}s "
                     f"({type(err).__name__}: {_short(err)}); is the server up and reachable?"
                 ) from err

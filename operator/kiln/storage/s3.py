@@ -63,6 +63,22 @@ def ambient_credentials(env: Mapping[str, str], endpoint: str, uri: str) -> Prov
     return provider
 
 
+RETRY_BUDGET_ENV = "KILN_STORE_RETRY_SECONDS"  # how long an unreachable store is waited for (RetryPolicy.budget_s)
+
+
+def retry_budget(env: Mapping[str, str]) -> float:
+    text = env.get(RETRY_BUDGET_ENV)
+    if text is None:
+        return RetryPolicy.budget_s
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise KilnError(f"{RETRY_BUDGET_ENV}={text!r}: give the seconds to wait for the object store, e.g. 300")
+    return value
+
+
 class S3Store(ObjectStore):
     def __init__(
         self,
@@ -81,7 +97,7 @@ class S3Store(ObjectStore):
         self.uri = f"s3://{bucket}/{self.prefix}"
         self.part_size = max(MIN_PART, part_size)
         self.parallelism = max(1, parallelism)
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or RetryPolicy(budget_s=retry_budget(env))
         # Part uploads of every open writer share one pool; `_slots` bounds the parts held in memory (queued or
         # in flight) to `parallelism`, so a writer faster than the network waits instead of buffering more.
         self._pool = ThreadPoolExecutor(self.parallelism, thread_name_prefix="kiln-s3-part")

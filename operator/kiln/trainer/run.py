@@ -228,6 +228,8 @@ class Run:
             from_commit = state is not None
             if from_commit:
                 self._restart(state)
+                if self.rank == 0:
+                    print(self.checkpointer.resume_line(), flush=True)
             elif self.ft is None:  # a new run (replica groups set them before their join)
                 self._initial_weights()
         self.start_step = self.last_step

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from kiln.errors import KilnError
+from kiln.text import duration
 from kiln.storage.commit import (
     committed_steps,
     fetch_verified,
@@ -77,7 +78,9 @@ class CheckpointRestore:
 
     def restore(self, model_parts, optimizers) -> dict | None:
         """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
-        Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit."""
+        Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit. When every
+        commit is damaged, a KilnError naming the newest one's damage: starting over would let the first save's
+        retention delete them, and they may be repaired (a copy that is still uploading, a restored backup)."""
         self.wait()
         listing = None
         if self.rank == 0:
@@ -96,14 +99,21 @@ class CheckpointRestore:
                     latest,
                     candidates[0],
                 )
+        damage: dict[int, list[str]] = {}
         for step in candidates:
             if step == candidates[0]:
                 trainer_state = self._restore_from_memory(step, model_parts, optimizers)
                 if trainer_state is not None:
                     return trainer_state
             t0 = time.perf_counter()
-            problems, fetched = self._fetch_verified(step)
+            problems, fetched, committed_at = self._fetch_verified(step)
+            if not problems:  # a trainer.json that matches COMMIT but does not parse is damage too
+                try:
+                    trainer_state = read_trainer_state(self.store, step)
+                except (KilnError, OSError) as err:
+                    problems = [str(err)]
             if problems:
+                damage.setdefault(step, problems)
                 if self.rank == 0:
                     log.warning(
                         "checkpoint step %d at %s is damaged (%s); falling back to the previous commit",
@@ -120,7 +130,13 @@ class CheckpointRestore:
                     f"checkpoint step {step} at {self.store.url(step_dir(step))} does not fit this model "
                     f"({_first_line(err)}); was it saved by a different model? Use a new checkpoint.uri to start over"
                 ) from None
-            return self._restored(step, read_trainer_state(self.store, step), self.store.url(step_dir(step)), t0)
+            return self._restored(step, trainer_state, self.store.url(step_dir(step)), t0, committed_at)
+        if damage:
+            newest = max(damage)
+            raise KilnError(
+                f"every committed checkpoint under {self.store.uri} is damaged ({len(damage)} step(s); the newest, "
+                f"{self.store.url(step_dir(newest))}: {'; '.join(damage[newest][:3])}); restore the files, or use "
+                f"a new checkpoint.uri to start over")
         return None
 
     def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
@@ -142,7 +158,7 @@ class CheckpointRestore:
                 options=STATE_OPTIONS,
             )
 
-    def _restored(self, step: int, trainer_state: dict, source: str, t0: float) -> dict:
+    def _restored(self, step: int, trainer_state: dict, source: str, t0: float, committed_at: float) -> dict:
         meta = trainer_state.get("kiln", {})
         book = meta.get("checkpoint", {})
         self._run_seconds = float(book.get("run_seconds", 0.0))
@@ -150,9 +166,17 @@ class CheckpointRestore:
         self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
         self.last_saved_step = self.last_committed_step = step
         self.last_restore_source = "memory" if source == "memory" else self.store.url("")
+        self.resumed_from = (step, committed_at, source == "memory")
         if self.rank == 0:
             log.info("checkpoint: restored step %d from %s in %.2fs", step, source, time.perf_counter() - t0)
         return trainer_state
+
+    def resume_line(self, now: float | None = None) -> str:
+        """What a resumed run says first (issue 28): which commit it resumed from, its step, URI and age."""
+        step, committed_at, memory = self.resumed_from
+        where = self.store.url(step_dir(step))
+        return (f"kiln: resumed from step {step} at {where} (committed {duration((now or time.time()) - committed_at)} "
+                f"ago{'; read from the host-memory copy' if memory else ''})")
 
     def _restore_from_memory(self, step: int, model_parts, optimizers) -> dict | None:
         """Load the newest commit from the ranks' host-memory copies when every rank has a whole one for this
@@ -199,7 +223,7 @@ class CheckpointRestore:
             if self.rank == 0:
                 log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
             return None
-        return self._restored(step, trainer_state, "memory", t0)
+        return self._restored(step, trainer_state, "memory", t0, commit.time)
 
     def _refuse_if_unsafe(self, step: int, err: BaseException) -> None:
         """A file that would run code stops the restore, on every rank: no fallback to an older commit, which
@@ -208,14 +232,15 @@ class CheckpointRestore:
         if unsafe is not None:
             raise KilnError(f"checkpoint step {step} at {self.store.url(step_dir(step))}: {unsafe}") from None
 
-    def _fetch_verified(self, step: int) -> tuple[list[str], dict[str, list[bytes]]]:
+    def _fetch_verified(self, step: int) -> tuple[list[str], dict[str, list[bytes]], float]:
         """Every rank checks its share of the files (size + sha256) against COMMIT, reading each once and, from
         a remote store, keeping the checked bytes for DCP to load: a rank's share is the shards it wrote
         (`__<rank>_<n>.distcp`, what it loads again at the same world size), the rest goes to rank 0.
-        Returns the problems of all ranks (gathered, so all ranks agree) and this rank's verified bytes."""
+        Returns the problems of all ranks (gathered, so all ranks agree), this rank's verified bytes and the
+        time the commit was written."""
         commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
         if isinstance(commit, str):
-            return [commit], {}
+            return [commit], {}, 0.0
         names = [n for n in sorted(commit.files) if _reader_rank(n, self.world_size) == self.rank]
         share = sum(commit.files[n].size for n in names)
         # The checked bytes wait in host memory until DCP has loaded them; a share too big for that is checked
@@ -231,10 +256,10 @@ class CheckpointRestore:
             )
         mine, fetched = fetch_verified(self.store, step, commit, names, keep=keep)
         if not self._distributed:
-            return mine, fetched
+            return mine, fetched, commit.time
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self._pg)
-        return [p for part in everyone for p in part], fetched
+        return [p for part in everyone for p in part], fetched, commit.time
 
     def _read_commit_or_none(self, step: int):
         try:

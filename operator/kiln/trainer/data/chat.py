@@ -35,6 +35,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kiln.errors import KilnError
+from kiln.storage.bounded import read_bytes, read_json_object
 from kiln.storage.store import ObjectNotFound
 
 MAX_CHARS = 4_000_000  # a rendered conversation past this is refused: a template cannot make unbounded output
@@ -76,16 +77,12 @@ def load_chat_template(uri: str, endpoint: str | None = None) -> ChatTemplate:
         raise KilnError(f"data.tokenizer {uri}: {err}") from None
     config: dict = {}
     try:
-        config = json.loads(store.get_bytes("tokenizer_config.json"))
+        config = read_json_object(store, "tokenizer_config.json", what=f"data.tokenizer {uri}")
     except ObjectNotFound:
         pass
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise KilnError(f"data.tokenizer {uri}: {store.url('tokenizer_config.json')} is not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise KilnError(f"data.tokenizer {uri}: {store.url('tokenizer_config.json')} is not a JSON object")
     variables = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
     try:  # newer transformers versions save the template in its own file, which takes precedence
-        text = store.get_bytes("chat_template.jinja").decode("utf-8")
+        text = read_bytes(store, "chat_template.jinja", what=f"data.tokenizer {uri}").decode("utf-8")
         return ChatTemplate(store.url("chat_template.jinja"), text, variables)
     except ObjectNotFound:
         pass

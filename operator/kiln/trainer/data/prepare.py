@@ -38,6 +38,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
+from kiln.storage.bounded import read_json_object
 from kiln.storage.reader import open_reader
 from kiln.trainer.data.chat import ChatRefused, check_messages, token_mask
 from kiln.trainer.data.shards import MASK_PREFIX, TOKENS_PREFIX
@@ -143,7 +144,7 @@ def documents(stream: BinaryIO, key: str, text_field: str, counts: Counter, want
         except UnicodeDecodeError:
             counts["undecodable"] += 1
             continue
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, an int past the digit limit, nesting too deep
             counts["invalid_json"] += 1
             continue
         text = doc.get(text_field) if isinstance(doc, dict) else None
@@ -275,11 +276,12 @@ def _npy(array: np.ndarray) -> bytes:
 
 def _progress(out: ObjectStore, settings: dict, output: str) -> dict | None:
     try:
-        state = json.loads(out.get_bytes(PROGRESS))
+        state = read_json_object(out, PROGRESS, what=f"--output {output}")
     except ObjectNotFound:
         return None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise KilnError(f"--output {output}: {PROGRESS} is damaged; delete the folder and prepare again") from None
+    except KilnError as err:
+        raise KilnError(f"{err}; the record of an interrupted run is damaged: delete the folder and prepare "
+                        "again") from None
     if state.get("settings") != settings:
         raise KilnError(f"--output {output} holds an interrupted run with other inputs or settings; use another "
                         f"--output or delete that folder")

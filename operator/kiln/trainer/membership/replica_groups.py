@@ -40,6 +40,7 @@ from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
 from kiln.trainer.checkpoint.checkpointer import STATE_OPTIONS, _pairs, collect_state
+from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
 from kiln.trainer.hooks import MembershipChange
 
@@ -90,6 +91,11 @@ class ReplicaGroups:
         if not lighthouse:
             raise KilnError(f"elastic.faultTolerance.mode replicaGroups needs the lighthouse address in "
                             f"{contract.FT_LIGHTHOUSE} (e.g. http://kiln-lighthouse:29510)")
+        self._tunnel = None
+        secret = secret_from_env(contract.FT_SECRET)
+        if secret is not None:  # the lighthouse admits only holders of the run's secret: reach it through a tunnel
+            self._tunnel = Tunnel("client", secret, host_port(lighthouse))
+            lighthouse = self._tunnel.address()
         self.groups = replica_groups(spec)
         self.group = int(os.environ.get(contract.FT_GROUP, "0"))
         if not 0 <= self.group < self.groups:

@@ -40,6 +40,7 @@ from kiln.api.hf import config_for, dims_from_config
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
+from kiln.storage.bounded import parse_json, read_bytes, read_json_object
 from kiln.storage.store import ObjectNotFound
 
 CONFIG = "config.json"
@@ -117,16 +118,9 @@ def _open(uri: str, endpoint: str | None, what: str) -> ObjectStore:
 
 def _json(store: ObjectStore, key: str, what: str) -> dict:
     try:
-        raw = store.get_bytes(key)
+        return read_json_object(store, key, what=what)
     except ObjectNotFound:
         raise KilnError(f"{what}: no {key} in {store.uri}") from None
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise KilnError(f"{what}: {store.url(key)} is not valid JSON ({err})") from None
-    if not isinstance(doc, dict):
-        raise KilnError(f"{what}: {store.url(key)} is not a JSON object")
-    return doc
 
 
 def read_config(uri: str, endpoint: str | None = None) -> dict:
@@ -173,8 +167,8 @@ def read_header(store: ObjectStore, key: str) -> dict[str, TensorEntry]:
         raise KilnError(f"model.from: {where} has a corrupt or truncated safetensors header (length {n}, file "
                         f"{size} bytes)")
     try:
-        header = json.loads(store.get_bytes(key, 8, n))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = parse_json(store.get_bytes(key, 8, n), where)
+    except KilnError:
         header = None
     if not isinstance(header, dict):
         raise KilnError(f"model.from: {where} has a corrupt safetensors header (not a JSON object)")
@@ -341,7 +335,7 @@ def load_tokenizer(uri: str, endpoint: str | None = None):
         folder, key = uri, "tokenizer.json"
     store = _open(folder + "/", endpoint, "data.tokenizer")
     try:
-        raw = store.get_bytes(key)
+        raw = read_bytes(store, key, kind="tokenizer.json", what=f"data.tokenizer {uri}")
     except ObjectNotFound:
         raise KilnError(f"data.tokenizer {uri}: no {key} in {store.uri} (kiln reads tokenizer.json, the "
                         f"`tokenizers` library's format; set data.tokenizer to 'byte' or to one)") from None
@@ -452,9 +446,11 @@ def tokenizer_files(uri: str, endpoint: str | None) -> dict[str, bytes]:
         return {}
     if uri.rstrip("/").endswith(".json"):
         folder, key = uri.rstrip("/").rsplit("/", 1)
-        return {"tokenizer.json": _open(folder + "/", endpoint, "data.tokenizer").get_bytes(key)}
+        store = _open(folder + "/", endpoint, "data.tokenizer")
+        return {"tokenizer.json": read_bytes(store, key, kind="tokenizer.json", what=f"data.tokenizer {uri}")}
     store = _open(uri, endpoint, "data.tokenizer")
-    return {name: store.get_bytes(name) for name in TOKENIZER_FILES if store.exists(name)}
+    return {name: read_bytes(store, name, what=f"data.tokenizer {uri}") for name in TOKENIZER_FILES
+            if store.exists(name)}
 
 
 @dataclass(frozen=True)
