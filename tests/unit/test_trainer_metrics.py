@@ -32,12 +32,42 @@ def test_an_unknown_gpu_gets_no_peak_not_the_h100s(gpu_named):
     assert "no bf16 peak known for 'NVIDIA GeForce RTX 4090'" in metrics.mfu_note(CUDA, "bf16")
 
 
-@pytest.mark.parametrize("name,precision,peak", [("NVIDIA H200", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "fp32", 67e12),
-                                                 ("NVIDIA A100-SXM4-80GB", "bf16", 312e12)])
-def test_a_known_gpu_uses_its_datasheet_peak(gpu_named, name, precision, peak):
+# Names as the drivers report them (nvidia-smi --query-gpu=name; rocm-smi's marketing name).
+REPORTED = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
+            "NVIDIA H200": "h200-sxm", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA A100-SXM4-40GB": "a100-40gb-sxm",
+            "NVIDIA A100-SXM4-80GB": "a100-80gb-sxm", "NVIDIA A100-PCIE-40GB": "a100-40gb-pcie",
+            "NVIDIA A100 80GB PCIe": "a100-80gb-pcie", "NVIDIA L40S": "l40s", "NVIDIA B200": "b200",
+            "AMD Instinct MI300X": "mi300x"}
+
+
+def test_each_reported_name_is_one_product_with_both_peaks_and_the_run_names_it(gpu_named):
+    assert sorted(REPORTED.values()) == sorted({kind for kind, _ in metrics.PEAK_FLOPS})  # every product is reachable
+    for name, kind in REPORTED.items():
+        gpu_named(name)
+        assert metrics.device_kind(CUDA) == kind, name
+        bf16, fp32 = metrics.peak_flops(CUDA, "bf16"), metrics.peak_flops(CUDA, "fp32")
+        assert bf16 is not None and fp32 is not None and bf16 > fp32, name  # tensor cores beat plain fp32
+        assert f"against the {kind.upper()} bf16 datasheet peak" in metrics.mfu_note(CUDA, "bf16")
+
+
+def test_the_pcie_and_nvl_parts_are_not_measured_against_the_sxm_peak(gpu_named):
+    peaks = {}
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL"):
+        gpu_named(name)
+        peaks[name] = metrics.peak_flops(CUDA, "bf16")
+    # The same work on a PCIe card is a larger share of its (lower-clocked) peak than of the SXM part's.
+    assert peaks["NVIDIA H100 PCIe"] < peaks["NVIDIA H100 NVL"] < peaks["NVIDIA H100 80GB HBM3"]
+    assert peaks["NVIDIA H200 NVL"] < peaks["NVIDIA H200"]
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GH200 480GB", "NVIDIA GB200", "NVIDIA L40", "NVIDIA H800",
+                                  "NVIDIA H100", "NVIDIA A100 PCIe", "AMD Instinct MI300A", "NVIDIA H20"])
+def test_a_name_that_does_not_identify_one_product_gets_no_mfu(gpu_named, name):
+    """Lookalikes (GH200 holds an H200-class GPU, GB200 two B200 dies) and names without the form factor or
+    memory size that set the peak: no MFU rather than a neighbour's peak."""
     gpu_named(name)
-    assert metrics.peak_flops(CUDA, precision) == peak
-    assert f"{peak / 1e12:g} TFLOP/s per device" in metrics.mfu_note(CUDA, precision)
+    assert metrics.peak_flops(CUDA, "bf16") is None
+    assert f"no bf16 peak known for {name!r}" in metrics.mfu_note(CUDA, "bf16")
 
 
 def test_a_record_without_mfu_is_shown_and_reported_without_it(capsys):
