@@ -9,7 +9,9 @@ arguments, and writes `$KILN_OBSERVE_DIR/rank-<RANK>.json`:
   (the reduce of gradients shows its dtype here);
 - `optimizer_params`: sorted dtypes of the tensors the optimizer steps (the master weights);
 - `powersgd`: {"hook_calls", "uncompressed_calls"}: calls of torch's PowerSGD hook, and how many of them
-  took its plain all-reduce (the warm-up) instead of compressing.
+  took its plain all-reduce (the warm-up) instead of compressing;
+- `kernels`: {"<triton|reference> <op> <tensor types of its arguments>": calls}: which implementation each
+  call of kiln.trainer.model.kernels took, and with what (Tensor, Parameter, DTensor).
 
 Nothing here changes what the run does; every observer only records and calls through.
 """
@@ -35,6 +37,8 @@ activations: dict[str, set[str]] = collections.defaultdict(set)
 collectives: collections.Counter = collections.Counter()
 optimizer_params: set[str] = set()
 powersgd = {"hook_calls": 0, "uncompressed_calls": 0}
+kernels: collections.Counter = collections.Counter()
+KERNEL_OPS = ("rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy")
 
 
 def _tensors(value):
@@ -88,11 +92,27 @@ def install() -> None:
 
     powerSGD_hook.powerSGD_hook = counted_hook  # looked up when kiln registers it
 
+    from kiln.trainer.model import kernels as switch
+
+    # The switch calls `ops.<op>` / `reference.<op>` through the modules: wrapping their attributes sees each call.
+    for impl, module in (("triton", switch._TRITON_OPS), ("reference", switch.reference)):
+        for op in KERNEL_OPS if module is not None else ():
+            setattr(module, op, _kernel_counting(impl, op, getattr(module, op)))
+
+
+def _kernel_counting(impl, op, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        types = sorted({type(a).__name__ for a in args if isinstance(a, torch.Tensor)})
+        kernels[f"{impl} {op} {','.join(types)}"] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
 
 def write(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"activations": {k: sorted(v) for k, v in activations.items()}, "collectives": dict(collectives),
-              "optimizer_params": sorted(optimizer_params), "powersgd": powersgd}
+              "optimizer_params": sorted(optimizer_params), "powersgd": powersgd, "kernels": dict(kernels)}
     (out / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record, indent=1))
 
 

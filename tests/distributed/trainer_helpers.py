@@ -46,13 +46,13 @@ def env(**extra: str) -> dict:
 
 
 def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S,
-                   observe: Path | None = None) -> list[dict]:
+                   observe: Path | None = None, extra_env: dict | None = None) -> list[dict]:
     """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl. `observe`: run it
     under tests.distributed.observed_train, which writes what each rank computed in to observe/rank-<r>.json."""
     entry = "tests.distributed.observed_train" if observe else "kiln.cli.main"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", entry, "train", "--config", str(spec), "--output", str(out)]
-    extra = {"KILN_OBSERVE_DIR": str(observe)} if observe else {}
+    extra = {**({"KILN_OBSERVE_DIR": str(observe)} if observe else {}), **(extra_env or {})}
     proc = subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, timeout=timeout,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
