@@ -38,6 +38,7 @@ collectives: collections.Counter = collections.Counter()
 optimizer_params: set[str] = set()
 powersgd = {"hook_calls": 0, "uncompressed_calls": 0}
 kernels: collections.Counter = collections.Counter()
+kernels_counted = False
 KERNEL_OPS = ("rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy")
 
 
@@ -91,8 +92,15 @@ def install() -> None:
         return hook(state, bucket)
 
     powerSGD_hook.powerSGD_hook = counted_hook  # looked up when kiln registers it
+    count_kernels()
 
+
+def count_kernels() -> None:
+    """Count each call of kiln.trainer.model.kernels' ops into `kernels`, by implementation and argument types."""
+    global kernels_counted
     from kiln.trainer.model import kernels as switch
+
+    kernels_counted = True
 
     # The switch calls `ops.<op>` / `reference.<op>` through the modules: wrapping their attributes sees each call.
     for impl, module in (("triton", switch._TRITON_OPS), ("reference", switch.reference)):

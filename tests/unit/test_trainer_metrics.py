@@ -101,8 +101,8 @@ class _Ops:
     ({"why": "Triton does not import (No module named 'triton')"}, CUDA, {"compiled": True},
      "kernels: the PyTorch reference under torch.compile, because Triton does not import (No module named 'triton')"),
     ({"ops": _Ops}, CUDA, {"tensor_parallel": 2},
-     "kernels: the PyTorch reference (eager), because tensor parallel (2) passes DTensors, which only the "
-     "reference takes"),
+     "kernels: Triton for swiglu and apply_rope (each rank's local shard); rms_norm: the PyTorch reference (eager), "
+     "because tensor parallel (2) passes it sequence-sharded DTensors; the loss from the logits"),
     ({"ops": _Ops}, CUDA, {"dim": 70000},
      "kernels: Triton, except rms_norm: the PyTorch reference (eager) (dim 70000 > 65536 columns)"),
     ({"ops": _Ops}, CUDA, {"dim": 4096}, "kernels: Triton (rms_norm, swiglu, apply_rope, fused_linear_cross_entropy)"),
@@ -113,3 +113,32 @@ class _Ops:
 def test_the_run_says_which_kernels_run_and_why(kernel_state, state, device, kw, expected):
     kernel_state(**state)
     assert kernels.describe(device, **kw) == expected
+
+
+def test_the_switch_sends_only_plain_tensors_on_the_kernel_device_to_triton(kernel_state, monkeypatch):
+    """The routing of kernels._fused: plain tensors on the kernel device (CUDA; the CPU under Triton's interpreter)
+    take Triton, a tensor elsewhere or a tensor subclass (a DTensor) the reference."""
+    calls = []
+
+    class Ops(_Ops):
+        @staticmethod
+        def rms_norm(x, weight, eps):
+            calls.append(type(x).__name__)
+            return x
+
+    class Wrapped(torch.Tensor):  # stands for any subclass: DTensor is checked in tests/distributed/test_kernels_in_step.py
+        pass
+
+    kernel_state(ops=Ops)
+    x, w = torch.randn(2, 8), torch.ones(8)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert kernels._kernel_device() == "cuda" == kernels._KERNEL_DEVICE  # as on every training machine
+    kernels.rms_norm(x, w)  # a CPU tensor with Triton loaded: the reference
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels._kernel_device() == "cpu"
+    monkeypatch.setattr(kernels, "_KERNEL_DEVICE", "cpu")  # what import sets under the interpreter
+    kernels.rms_norm(x, w)
+    kernels.rms_norm(x.as_subclass(Wrapped), w)
+    kernels.rms_norm(x, w.as_subclass(Wrapped))
+    assert calls == ["Tensor"]  # only the plain pair took Triton
