@@ -19,10 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KEPT_DIR = ROOT / "docs" / "bench"
-# When this module is imported, i.e. when the benchmark starts (each imports it at the top).
-_STARTED = (datetime.datetime.now(datetime.timezone.utc), os.getloadavg())
-
-
 def _git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
@@ -31,12 +27,17 @@ def _git(*args: str) -> str | None:
         return None
 
 
+# When this module is imported, i.e. when the benchmark starts (each imports it at the top): the code it runs
+# is the tree at this moment, whatever is checked out by the time it writes its result.
+_STARTED = (datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), _git("rev-parse", "HEAD"),
+            _git("status", "--porcelain", "--untracked-files=no"))
+
+
 def provenance() -> dict:
     """Commit, date and machine of this run (load average 1/5/15 min at the start and now)."""
-    started, load_before = _STARTED
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    started, load_before, commit, status = _STARTED
     return {
-        "commit": _git("rev-parse", "HEAD"), "tree_changed": None if status is None else bool(status),
+        "commit": commit, "tree_changed": None if status is None else bool(status),
         "started": started.isoformat(timespec="seconds"),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
