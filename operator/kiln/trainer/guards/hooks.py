@@ -146,7 +146,7 @@ def _any_rank(flag: bool) -> bool:
 
     from kiln.trainer.guards.step import _comm_device
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(None))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
