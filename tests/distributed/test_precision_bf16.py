@@ -5,10 +5,12 @@ What is observed, not assumed (tests.distributed.observed_train): every nn.Linea
 ran in bf16; a policy that silently left compute in fp32 fails here), FSDP2 all-gathers bf16 parameters and
 reduce-scatters fp32 gradients, and the optimizer steps fp32 tensors (the master weights).
 
-Tolerance on the loss, per step, against the fp32 run with the same seed and data: 1 % of the loss. bf16 keeps
+Tolerance on the loss, per step, against the fp32 run with the same seed and data (FSDP2 dp 2 for both layouts:
+in fp32 every layout gives the same curve within 1e-4, tests/distributed/test_trainer_layouts.py): 1 % of the
+loss. bf16 keeps
 8 significant bits, so each rounded value is off by at most 2^-9 (0.2 %) relative; the loss averages
 log-probabilities over 4 x 32 tokens, each from logits summed over 64-128 products, so the roundings mostly cancel
-(measured here: at most 0.04 %). 1 % is 25x that, and a tenth of what the model learns over these steps (the
+(measured here: at most 0.04 %). 1 % is some 25x that, and a tenth of what the model learns over these steps (the
 fp32 loss falls by more than 10 %), so a run that stopped learning or diverged still fails.
 """
 
