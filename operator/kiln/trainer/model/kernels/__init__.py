@@ -74,7 +74,8 @@ def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, co
     elif _TRITON_OPS is None:
         why = _NO_TRITON_WHY
     elif tensor_parallel > 1:  # tests/distributed/test_kernels_in_step.py observes this split call by call
-        return (f"kernels: Triton for swiglu and apply_rope (each rank's local shard); rms_norm: {reference_is}, "
+        gated = "swiglu and " if (arch or Arch()).activation == "silu" else ""
+        return (f"kernels: Triton for {gated}apply_rope (each rank's local shard); rms_norm: {reference_is}, "
                 f"because tensor parallel ({tensor_parallel}) passes it sequence-sharded DTensors; the loss from "
                 "the logits")
     elif dim > _TRITON_OPS.MAX_FUSED_COLS:
