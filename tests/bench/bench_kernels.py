@@ -10,13 +10,12 @@ at Llama-3-8B sizes in bf16. Memory-bound ops report the bandwidth they achieve 
 Fused linear cross-entropy reports TFLOP/s (three matmuls) and its peak memory against the unfused reference
 at vocabulary 128k. Writes JSON to --out. Needs CUDA; elsewhere it says so and exits.
 
-    python tests/bench/bench_kernels.py [--out runs/bench/kernels.json] [--no-compile] [--no-liger]
+    python -m tests.bench.bench_kernels [--out runs/bench/kernels.json] [--no-compile] [--no-liger]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from tests.bench.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -247,10 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results.update(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
                    args=vars(args), wall_s=time.time() - started)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_report(results, args.out, summary={"wrote": args.out})
     return 0
 
 

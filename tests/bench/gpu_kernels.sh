@@ -18,4 +18,4 @@ OUT=${KILN_BENCH_OUT:-runs/bench/kernels.json}
 echo "== correctness on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())')"
 "$PY" -m tests.kernels.cases --device cuda
 echo "== benchmark"
-"$PY" tests/bench/bench_kernels.py --out "$OUT" "$@"
+"$PY" -m tests.bench.bench_kernels --out "$OUT" "$@"

@@ -34,9 +34,14 @@ def _rank(rank, world, tmp):
                       LOCAL_RANK=str(LOCAL[rank]))
     from kiln.trainer.guards.hooks import GuardHooks
 
-    hooks = GuardHooks(sdc_every=0, health_every=10)
+    # A FAKE clock per rank, set before each step: rank 3's runs 3x fast, as a rank whose steps end later
+    # would see more time pass. At step 3 only rank 3's interval of 50 has passed (60 vs 20): every rank must
+    # still probe there, or the gather's collective would not match.
+    now = [0.0]
+    hooks = GuardHooks(sdc_every=0, health_interval_s=50, clock=lambda: now[0])
     records = []
-    for step in (1, 2, 10):
+    for step in (1, 2, 3, 10):
+        now[0] = step * (30.0 if rank == 3 else 10.0)
         ctx = SimpleNamespace(step=step, record={}, rollback=False)
         hooks.after_update(ctx)
         records.append(ctx.record)
@@ -48,9 +53,9 @@ def test_rank_zero_gathers_every_nodes_gpu_states(tmp_path):
         (tmp_path / f"{node}.json").write_text(json.dumps({"gpus": [{"name": "FAKE", "slowdown": 90,
                                                                      "temperature": 50, **gpu}] * 2}))
     results = run_ranks(_rank, 4, tmp_path / "out", str(tmp_path))
-    (first, second, tenth), _ = results[0]
-    assert "gpu_health" not in second  # read at the first step, then every 10
-    for record in (first, tenth):
+    (first, second, third, tenth), _ = results[0]
+    assert "gpu_health" not in second  # read at the first step, then when any rank's interval has passed
+    for record in (first, third, tenth):
         states = {e["node"]: (e["state"], [g["state"] for g in e["gpus"]]) for e in record["gpu_health"]}
         assert states == {"node-0": ("Healthy", ["Healthy", "Healthy"]),
                           "node-1": ("Failing", ["Failing", "Failing"]),

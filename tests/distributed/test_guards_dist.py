@@ -170,7 +170,7 @@ def _flip_in_training(rank, world, spec_path, out, bad_rank):
         return True
 
     hooks = StepHooks(before_update=[flip])  # before the guards' hooks: the flip lands after the seal
-    guards = GuardHooks(sdc_every=3, health_every=0)
+    guards = GuardHooks(sdc_every=3, health_interval_s=0)
     guards.install(hooks)
     try:
         train(load_file(spec_path)[0], output_dir=Path(out), hooks=hooks)

@@ -47,7 +47,7 @@ def _rank(rank, world, spec_path, out, ckpt_uri, kill_at, legacy):
 
     restarts = []
     hooks = StepHooks(before_update=[inject], on_restart=[restarts.append])
-    guards = GuardHooks(GuardConfig(min_history=4, spike_limit=3, spike_window=6), sdc_every=0, health_every=0)
+    guards = GuardHooks(GuardConfig(min_history=4, spike_limit=3, spike_window=6), sdc_every=0, health_interval_s=0)
     if legacy:  # how kiln wired the guards before their state was checkpointed
         hooks.before_update.append(guards.before_update)
         hooks.after_update.append(guards.after_update)

@@ -45,14 +45,23 @@ def env(**extra: str) -> dict:
     return e
 
 
-def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S) -> list[dict]:
-    """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl."""
+def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S,
+                   observe: Path | None = None, extra_env: dict | None = None) -> list[dict]:
+    """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl. `observe`: run it
+    under tests.distributed.observed_train, which writes what each rank computed in to observe/rank-<r>.json."""
+    entry = "tests.distributed.observed_train" if observe else "kiln.cli.main"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "kiln.cli.main", "train", "--config", str(spec), "--output", str(out)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout,
+           "-m", entry, "train", "--config", str(spec), "--output", str(out)]
+    extra = {**({"KILN_OBSERVE_DIR": str(observe)} if observe else {}), **(extra_env or {})}
+    proc = subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, timeout=timeout,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return read_metrics(out)
+
+
+def observed(observe: Path, nproc: int) -> list[dict]:
+    """What each rank recorded under tests.distributed.observed_train."""
+    return [json.loads((observe / f"rank-{r}.json").read_text()) for r in range(nproc)]
 
 
 def read_metrics(out: Path) -> list[dict]:

@@ -156,6 +156,9 @@ def specs(draw) -> dict:
             spec["elastic"]["plan"] = draw(st.lists(st.fixed_dictionaries(
                 {"nodes": st.integers(1, 6)}, optional={"untilStep": st.sampled_from([10, 20, 30])}),
                 min_size=1, max_size=3))
+    if draw(st.booleans()):  # replica groups: they divide the data-parallel size and the nodes, at a fixed size
+        spec.setdefault("elastic", {})["faultTolerance"] = draw(st.fixed_dictionaries({}, optional={
+            "mode": st.sampled_from(["replicaGroups"] * 3 + ["off"]), "groups": st.integers(1, 4)}))
     uri = draw(st.sampled_from([None, "file:///ckpt/", "s3://b/run/", "ftp://x/"]))
     if uri:
         spec["checkpoint"]["uri"] = uri

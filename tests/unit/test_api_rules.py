@@ -87,6 +87,11 @@ INVALID = [
      "spec.data.format:", "must be a folder"),
     ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 4}}, "spec.elastic.faultTolerance.groups:",
      "must divide the data-parallel size"),
+    ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 2}, "elastic.minNodes": None,
+      "elastic.maxNodes": None, "elastic.plan": [], "resources.nodes": 3, "training.globalBatchSize": 48},
+     "spec.elastic.faultTolerance.groups:", "must divide resources.nodes"),
+    ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 2}}, "spec.elastic.faultTolerance:",
+     "not supported with elastic.faultTolerance.mode replicaGroups"),
     ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
      "needs scheduling.queue"),
 ]

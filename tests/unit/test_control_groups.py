@@ -10,6 +10,8 @@ import yaml
 
 from kiln.api import contract
 from kiln.api.load import parse
+from kiln.api.spec import TrainingSpec
+from kiln.errors import KilnError
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import (GROUP_LABEL, IMMUTABLE_WHILE_RUNNING, LIGHTHOUSE_LABEL, LIGHTHOUSE_PORT, RUN_LABEL,
                                Observed, dump, job_names, job_names_of, plan, resolve)
@@ -126,19 +128,33 @@ def test_mode_off_renders_one_job_as_before():
     assert job_names_of(GROUPS) == ["ft-g0", "ft-g1"]
 
 
-@pytest.mark.parametrize("change, names", [
+@pytest.mark.parametrize("change, field", [
     ({"resources": {"nodes": 3, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"}, "parallelism": {"tensor": 1}},
-     "must divide resources.nodes = 3"),
+     "spec.elastic.faultTolerance.groups: with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance."
+     "groups must divide resources.nodes"),
     ({"elastic": {"minNodes": 2, "faultTolerance": {"mode": "replicaGroups", "groups": 2}}},
-     "elastic.minNodes, elastic.maxNodes and elastic.plan are not supported"),
+     "spec.elastic.faultTolerance: elastic.minNodes, elastic.maxNodes (other than resources.nodes) and elastic.plan"),
+    ({"elastic": {"plan": [{"untilStep": 10, "nodes": 4}, {"nodes": 4}],
+                  "faultTolerance": {"mode": "replicaGroups", "groups": 2}}}, "got a plan of 2 entries"),
 ])
-def test_groups_the_operator_cannot_render_are_refused_whole(change, names):
+def test_groups_the_operator_cannot_render_are_refused_by_validate_and_by_plan_with_the_same_line(change, field):
     raw = copy.deepcopy(GROUPS)
     raw["spec"].update(change)
-    if "nodes" in str(change):
+    if "resources" in change:
         raw["spec"]["training"]["globalBatchSize"] = 48  # dp 24, groups 2 divide it: only the node rule fails
-    result = plan(parse(raw), None, CONFIG)
-    assert result.objects == [] and result.refused_reason == "NotSupported" and names in result.refused
+    with pytest.raises(KilnError) as validate:  # kiln validate
+        parse(copy.deepcopy(raw), scope="all")
+    assert field in str(validate.value) and str(validate.value).count("spec.") == 1  # that rule alone
+    with pytest.raises(KilnError) as planned:  # the operator, behind a CRD without the rules: InvalidSpec
+        plan(TrainingSpec.model_validate(copy.deepcopy(raw)), None, CONFIG)
+    assert str(planned.value) == str(validate.value)
+    parse(copy.deepcopy(raw), scope="local")  # kiln run: one machine, no jobs per group, no node elasticity
+
+
+def test_groups_at_a_fixed_size_equal_to_the_nodes_are_accepted():
+    raw = copy.deepcopy(GROUPS)
+    raw["spec"]["elastic"].update(minNodes=4, maxNodes=4)  # the same as resources.nodes: still a fixed size
+    assert len(of(rendered(raw), "PyTorchJob")) == 2
 
 
 def test_switching_fault_tolerance_under_a_running_job_is_refused():

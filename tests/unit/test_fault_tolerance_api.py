@@ -17,7 +17,7 @@ DOC = {
         "model": {"preset": "llama-1b"},
         "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2},
         "parallelism": {"tensor": 2},
-        "resources": {"nodes": 2, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},  # dp = 16 / 2 = 8
+        "resources": {"nodes": 8, "gpusPerNode": 2, "gpuType": "NVIDIA-H200"},  # dp = 16 / 2 = 8, one node a rank pair
         "checkpoint": {"uri": "s3://ckpt/ft/", "endpoint": "http://s3:9000"},
     },
 }
@@ -64,11 +64,11 @@ def test_groups_must_divide_the_data_parallel_size(groups, ok):
 
 def test_a_group_runs_its_share_of_the_global_batch_with_the_same_accumulation():
     spec = parse(doc({"mode": "replicaGroups", "groups": 4})).spec
-    whole = plan(spec, 2)  # 16 processes, dp 8: 64 / (2 × 8) = 4 microbatches per rank
+    whole = plan(spec, 8)  # 16 processes, dp 8: 64 / (2 × 8) = 4 microbatches per rank
     group = replica_group_spec(spec)
     assert group.training.global_batch_size == 16 and group.elastic.fault_tolerance is None
     assert spec.training.global_batch_size == 64  # the original is untouched
-    part = plan(group, 1, 4)  # one group: 4 processes, tensor 2 → dp 2
+    part = plan(group, 2)  # one group: 8 / 4 nodes, 4 processes, tensor 2 → dp 2
     assert (part.dp, part.tp, part.grad_accum, part.micro_batch) == (2, 2, whole.grad_accum, whole.micro_batch)
 
 
@@ -79,7 +79,9 @@ def test_crd_carries_the_field_and_the_rule():
     assert ft["properties"]["groups"]["minimum"] == 1
     rules = [r for r in schema["x-kubernetes-validations"] if r.get("fieldPath") == ".elastic.faultTolerance.groups"
              or "faultTolerance" in r["rule"]]
-    assert len(rules) == 1 and "self.elastic.faultTolerance.groups == 0" in rules[0]["rule"]
+    # groups divide the data-parallel size and the nodes; no node-count elasticity with groups
+    assert sorted(r["fieldPath"] for r in rules) == [".elastic.faultTolerance", ".elastic.faultTolerance.groups",
+                                                     ".elastic.faultTolerance.groups"]
 
 
 def test_the_operator_renders_replica_groups_and_mode_off_as_before():

@@ -245,7 +245,7 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
         ctx = lambda step: StepContext(step=step, loss=1.0, grad_norm=1.0, model_parts=[model],  # noqa: E731
                                        optimizers=[opt], mesh=None, record={})
 
-        first = GuardHooks(sdc_every=2, health_every=0)
+        first = GuardHooks(sdc_every=2, health_interval_s=0)
         first.install(hooks := StepHooks())
         hooks.record_incidents(store)  # as the run hands every hook its checkpoint store (kiln.trainer.run)
         step1 = ctx(1)
@@ -260,7 +260,7 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
         assert json.loads(store.get_bytes(incident.key))["step"] == 2
         assert json.loads(store.get_bytes(incident.key))["ranks"] == [0]
 
-        second = GuardHooks(sdc_every=2, health_every=0)  # the restarted trainer, resumed from the commit
+        second = GuardHooks(sdc_every=2, health_interval_s=0)  # the restarted trainer, resumed from the commit
         second.install(hooks := StepHooks())
         hooks.record_incidents(store)
         again = ctx(1)
@@ -272,3 +272,35 @@ def test_an_sdc_mismatch_outlives_the_trainer_it_ends(tmp_path):
         assert exporter.registry.get_sample_value("kiln_train_sdc_mismatches", {"run": "flipped"}) == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_gpu_health_probes_follow_a_clock_not_the_step_count(monkeypatch):
+    """The probe (resources.gpuHealthIntervalSeconds) comes at the first step, then at the end of the first step
+    after each interval on the hook's clock: many fast steps inside an interval probe nothing, one slow step
+    that outlasts it probes at its end, whatever the step count. The clock is a FAKE set per step."""
+    from types import SimpleNamespace
+
+    from kiln.trainer.observe import gpu_health
+
+    probes = []
+
+    class FakeMonitor:  # stands in for NVML: only when the hook probes matters here
+        def probe(self, expected):
+            probes.append(step)
+            return gpu_health.unreadable("FAKE", expected)
+
+    monkeypatch.setattr(gpu_health, "GpuMonitor", FakeMonitor)
+    monkeypatch.setattr(gpu_health, "gather", lambda entry: [entry])
+    now = [0.0]
+    hooks = GuardHooks(sdc_every=0, health_interval_s=30, clock=lambda: now[0])
+    times = {1: 0.0, **{s: 0.05 * s for s in range(2, 500)}, 500: 29.9, 501: 30.0, 502: 30.5, 503: 1000.0,
+             504: 1000.1}
+    for step, t in times.items():
+        now[0] = t
+        ctx = SimpleNamespace(step=step, record={}, rollback=False)
+        hooks.after_update(ctx)
+        assert ("gpu_health" in ctx.record) == (step in probes)
+    assert probes == [1, 501, 503]  # 499 fast steps: none; 30 s passed at 501; one slow step (502 → 503)
+    off = GuardHooks(sdc_every=0, health_interval_s=0, clock=lambda: now[0])  # 0: never
+    off.after_update(SimpleNamespace(step=1, record={}, rollback=False))
+    assert probes == [1, 501, 503]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
 from kiln.api.layout import (LAYOUT_RULES, LayoutRule, divisors as _divisors, model_value, node_bounds,
-                             processes_per_node, spec_shape)
+                             processes_per_node, replica_groups, spec_shape)
 from kiln.api.presets import PRESETS
 from kiln.api.spec import DEFAULT_DATA_URI
 
@@ -67,6 +67,9 @@ MP = "(self.parallelism.tensor * self.parallelism.pipeline)"
 MIN_NODES = "(has(self.elastic.minNodes) ? self.elastic.minNodes : self.resources.nodes)"
 MAX_NODES = "(has(self.elastic.maxNodes) ? self.elastic.maxNodes : self.resources.nodes)"
 NODE_COUNTS = "([self.resources.nodes] + self.elastic.plan.map(p, p.nodes))"
+# kiln.api.layout.replica_groups(spec) > 1: replica groups are on
+_FT_ON = ("(has(self.elastic.faultTolerance) && self.elastic.faultTolerance.mode == 'replicaGroups' && "
+          "self.elastic.faultTolerance.groups > 1)")
 
 
 def _cel_preset_map(field: str) -> str:
@@ -176,6 +179,20 @@ def _check_plan_nodes(s):
     if bad:
         return f"got nodes={bad[0]}, allowed [{lo}, {hi}]"
     return None
+
+
+def _check_groups_divide_nodes(s):
+    groups, nodes = replica_groups(s), s.resources.nodes
+    return f"got groups={groups}, nodes={nodes}" if groups > 1 and nodes % groups else None
+
+
+def _check_groups_fixed_size(s):
+    if replica_groups(s) <= 1:
+        return None
+    lo, hi = node_bounds(s)
+    got = [f"{k}={v}" for k, v in (("minNodes", lo), ("maxNodes", hi)) if v != s.resources.nodes]
+    got += [f"a plan of {len(s.elastic.plan)} entries"] if s.elastic.plan else []
+    return f"got {', '.join(got)} with {replica_groups(s)} groups, nodes={s.resources.nodes}" if got else None
 
 
 def _check_store_uri(uri: str | None) -> str | None:
@@ -357,6 +374,19 @@ RULES: list[Rule] = [
          "(each defaults to resources.nodes)",
          f"self.elastic.plan.all(p, p.nodes >= {MIN_NODES} && p.nodes <= {MAX_NODES})",
          _check_plan_nodes),
+    # Replica groups on Kubernetes: each group is a PyTorchJob of whole nodes at a fixed size (kiln.control.plan
+    # renders nodes / groups per job; node-count elasticity does not act per group yet). `kiln run` is one node.
+    Rule("ft-groups-divide-nodes", "elastic.faultTolerance.groups",
+         "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide "
+         "resources.nodes: each replica group is a PyTorchJob of whole nodes (nodes / groups each)",
+         f"!{_FT_ON} || self.resources.nodes % self.elastic.faultTolerance.groups == 0",
+         _check_groups_divide_nodes, scope="cluster"),
+    Rule("ft-groups-fixed-size", "elastic.faultTolerance",
+         "elastic.minNodes, elastic.maxNodes (other than resources.nodes) and elastic.plan are not supported with "
+         "elastic.faultTolerance.mode replicaGroups yet: each group runs at a fixed nodes / groups; leave them unset",
+         f"!{_FT_ON} || ({MIN_NODES} == self.resources.nodes && {MAX_NODES} == self.resources.nodes"
+         " && size(self.elastic.plan) == 0)",
+         _check_groups_fixed_size, scope="cluster"),
     Rule("checkpoint-uri-scheme", "checkpoint.uri",
          "checkpoint.uri must start with s3:// or file://",
          "!has(self.checkpoint.uri) || self.checkpoint.uri.startsWith('s3://')"

@@ -200,6 +200,12 @@ class ResourcesSpec(ApiModel):
         description="GPU product as the nodes' nvidia.com/gpu.product label spells it (case-sensitive), e.g. "
                     "NVIDIA-H200; becomes that node selector.",
     )
+    gpu_health_interval_seconds: float = Field(
+        60.0, ge=0, le=86400,
+        description="Seconds between GPU health probes (NVML, each node's first process), counted on a clock, not "
+        "in steps: a probe comes at the end of the first step after the interval, at the first step too; 0 turns "
+        "them off.",
+    )
     cpu: str | None = Field(None, max_length=32, pattern=QUANTITY, description="CPU request and limit per pod, e.g. '32'.")
     memory: str | None = Field(None, max_length=32, pattern=QUANTITY,
                                description="Memory request and limit per pod, e.g. 512Gi.")
@@ -669,7 +675,8 @@ class TrainingSpecStatus(ApiModel):
     trainer_time: TrainerTime | None = Field(None, description="Trainer rank 0's cumulative time counters.")
     gpu_health: list[NodeGpuHealth] | None = Field(
         None, max_length=1024, description="Trainer rank 0: each node's GPU health, read through NVML at the "
-        "trainer's first step and every 100 steps.",
+        "trainer's first step, then every resources.gpuHealthIntervalSeconds (at the end of the step in which "
+        "the interval passes).",
     )
     goodput: float | None = Field(
         None, ge=0, le=1, description="Productive step seconds / wall seconds since the run was created (operator)."

@@ -1,4 +1,5 @@
-"""Predictive failover from GPU health: move a run off a node whose GPUs degrade, before they fail it. Pure.
+"""Failover from GPU health: move a run off a node whose GPUs NVML reports Degrading (often before they fail it)
+or Failing (often when the process on them is failing already). Pure.
 
 Trainer rank 0 reports each node's GPU health in status.gpuHealth (kiln.trainer.observe.gpu_health). The operator's tick
 (kiln.control.elastic_sync, through `step`) calls `decide` with that report, the nodes the run's live pods are on, the nodes

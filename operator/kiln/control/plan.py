@@ -154,22 +154,6 @@ def job_names_of(body: dict) -> list[str]:
     return job_names(body["metadata"]["name"], groups if isinstance(groups, int) and 1 <= groups <= MAX_REPLICA_GROUPS else 1)
 
 
-def group_problem(spec: TrainingSpecSpec) -> str | None:
-    """Why the operator cannot render these replica groups (None: it can). Each group is whole pods of its own
-    (a PyTorchJob per group), at a fixed size: node-count elasticity does not act per group yet."""
-    groups, nodes = replica_groups(spec), spec.resources.nodes
-    if groups <= 1:
-        return None
-    if nodes % groups:
-        return (f"elastic.faultTolerance.groups = {groups} must divide resources.nodes = {nodes} on Kubernetes: "
-                f"each replica group is a PyTorchJob of whole nodes (nodes / groups each)")
-    lo, hi = node_bounds(spec)
-    if lo != nodes or hi != nodes or spec.elastic.plan:
-        return ("elastic.minNodes, elastic.maxNodes and elastic.plan are not supported with elastic.faultTolerance "
-                "replicaGroups on Kubernetes yet (each group runs at a fixed nodes / groups); leave them unset")
-    return None
-
-
 def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:
     """Kueue's pod-set topology request on the worker template (None: no scheduling.topology)."""
     t = s.scheduling.topology
@@ -230,9 +214,6 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     forbidden = violations(doc.spec, config.policy, config.image)
     if forbidden:
         return Plan(refused="; ".join(forbidden), refused_reason="ForbiddenByPolicy")
-    problem = group_problem(doc.spec)
-    if problem:  # refused whole: never a job that cannot start
-        return Plan(refused=problem, refused_reason="NotSupported")
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:

@@ -57,7 +57,7 @@ def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
         from kiln.trainer.guards.hooks import GuardHooks
 
-        GuardHooks().install(hooks)
+        GuardHooks(health_interval_s=spec_doc.spec.resources.gpu_health_interval_seconds).install(hooks)
     # where a (re)start's seconds go, as epoch times: in the first record of each process (bench_faults)
     startup = {"process_start": process_start_time(), "imports_done": time.time()}
     rank, world, device = init_distributed()

@@ -8,7 +8,7 @@ import os
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 from kiln.trainer.guards.sdc import SDC_INCIDENTS, SdcCheck, SilentDataCorruption
 from kiln.trainer.guards.step import Action, Decision, GuardConfig, StepGuard
@@ -19,9 +19,10 @@ log = logging.getLogger("kiln.guards")
 
 class GuardHooks:
     """StepGuard before the optimizer step, SdcCheck around it (the seal before, the replicas after) and the
-    GPU health probe after it (at this process's first step and every `health_every` steps: local rank 0
-    probes its node, rank 0 gathers every node's entry into the record as `gpu_health`); counters go into
-    the step's metrics record.
+    GPU health probe after it (at this process's first step, then at the end of the first step after each
+    `health_interval_s` seconds on `clock`, so a run of slow steps does not space the probes out: local rank 0
+    probes its node, rank 0 gathers every node's entry into the record as `gpu_health`; 0 turns probes off);
+    counters go into the step's metrics record.
 
     A ROLLBACK decision sets `ctx.rollback = True`; the loop then restores the last commit and keeps its
     data cursor, so the offending data window is skipped. The StepGuard's own state is not rolled back: its
@@ -31,12 +32,13 @@ class GuardHooks:
     and comes back on resume.
     """
 
-    def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100, health_every: int = 100) -> None:
+    def __init__(self, config: GuardConfig | None = None, sdc_every: int = 100, health_interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.guard = StepGuard(config)
         self.sdc = SdcCheck(every=sdc_every)
-        self.health_every = health_every
+        self.health_interval_s, self._clock = health_interval_s, clock
         self._gpus = None  # kiln.trainer.observe.gpu_health.GpuMonitor, opened on first use (on local rank 0)
-        self._probed = False
+        self._probed_at: float | None = None  # this process's clock at its last probe
         self._described = False  # the SDC check says once, at the first step, what it compares
         self._incidents = None  # the checkpoint store the run's SDC mismatches are recorded in (record_incidents)
         self.last: Decision | None = None
@@ -68,9 +70,7 @@ class GuardHooks:
         ctx.record.update(self.sdc.metrics())  # every step: the counts so far (the run's mismatches included)
         if self.sdc.seal_due(ctx.step) and not ctx.rollback:  # a rollback reloads the weights: nothing to seal
             self.sdc.seal(ctx.model_parts, ctx.step, ctx.optimizers)
-        if self.health_every > 0 and (not self._probed or ctx.step % self.health_every == 0):
-            # at this process's first step too: a node that starts unhealthy is known (and left) at once
-            self._probed = True
+        if self._health_due():
             from kiln.trainer.observe.gpu_health import GpuMonitor, expected_gpus, gather, node_name
 
             report = None
@@ -83,6 +83,19 @@ class GuardHooks:
                 ctx.record.update(report.metrics())
             if _is_rank_zero():
                 ctx.record["gpu_health"] = entries  # status.gpuHealth and kiln_gpu_health, every node
+
+    def _health_due(self) -> bool:
+        """At this process's first step (a node that starts unhealthy is known, and left, at once), then once
+        `health_interval_s` has passed. Every rank must probe at the same step (the gather is a collective), and
+        the ranks' clocks and step ends differ: one 1-element all-reduce (MAX) per step makes it every rank's
+        step when any rank's interval has passed; each restarts its interval there."""
+        if self.health_interval_s <= 0:
+            return False
+        now = self._clock()
+        due = _any_rank(self._probed_at is None or now - self._probed_at >= self.health_interval_s)
+        if due:
+            self._probed_at = now
+        return due
 
     def state_dict(self) -> dict[str, Any]:
         return self.guard.state_dict()
@@ -124,6 +137,20 @@ class GuardHooks:
         hooks.after_update.append(self.after_update)
         hooks.incident_stores.append(self.record_incidents)
         hooks.state["guards"] = self
+
+
+def _any_rank(flag: bool) -> bool:
+    """`flag` OR-ed over every rank of the job (this process's alone without a process group)."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.trainer.guards.step import _comm_device
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=_comm_device(None))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _local_rank() -> int:

@@ -8,6 +8,7 @@ global_batch_tokens, tokens_seen, and the step-time breakdown (data_s, fwd_bwd_s
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 import time
@@ -18,32 +19,68 @@ import torch
 from kiln.api import ModelDims
 from kiln.trainer.model.transformer import count_params
 
-# Dense peak throughput of one device, FLOP/s, by (device kind, compute dtype). Vendor datasheet values,
-# without sparsity. No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start
-# would measure the load of whatever else shares the cores (on a shared 2-core machine the same benchmark's
-# median moved 38x between runs, docs/trainer.md), so MFU on CPU would be noise presented as a number.
-# Off this table MFU is reported as absent (None), never against another device's peak.
+# Dense peak throughput of one device, FLOP/s, by (product, compute dtype): vendor datasheet values without
+# sparsity (the datasheets print bf16 with 2:4 sparsity; dense is half of it). Each form factor is its own
+# product, because the same chip runs at other clocks and power in a PCIe card or an NVL pair:
+#   H100 SXM / PCIe / NVL  bf16 1,979 / 1,513 / 1,671 sparse; fp32 67 / 51 / 60     NVIDIA H100 Tensor Core GPU datasheet
+#   H200 SXM / NVL         bf16 1,979 / 1,671 sparse;        fp32 67 / 60          NVIDIA H200 Tensor Core GPU datasheet
+#   A100 40/80 GB SXM/PCIe bf16 312 dense (624 sparse), fp32 19.5, all four         NVIDIA A100 Tensor Core GPU datasheet
+#   L40S                   bf16 733 sparse (362.05 dense); fp32 91.6                NVIDIA L40S datasheet
+#   B200 (HGX, 1,000 W)    bf16 4.5 PFLOP/s sparse per GPU; fp32 75                 NVIDIA HGX B200 / DGX B200 datasheet
+#   MI300X                 bf16 1,307.4 dense (2,614.9 sparse); fp32 163.4          AMD Instinct MI300X datasheet
+# No CPU entry: a CPU has no datasheet peak kiln could know, and a matmul timed at start would measure the load of
+# whatever else shares the cores (on a shared 2-core machine the same benchmark's median moved 38x between runs,
+# docs/trainer.md), so MFU on CPU would be noise presented as a number. A device whose name does not identify
+# one product here (an H800, a GH200, an L40 without the S, an H100 whose form factor the name does not say)
+# gets no MFU (None), never another device's peak.
 PEAK_FLOPS = {
-    ("h200", "bf16"): 989e12,
-    ("h100", "bf16"): 989e12,
-    ("a100", "bf16"): 312e12,
-    ("l40s", "bf16"): 362e12,
-    ("h200", "fp32"): 67e12,
-    ("h100", "fp32"): 67e12,
-    ("a100", "fp32"): 19.5e12,
-    ("l40s", "fp32"): 91.6e12,
+    ("h100-sxm", "bf16"): 989.5e12, ("h100-sxm", "fp32"): 67e12,
+    ("h100-pcie", "bf16"): 756.5e12, ("h100-pcie", "fp32"): 51e12,
+    ("h100-nvl", "bf16"): 835.5e12, ("h100-nvl", "fp32"): 60e12,
+    ("h200-sxm", "bf16"): 989.5e12, ("h200-sxm", "fp32"): 67e12,
+    ("h200-nvl", "bf16"): 835.5e12, ("h200-nvl", "fp32"): 60e12,
+    ("a100-40gb-sxm", "bf16"): 312e12, ("a100-40gb-sxm", "fp32"): 19.5e12,
+    ("a100-80gb-sxm", "bf16"): 312e12, ("a100-80gb-sxm", "fp32"): 19.5e12,
+    ("a100-40gb-pcie", "bf16"): 312e12, ("a100-40gb-pcie", "fp32"): 19.5e12,
+    ("a100-80gb-pcie", "bf16"): 312e12, ("a100-80gb-pcie", "fp32"): 19.5e12,
+    ("l40s", "bf16"): 362.05e12, ("l40s", "fp32"): 91.6e12,
+    ("b200", "bf16"): 2250e12, ("b200", "fp32"): 75e12,
+    ("mi300x", "bf16"): 1307.4e12, ("mi300x", "fp32"): 163.4e12,
 }
+
+# The device name (torch.cuda.get_device_name: nvidia-smi's name, ROCm's marketing name) → product. Every
+# pattern must match and the product must be the only one matched; whole words only, so "GH200" is not an H200,
+# "GB200" not a B200 and "L40" not an L40S.
+_PRODUCTS = (
+    ("h100-pcie", (r"\bH100\b", r"\bPCIe\b")),
+    ("h100-nvl", (r"\bH100\b", r"\bNVL\b")),
+    ("h100-sxm", (r"\bH100\b", r"\b(SXM5?|80GB HBM3)\b")),  # the SXM5 part reports "NVIDIA H100 80GB HBM3"
+    ("h200-nvl", (r"\bH200\b", r"\bNVL\b")),
+    ("h200-sxm", (r"^NVIDIA H200( SXM\w*)?( 141GB)?$",)),  # the SXM part reports plain "NVIDIA H200"
+    ("a100-40gb-sxm", (r"\bA100\b", r"\bSXM4?\b", r"\b40GB\b")),
+    ("a100-80gb-sxm", (r"\bA100\b", r"\bSXM4?\b", r"\b80GB\b")),
+    ("a100-40gb-pcie", (r"\bA100\b", r"\bPCIe\b", r"\b40GB\b")),
+    ("a100-80gb-pcie", (r"\bA100\b", r"\bPCIe\b", r"\b80GB\b")),
+    ("l40s", (r"\bL40S\b",)),
+    ("b200", (r"^NVIDIA B200$",)),
+    ("mi300x", (r"\bMI300X\b",)),
+)
+
+
+def product(name: str) -> str | None:
+    """The one product of PEAK_FLOPS a device name identifies, or None (unknown, or more than one fits)."""
+    # "A100-SXM4-80GB": hyphens separate words in some names.
+    words = name.replace("-", " ")
+    found = [p for p, patterns in _PRODUCTS if all(re.search(pat, words, re.IGNORECASE) for pat in patterns)]
+    return found[0] if len(found) == 1 else None
 
 
 def device_kind(device: torch.device) -> str:
-    """'h200', 'h100', 'a100', ... from the CUDA device name; 'cpu' off-GPU; the full name when unknown."""
+    """'h100-pcie', 'a100-80gb-sxm', ... from the CUDA device name; 'cpu' off-GPU; the full name when unknown."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for kind in ("h200", "h100", "a100", "l40s"):
-        if kind in name:
-            return kind
-    return name
+    name = torch.cuda.get_device_name(device)
+    return product(name) or name
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:

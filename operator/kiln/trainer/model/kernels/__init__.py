@@ -1,7 +1,8 @@
 """Fused kernels behind one switch: Triton on CUDA, the reference (under torch.compile) elsewhere.
 
 Public ops: rms_norm, swiglu, geglu (reference only), apply_rope, fused_linear_cross_entropy. In mode "fused"
-(the default) an op runs its Triton kernel when every tensor argument is a plain CUDA tensor and Triton imports; DTensors
+(the default) an op runs its Triton kernel when every tensor argument is a plain CUDA tensor (a plain CPU tensor
+under Triton's interpreter, TRITON_INTERPRET=1: a test seam) and Triton imports; DTensors
 (tensor parallel), CPU tensors and shapes the kernels do not cover take the plain PyTorch reference,
 which the model's per-block `torch.compile` fuses. `set_mode("reference")` forces the reference
 everywhere (the `parallelism.kernels` field of the spec).
@@ -9,6 +10,7 @@ everywhere (the `parallelism.kernels` field of the spec).
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -32,9 +34,16 @@ def get_mode() -> str:
     return _MODE
 
 
+def _kernel_device() -> str:
+    """The device whose plain tensors the Triton kernels take: CUDA; the CPU when Triton's interpreter is on
+    (TRITON_INTERPRET=1 from the process's start, as Triton requires): tests run the kernels inside real
+    training steps that way (tests/distributed/test_kernels_in_step.py). Slow; never for training."""
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
 def _load_triton_ops() -> tuple[ModuleType | None, str]:
     """The Triton ops, or None and why not."""
-    if not torch.cuda.is_available():  # CPU-only: never import triton (the reference serves every call)
+    if _KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():  # never import triton: the reference serves
         return None, "no CUDA device"
     try:
         from kiln.trainer.model.kernels import triton as triton_ops
@@ -44,6 +53,7 @@ def _load_triton_ops() -> tuple[ModuleType | None, str]:
 
 
 # Resolved once at import, not per call, so that the model's torch.compile traces a plain global read.
+_KERNEL_DEVICE = _kernel_device()
 _TRITON_OPS, _NO_TRITON_WHY = _load_triton_ops()
 
 
@@ -59,12 +69,15 @@ def describe(device: torch.device, *, tensor_parallel: int = 1, dim: int = 0, co
     reference_is = "the PyTorch reference" + (" under torch.compile" if compiled else " (eager)")
     if _MODE != "fused":
         why = "parallelism.kernels is reference"
-    elif device.type != "cuda":
+    elif device.type != _KERNEL_DEVICE:
         why = f"the run is on {device.type.upper()}"
     elif _TRITON_OPS is None:
         why = _NO_TRITON_WHY
-    elif tensor_parallel > 1:
-        why = f"tensor parallel ({tensor_parallel}) passes DTensors, which only the reference takes"
+    elif tensor_parallel > 1:  # tests/distributed/test_kernels_in_step.py observes this split call by call
+        gated = "swiglu and " if (arch or Arch()).activation == "silu" else ""
+        return (f"kernels: Triton for {gated}apply_rope (each rank's local shard); rms_norm: {reference_is}, "
+                f"because tensor parallel ({tensor_parallel}) passes it sequence-sharded DTensors; the loss from "
+                "the logits")
     elif dim > _TRITON_OPS.MAX_FUSED_COLS:
         return (f"kernels: Triton, except rms_norm: {reference_is} (dim {dim} > {_TRITON_OPS.MAX_FUSED_COLS} "
                 f"columns)")
@@ -90,7 +103,7 @@ def _fused(*tensors: torch.Tensor) -> ModuleType | None:
     if _MODE != "fused":
         return None
     # Exact types: tensor subclasses (DTensor, other wrappers) are handled only by the reference.
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda for t in tensors):
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == _KERNEL_DEVICE for t in tensors):
         return None
     return _TRITON_OPS
 

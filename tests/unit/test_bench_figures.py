@@ -1,0 +1,71 @@
+"""Benchmark figures quoted in docs/ can be checked from the repository: every figure table in a section about
+a benchmark names the JSON it comes from, kept under docs/bench/ (tests.bench.report.KEPT_DIR), or says in
+its section that the JSON was not kept; every kept file a doc names exists and says where it was measured."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+BENCH = re.compile(r"tests\.bench\.|tests/bench/|bench_\w+|runs/bench/")
+KEPT = re.compile(r"docs/bench/([\w.-]+\.json)")
+NOT_KEPT = "JSON not kept"
+
+
+def sections(path: Path) -> list[tuple[str, str]]:
+    """(heading, text) of each section of a Markdown file, split at headings outside code blocks."""
+    out, heading, lines, fenced = [], path.name, [], False
+    for line in path.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and line.startswith("#"):
+            out.append((heading, "\n".join(lines)))
+            heading, lines = f"{path.name}: {line.strip('# ')}", []
+        lines.append(line)
+    out.append((heading, "\n".join(lines)))
+    return out
+
+
+def figure_tables(text: str) -> list[str]:
+    """The Markdown tables of `text` with a digit in a body row."""
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.lstrip().startswith("|"):
+            rows.append(line)
+            continue
+        if len(rows) > 2 and any(re.search(r"\d", r) for r in rows[2:]):
+            tables.append("\n".join(rows))
+        rows = []
+    return tables
+
+
+BENCH_SECTIONS = [(h, t) for p in DOCS for h, t in sections(p) if BENCH.search(t) and figure_tables(t)]
+
+
+def test_there_are_benchmark_tables_to_check():
+    assert len(BENCH_SECTIONS) >= 5  # the parser finds the docs' benchmark tables (it would pass vacuously)
+
+
+@pytest.mark.parametrize("heading,text", BENCH_SECTIONS, ids=[h for h, _ in BENCH_SECTIONS])
+def test_each_benchmark_table_names_a_kept_json_or_says_it_is_not_kept(heading, text):
+    kept = KEPT.findall(text)
+    assert kept or NOT_KEPT in text, f"{heading}: name the docs/bench/<name>.json its figures come from"
+    for name in kept:
+        assert (ROOT / "docs" / "bench" / name).is_file(), f"{heading}: docs/bench/{name} is not in the repository"
+
+
+@pytest.mark.parametrize("path", sorted({m for p in DOCS for m in KEPT.findall(p.read_text())}) or ["(none)"])
+def test_every_kept_json_says_where_it_was_measured(path):
+    if path == "(none)":
+        pytest.skip("no kept benchmark JSON is named in docs/ yet")
+    result = json.loads((ROOT / "docs" / "bench" / path).read_text())
+    if "provenance" in result:  # tests/bench/report.py's
+        prov = result["provenance"]
+        commit, cpus, load = prov["commit"], prov["machine"]["cpus"], prov["machine"]["load_average_1_5_15"]["before"]
+    else:  # written before the shared provenance, with the same facts at the top (bench_plan)
+        commit, cpus, load = result["commit"], result["cpus"], result["load_average_1m"]["start"]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit) and cpus >= 1 and load, path
