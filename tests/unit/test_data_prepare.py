@@ -157,6 +157,8 @@ def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenize
     assert resumed.removed == whole.removed == {"duplicate": 5}
     for a, b in zip(whole.shards, resumed.shards, strict=True):
         assert np.array_equal(np.load(tmp_path / "whole" / a["name"]), np.load(out / b["name"]))
+        docs = a["name"].replace("tokens-", "docs-").replace(".npy", ".idx")  # document starts carried over too
+        assert np.array_equal(np.load(tmp_path / "whole" / docs), np.load(out / docs))
     # another run's settings are not mixed into an interrupted folder
     (out / "manifest.json").unlink()
     (out / "progress.json").write_text(json.dumps({"settings": {}, "shards": [], "kept_documents": 0, "carry": []}))

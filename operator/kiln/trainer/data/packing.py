@@ -1,6 +1,6 @@
 """Packed rows (data.packing): whole documents, several to a row, instead of fixed windows that cut through them.
 
-A folder of token shards is one stream of tokens in file-name order; `docs-N.npy` beside `tokens-N.npy` (kiln data
+A folder of token shards is one stream of tokens in file-name order; `docs-N.idx` beside `tokens-N.npy` (kiln data
 prepare writes it) lists where each document starts in that shard, so a document may run on into the next shard.
 
 Pieces: a text document of n tokens longer than a row (seq_len + 1 tokens) is cut into pieces of at most
@@ -29,15 +29,16 @@ import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.trainer.data.shards import DOCS_PREFIX, DOCS_SUFFIX, TOKENS_PREFIX
 from kiln.trainer.model.loss import IGNORE
 
 
-def document_starts(uri: str, files: list[Path], sizes: list[int], docs_prefix: str, tokens_prefix: str) -> np.ndarray:
+def document_starts(uri: str, files: list[Path], sizes: list[int]) -> np.ndarray:
     """The global token offsets at which documents start, from each shard's docs file (sorted offsets within the
     shard); KilnError naming the file when one is missing or not a sorted list of offsets inside its shard."""
     starts, offset = [np.zeros(1, dtype=np.int64)], 0
     for f, size in zip(files, sizes):
-        docs_file = f.with_name(docs_prefix + f.name.removeprefix(tokens_prefix)).with_suffix(".npy")
+        docs_file = f.with_name(DOCS_PREFIX + f.name.removeprefix(TOKENS_PREFIX)).with_suffix(DOCS_SUFFIX)
         if not docs_file.exists():
             raise KilnError(f"data.uri {uri}: {f.name} has no {docs_file.name}: data.packing needs the document "
                             "boundaries that kiln data prepare writes; prepare the folder again")
