@@ -50,7 +50,7 @@ def test_pack_row_targets_stay_inside_each_document():
     inputs, targets, doc_ids = pack_row([np.array([5, 6, 7]), np.array([8, 9])], None, 8)
     assert inputs.tolist() == [5, 6, 7, 8, 9, 0, 0]
     assert targets.tolist() == [6, 7, IGNORE, 9, IGNORE, IGNORE, IGNORE]  # no target across a boundary or in padding
-    assert doc_ids.tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert doc_ids.tolist() == [0, 0, 0, 1, 1, -1, -1]  # padding: a document of its own
 
 
 def test_packed_logits_and_loss_equal_the_documents_run_one_by_one(model):

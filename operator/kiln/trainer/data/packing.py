@@ -16,8 +16,8 @@ world size, sees the same rows. Every epoch visits the same rows, in a new order
 
 A row (`pack_row`): the pieces back to back, then padding (token 0) to seq_len + 1 tokens; inputs are tokens
 0..seq_len-1, targets tokens 1..seq_len. A target carries loss only inside its own piece (and, for chat, when it is
-the assistant's): the last token of a piece predicts nothing, padding neither. Each piece has its own document id,
-the padding one more, which the model's attention keeps apart (kiln.trainer.model.documents).
+the assistant's): the last token of a piece predicts nothing, padding neither. Each piece has its own document id
+(0, 1, ...) and the padding PAD_DOC, which the model's attention keeps apart (kiln.trainer.model.documents).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 from kiln.errors import KilnError
 from kiln.trainer.data.shards import DOCS_PREFIX, DOCS_SUFFIX, TOKENS_PREFIX
 from kiln.trainer.model.loss import IGNORE
+
+PAD_DOC = -1  # the document id of a row's padding: a document of its own, so every query sees at least itself
 
 
 def document_starts(uri: str, files: list[Path], sizes: list[int]) -> np.ndarray:
@@ -108,7 +110,7 @@ def pack_row(tokens: list[np.ndarray], masks: list[np.ndarray] | None, capacity:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, doc_ids), each of capacity - 1, from the pieces' tokens (and chat loss masks)."""
     row = np.zeros(capacity, dtype=np.int64)
-    docs = np.full(capacity, len(tokens), dtype=np.int64)  # padding: a document of its own
+    docs = np.full(capacity, PAD_DOC, dtype=np.int64)
     keep = np.zeros(capacity, dtype=np.bool_)  # keep[i]: token i is a target that carries loss
     at = 0
     for k, piece in enumerate(tokens):
