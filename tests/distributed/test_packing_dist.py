@@ -12,24 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.layout_grads import assert_layouts_match, layout_grads, reference_model
 from tests.distributed.ranks import run_ranks
 from tests.distributed.trainer_helpers import MICRO_MODEL
 
 pytestmark = [pytest.mark.distributed]
 
-LAYOUTS = {"dp2-fsdp-accum2": {"fsdp": True}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
 GLOBAL_BATCH, MICRO_BATCH, SEED = 8, 2, 5
-
-
-def spec(parallelism: dict):
-    from kiln.api import TrainingSpec
-
-    return TrainingSpec.model_validate({
-        "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "p"},
-        "spec": {"model": MICRO_MODEL, "training": {"globalBatchSize": GLOBAL_BATCH, "microBatchSize": MICRO_BATCH,
-                                                    "precision": "fp32", "seed": SEED},
-                 "parallelism": {"compile": False, **parallelism}, "resources": {"processesPerNode": 2}},
-    }).spec
 
 
 def documents(vocab: int, seq: int) -> list[np.ndarray]:
@@ -49,58 +38,12 @@ def packed_batch(vocab: int, seq: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.stack(parts) for parts in zip(*rows[:GLOBAL_BATCH]))
 
 
-def layout_grads(rank: int, world: int, out: str) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    from kiln.trainer.model import hf_folder as hf
-    from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss
-    from kiln.trainer.model.transformer import build_model, cross_entropy
-    from kiln.trainer.parallel.microbatches import pipeline_step
-    from kiln.trainer.parallel.parallelize import (build_mesh, build_pipeline_schedule, dp_coordinates, parallelize,
-                                                   plan_layout)
-    from kiln.trainer.run import accumulate_step
-
-    losses = {}
-    for name, parallelism in LAYOUTS.items():
-        s = spec(parallelism)
-        dims = hf.resolve_dims(s)
-        layout = plan_layout(s, dims, world)
-        mesh = build_mesh(layout, "cpu")
-        model = parallelize(build_model(dims), mesh, layout, s)
-        model.to_empty(device="cpu")
-        model.init_weights(SEED)
-        dp_rank, dp_size = dp_coordinates(mesh)
-        rows = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
-        inputs, targets, doc_ids = (t[rows] for t in packed_batch(dims.vocab_size, dims.seq_len))
-        denominator = global_count(targets, layout)
-        pp_rank = mesh["pp"].get_local_rank()
-        is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1
-        if layout.pp > 1:
-            pp_loss = PipelineLoss(cross_entropy, layout)
-            pp_loss.denominator = denominator
-            schedule = build_pipeline_schedule(model, mesh, layout, torch.device("cpu"), pp_loss)
-            local = pipeline_step(schedule, inputs, targets, is_first, is_last, doc_ids=doc_ids)
-        else:
-            local = accumulate_step(model, inputs, targets, layout, denominator, doc_ids)
-        losses[name] = global_loss(local if is_last and mesh["tp"].get_local_rank() == 0 else None, layout,
-                                   torch.device("cpu"))
-        grads = {pname: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for pname, p in model.named_parameters()}
-        torch.save(grads, f"{out}/{name}-{rank}.pt")
-    return losses
-
-
 def one_by_one() -> tuple[float, dict[str, torch.Tensor]]:
     """One process: each document of the packed batch alone; the loss is the sum of every prediction's
     cross-entropy over their count."""
-    from kiln.trainer.model import hf_folder as hf
     from kiln.trainer.model.loss import IGNORE
-    from kiln.trainer.model.transformer import build_model
 
-    dims = hf.resolve_dims(spec({}))
-    model = build_model(dims)
-    model.to_empty(device="cpu")
-    model.init_weights(SEED)
+    model, dims = reference_model(GLOBAL_BATCH, MICRO_BATCH, SEED)
     inputs, targets, doc_ids = packed_batch(dims.vocab_size, dims.seq_len)
     total, count = torch.zeros(()), 0
     for row in range(GLOBAL_BATCH):
@@ -119,16 +62,10 @@ def one_by_one() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def test_packed_gradient_equals_the_documents_one_by_one_in_every_layout(tmp_path):
-    losses = run_ranks(layout_grads, 2, tmp_path, str(tmp_path), start="spawn")
+    losses = run_ranks(layout_grads, 2, tmp_path, str(tmp_path), packed_batch, GLOBAL_BATCH, MICRO_BATCH, SEED,
+                       start="spawn")
     want_loss, want = one_by_one()
-    for name in LAYOUTS:
-        assert losses[0][name] == losses[1][name] == pytest.approx(want_loss, rel=1e-5), name
-        got = {}
-        for rank in range(2):  # a pipeline stage holds only its own layers: the union covers the model
-            got.update(torch.load(tmp_path / f"{name}-{rank}.pt"))
-        assert got.keys() == want.keys(), name
-        for pname, g in want.items():
-            torch.testing.assert_close(got[pname], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {pname}: {m}")
+    assert_layouts_match(losses, tmp_path, want_loss, want)
 
 
 def test_kiln_train_with_packing_gives_the_same_losses_on_one_and_two_ranks(tmp_path):
