@@ -17,9 +17,8 @@ from kiln.trainer.data.loader import GlobalBatchLoader, open_source
 from kiln.trainer.data.packing import plan_rows
 from kiln.trainer.data.prepare import prepare
 from kiln.trainer.model.loss import IGNORE
-from tests.chat_models import save_chat_folder
+from tests.chat_models import save_chat_folder, transformers_encoding
 from tests.hf_models import make_tokenizer
-from tests.unit.test_chat import transformers_encoding
 
 
 @pytest.fixture(scope="module")
