@@ -162,3 +162,24 @@ def test_unprepared_or_damaged_boundaries_and_unpackable_uris_are_refused(tmp_pa
                                      "metadata": {"name": "p"},
                                      "spec": {"model": {"preset": "tiny"}, "data": {"uri": "synthetic", "packing": True}}})
     assert "spec.data.packing: data.packing packs the documents of shards prepared with kiln data prepare" in str(err.value)
+
+
+def test_mixed_sources_pack_each_source_and_keep_the_mix(tmp_path):
+    """data.sources with packing: each source's rows are its own documents, drawn in the mix's proportions."""
+    from kiln.api.spec import DataSpec
+    from kiln.trainer.data.loader import open_data
+
+    for name, fill, length in (("web", 1, 5), ("code", 2, 7)):  # 60 documents of one token value each
+        (tmp_path / name).mkdir()
+        np.save(tmp_path / name / "tokens-00000.npy", np.full(60 * length, fill, dtype=np.uint16))
+        with open(tmp_path / name / "docs-00000.idx", "wb") as f:
+            np.save(f, np.arange(0, 60 * length, length))
+    data = DataSpec.model_validate({"packing": True, "sources": [{"uri": f"file://{tmp_path}/web/", "weight": 1},
+                                                                 {"uri": f"file://{tmp_path}/code/", "weight": 1}]})
+    loader = GlobalBatchLoader(open_data(data, seq_len=15, vocab_size=8, seed=0), seed=0)
+    inputs, targets, doc_ids = loader.next_batch(1000)
+    for row_inputs, row_docs in zip(inputs, doc_ids):
+        real = row_inputs[row_docs != -1]
+        assert len(set(real.tolist())) == 1  # one source's documents per row
+        assert len(real) == {1: 15, 2: 14}[int(real[0])]  # three of 5 tokens (+ 1 padding), two of 7
+    assert loader.mix() == {f"file://{tmp_path}/web/": 0.5, f"file://{tmp_path}/code/": 0.5}
