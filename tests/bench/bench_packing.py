@@ -2,11 +2,12 @@
 in the same run on the same model, data and machine.
 
 Conversations: pydoc paragraphs (the English help text that ships with Python), each a user turn (the first 40
-characters of a paragraph's first line) and an assistant turn (the paragraph, cut to --max-words words), rendered and masked by
-`kiln data prepare --format chat` with the test tokenizer and Llama-3-style template of tests/chat_models.py; the
-median conversation must be under a quarter of --seq-len (checked, reported). Both ways train the same kiln
-Transformer (fp32, AdamW) on rows of seq_len tokens, --batch rows a step, for --steps timed steps after one
-untimed one, alternating between the two ways --repeats times so the machine's load falls on both alike:
+characters of a paragraph's first line) and an assistant turn (the paragraph, cut to --max-words words), rendered
+and masked by `kiln data prepare --format chat` with the test tokenizer and Llama-3-style template of
+tests/chat_models.py; the median conversation must be under a quarter of --seq-len (checked, reported). Both ways
+train the same kiln Transformer (fp32, AdamW) on rows of seq_len tokens, --batch rows a step, for --steps timed
+steps after one untimed one, alternating between the two ways --repeats times so the machine's load falls on both
+alike:
 
 - padding: one conversation per row, the rest padding (no loss on it; plain causal attention);
 - packing: the loader's packed rows (kiln.trainer.data.packing: whole conversations, best-fit decreasing), with

@@ -1,7 +1,7 @@
 """The loss-normalisation tests' worker (chat masks, packed rows): one global batch through the trainer's own step
-functions (kiln.trainer.run `accumulate_step`, kiln.trainer.parallel.microbatches `pipeline_step`, kiln.trainer.model.loss)
-in each of LAYOUTS on two real gloo ranks, each rank saving the full gradients it holds by parameter name; and
-the check that every layout gave the single-process reference's loss and gradients."""
+functions (kiln.trainer.run `accumulate_step`, kiln.trainer.parallel.microbatches `pipeline_step`,
+kiln.trainer.model.loss) in each of LAYOUTS on two real gloo ranks, each rank saving the full gradients it holds by
+parameter name; and the check that every layout gave the single-process reference's loss and gradients."""
 
 from __future__ import annotations
 

@@ -159,9 +159,9 @@ def test_unprepared_or_damaged_boundaries_and_unpackable_uris_are_refused(tmp_pa
         open_source(f"file://{folder}", seq_len=8, vocab_size=400, seed=0, packing=True)
     with pytest.raises(Exception) as err:
         TrainingSpec.model_validate({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
-                                     "metadata": {"name": "p"},
-                                     "spec": {"model": {"preset": "tiny"}, "data": {"uri": "synthetic", "packing": True}}})
-    assert "spec.data.packing: data.packing packs the documents of shards prepared with kiln data prepare" in str(err.value)
+                                     "metadata": {"name": "p"}, "spec": {"data": {"uri": "synthetic", "packing": True}}})
+    assert "spec.data.packing: data.packing packs the documents of shards prepared with kiln data prepare" \
+        in str(err.value)
 
 
 def test_mixed_sources_pack_each_source_and_keep_the_mix(tmp_path):

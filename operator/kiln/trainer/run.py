@@ -343,7 +343,7 @@ class Run:
         timer.mark("data_s")
         lr = lr_at(step, tr)
         set_lr(self.optimizer, lr)
-        # chat data, packed rows: the loss is the mean over the global batch's loss-carrying tokens (kiln.trainer.model.loss)
+        # chat data, packed rows: the mean over the global batch's loss-carrying tokens (kiln.trainer.model.loss)
         denominator = global_count(targets, layout) if self.loader.masked else None
         local_loss = self._forward_backward(inputs, targets, denominator, *doc_ids)
         timer.mark("fwd_bwd_s")

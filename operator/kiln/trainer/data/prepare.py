@@ -8,11 +8,11 @@ normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filte
 an undecodable or unparsable line: counted, never a crash), deduplicated (exactly by sha256 of the normalised
 text; with dedup minhash also near-duplicates, `NearDuplicates`), tokenized in batches with the `tokenizers`
 library (its batch encoding runs on every core, in a background thread while the next batch is read) and
-appended, with an optional end-of-document token, to
-`tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the vocabulary fits, else uint32), each with a
-`docs-NNNNN.idx` of the offsets where its documents start (data.packing packs whole documents by them). `manifest.json`, written last, counts documents in and out, tokens, what each
-filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
-of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
+appended, with an optional end-of-document token, to `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when
+the vocabulary fits, else uint32), each with a `docs-NNNNN.idx` of the offsets where its documents start
+(data.packing packs whole documents by them). `manifest.json`, written last, counts documents in and out, tokens,
+what each filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A
+rerun of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
 
 Chat data (format "chat"): each .jsonl line's or .parquet row's `messages` is a conversation of {role, content}
 messages (contents normalised as above); it is rendered with the tokenizer's chat template, and each shard gets a
