@@ -76,11 +76,9 @@ def test_kiln_train_with_packing_gives_the_same_losses_on_one_and_two_ranks(tmp_
     from kiln.trainer.data.loader import GlobalBatchLoader, open_source
     from kiln.trainer.data.prepare import prepare
     from tests.distributed.trainer_helpers import torchrun_train, write_spec
-    from tests.hf_models import make_tokenizer
+    from tests.hf_models import save_eos_tokenizer
 
-    tok = make_tokenizer()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(tmp_path / "tokenizer.json"))
+    save_eos_tokenizer(tmp_path / "tokenizer.json")
     (tmp_path / "src").mkdir()
     texts = [f"Note {i}: " + "a short document about packing " * (i % 5) for i in range(200)]
     (tmp_path / "src" / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))

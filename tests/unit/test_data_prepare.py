@@ -14,16 +14,12 @@ from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.trainer.data.loader import open_source
 from kiln.trainer.data.prepare import normalise, prepare, token_dtype
-from tests.hf_models import make_tokenizer
+from tests.hf_models import save_eos_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = make_tokenizer()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(path))
-    return path
+    return save_eos_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def corpus(folder):

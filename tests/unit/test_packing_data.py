@@ -18,16 +18,12 @@ from kiln.trainer.data.packing import plan_rows
 from kiln.trainer.data.prepare import prepare
 from kiln.trainer.model.loss import IGNORE
 from tests.chat_models import save_chat_folder, transformers_encoding
-from tests.hf_models import make_tokenizer
+from tests.hf_models import save_eos_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = make_tokenizer()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(path))
-    return path
+    return save_eos_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 TEXTS = [f"Document {i}: " + "the loader packs whole documents " * (i % 7) + "and stops." for i in range(30)]
