@@ -179,3 +179,19 @@ def test_mixed_sources_pack_each_source_and_keep_the_mix(tmp_path):
         assert len(set(real.tolist())) == 1  # one source's documents per row
         assert len(real) == {1: 15, 2: 14}[int(real[0])]  # three of 5 tokens (+ 1 padding), two of 7
     assert loader.mix() == {f"file://{tmp_path}/web/": 0.5, f"file://{tmp_path}/code/": 0.5}
+
+
+def test_shards_fetched_from_a_store_bring_their_document_starts(tmp_path, tokenizer_file):
+    """fetch_shards (what an s3:// data.uri goes through) copies docs-N.idx with the shards; here from a file:// store."""
+    from kiln.trainer.data.loader import fetch_shards
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
+    prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / 'out'}",
+            shard_tokens=100, log=lambda m: None)
+    cached = fetch_shards(f"file://{tmp_path / 'out'}/", cache_root=str(tmp_path / "cache"))
+    assert sorted(p.name for p in cached.glob("docs-*.idx")) == sorted(p.name for p in (tmp_path / "out").glob("docs-*"))
+    rows = open_source(str(cached), seq_len=32, vocab_size=400, seed=0, packing=True)
+    direct = open_source(f"file://{tmp_path / 'out'}", seq_len=32, vocab_size=400, seed=0, packing=True)
+    assert len(rows) == len(direct) and all(torch.equal(a, b) for a, b in zip(rows.row(0), direct.row(0)))
