@@ -155,7 +155,8 @@ def test_unprepared_or_damaged_boundaries_and_unpackable_uris_are_refused(tmp_pa
         open_source(f"file://{folder}", seq_len=8, vocab_size=400, seed=0, packing=True)
     with pytest.raises(Exception) as err:
         TrainingSpec.model_validate({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
-                                     "metadata": {"name": "p"}, "spec": {"data": {"uri": "synthetic", "packing": True}}})
+                                     "metadata": {"name": "p"},
+                                     "spec": {"data": {"uri": "synthetic", "packing": True}}})
     assert "spec.data.packing: data.packing packs the documents of shards prepared with kiln data prepare" \
         in str(err.value)
 
@@ -182,7 +183,7 @@ def test_mixed_sources_pack_each_source_and_keep_the_mix(tmp_path):
 
 
 def test_shards_fetched_from_a_store_bring_their_document_starts(tmp_path, tokenizer_file):
-    """fetch_shards (what an s3:// data.uri goes through) copies docs-N.idx with the shards; here from a file:// store."""
+    """fetch_shards (what an s3:// data.uri goes through) copies docs-N.idx with the shards (from a file:// store)."""
     from kiln.trainer.data.loader import fetch_shards
 
     src = tmp_path / "src"
@@ -191,7 +192,8 @@ def test_shards_fetched_from_a_store_bring_their_document_starts(tmp_path, token
     prepare([str(src)], tokenizer_uri=f"file://{tokenizer_file}", output=f"file://{tmp_path / 'out'}",
             shard_tokens=100, log=lambda m: None)
     cached = fetch_shards(f"file://{tmp_path / 'out'}/", cache_root=str(tmp_path / "cache"))
-    assert sorted(p.name for p in cached.glob("docs-*.idx")) == sorted(p.name for p in (tmp_path / "out").glob("docs-*"))
+    written = sorted(p.name for p in (tmp_path / "out").glob("docs-*"))
+    assert written and sorted(p.name for p in cached.glob("docs-*.idx")) == written
     rows = open_source(str(cached), seq_len=32, vocab_size=400, seed=0, packing=True)
     direct = open_source(f"file://{tmp_path / 'out'}", seq_len=32, vocab_size=400, seed=0, packing=True)
     assert len(rows) == len(direct) and all(torch.equal(a, b) for a, b in zip(rows.row(0), direct.row(0)))
