@@ -84,8 +84,11 @@ def plan_rows(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray
     rooms: list[int] = []  # the distinct room sizes that open rows have, sorted
     open_rows: dict[int, list[int]] = {}  # room -> rows with that much room
     row_of = np.empty(n, dtype=np.int64)
-    rows = 0
-    for piece, length in zip(placing.tolist(), lengths[placing].tolist()):
+    # Pieces that leave no room for another (a long document's full pieces) each open a row, and come first:
+    # placed at once, as the loop would place them; the loop sees only the pieces that share rows.
+    rows = int(np.count_nonzero(lengths > capacity - 2))
+    row_of[placing[:rows]] = np.arange(rows)
+    for piece, length in zip(placing[rows:].tolist(), lengths[placing[rows:]].tolist()):
         i = bisect.bisect_left(rooms, length)
         if i < len(rooms):  # the least room that fits
             room = rooms[i]
