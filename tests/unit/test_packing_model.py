@@ -99,3 +99,26 @@ def test_flex_block_mask_keeps_the_dense_masks_rule():
     dense = attend(q, k, v, docs=dense_mask(doc_ids))
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dense[1], attend(q, k, v)[1], atol=1e-6, rtol=1e-6)  # one document: causal
+
+
+def test_packed_rows_keep_a_familys_sliding_window_and_soft_capping():
+    """A Gemma-2-like model (sliding layers with a window shorter than a document, soft-capped scores and logits,
+    its own local RoPE base): packed logits still equal each document run alone."""
+    from kiln.api.presets import Arch
+
+    arch = Arch(family="gemma2", sliding_window=4, sliding_layers=(0,), attn_softcap=20.0, final_softcap=10.0,
+                local_rope_theta=1000.0, sandwich_norm=True, norm_offset=1.0, embed_scale=True)
+    dims = DIMS.model_copy(update={"arch": arch})
+    torch.manual_seed(0)
+    m = build_model(dims)
+    m.to_empty(device="cpu")
+    m.init_weights(0)
+    docs = documents(1)
+    inputs, _, doc_ids = packed(docs)
+    with torch.no_grad():
+        logits = m(inputs, doc_ids=doc_ids)[0]
+        at = 0
+        for doc in docs:
+            ref = m(torch.from_numpy(doc)[None, :-1])[0]
+            torch.testing.assert_close(logits[at:at + len(doc) - 1], ref, atol=1e-5, rtol=1e-5)
+            at += len(doc)
