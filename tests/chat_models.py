@@ -45,3 +45,12 @@ def save_chat_folder(folder: Path, template: str | None = LLAMA3_STYLE) -> Path:
         config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def transformers_encoding(folder, conversation) -> tuple[list[int], list[int]]:
+    """(input_ids, assistant_masks) as transformers computes them (it needs the {% generation %} template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    out = tok.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])

@@ -76,6 +76,14 @@ def make_tokenizer(vocab: int = VOCAB):
     return tok
 
 
+def save_eos_tokenizer(path: Path) -> Path:
+    """make_tokenizer() with an `<eos>` special token (kiln data prepare --eos), saved as tokenizer.json at `path`."""
+    tok = make_tokenizer()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(path))
+    return path
+
+
 def save_model(folder: Path, variant: str = "gqa", *, seed: int = 0, tokenizer=True, config_overrides=None,
                **save_kwargs):
     """A random model saved to folder (with tokenizer.json unless tokenizer=False): a LlamaForCausalLM of

@@ -150,6 +150,8 @@ def specs(draw) -> dict:
         tokenizer = draw(st.sampled_from([None, "byte", "s3://m/llama/"]))
         if tokenizer:
             spec["data"]["tokenizer"] = tokenizer
+    if draw(st.booleans()):  # packed rows: folders only
+        spec["data"]["packing"] = draw(st.booleans())
     if draw(st.booleans()):
         spec["elastic"] = {"minNodes": draw(st.integers(1, 4)), "maxNodes": draw(st.integers(1, 6))}
         if draw(st.booleans()):

@@ -85,6 +85,7 @@ INVALID = [
      "renders conversations with a chat template"),
     ({"data": {"format": "chat", "sources": [{"uri": "synthetic", "weight": 1}], "tokenizer": "s3://m/llama/"}},
      "spec.data.format:", "must be a folder"),
+    ({"data": {"packing": True, "uri": "builtin:pydoc"}}, "spec.data.packing:", "must be a folder"),
     ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 4}}, "spec.elastic.faultTolerance.groups:",
      "must divide the data-parallel size"),
     ({"elastic.faultTolerance": {"mode": "replicaGroups", "groups": 2}, "elastic.minNodes": None,

@@ -19,7 +19,7 @@ from kiln.trainer.data.chat import ChatRefused, ChatRenderer, ChatTemplate, load
 from kiln.trainer.data.loader import GlobalBatchLoader, open_source
 from kiln.trainer.model.loss import IGNORE
 from kiln.trainer.data.prepare import prepare
-from tests.chat_models import CONVERSATIONS, LLAMA3_STYLE, WITHOUT_GENERATION, save_chat_folder
+from tests.chat_models import CONVERSATIONS, LLAMA3_STYLE, WITHOUT_GENERATION, save_chat_folder, transformers_encoding
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +27,6 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     return {"generation": save_chat_folder(root / "generation"),
             "plain": save_chat_folder(root / "plain", WITHOUT_GENERATION)}
-
-
-def transformers_encoding(folder, conversation) -> tuple[list[int], list[int]]:
-    """(input_ids, assistant_masks) as transformers computes them (it needs the {% generation %} template)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    out = tok.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    return list(out["input_ids"]), list(out["assistant_masks"])
 
 
 @pytest.mark.parametrize("variant", ["generation", "plain"])

@@ -14,16 +14,12 @@ from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.trainer.data.loader import open_source
 from kiln.trainer.data.prepare import normalise, prepare, token_dtype
-from tests.hf_models import make_tokenizer
+from tests.hf_models import save_eos_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = make_tokenizer()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(path))
-    return path
+    return save_eos_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def corpus(folder):
@@ -157,6 +153,8 @@ def test_an_interrupted_run_resumes_after_its_finished_shards(tmp_path, tokenize
     assert resumed.removed == whole.removed == {"duplicate": 5}
     for a, b in zip(whole.shards, resumed.shards, strict=True):
         assert np.array_equal(np.load(tmp_path / "whole" / a["name"]), np.load(out / b["name"]))
+        docs = a["name"].replace("tokens-", "docs-").replace(".npy", ".idx")  # document starts carried over too
+        assert np.array_equal(np.load(tmp_path / "whole" / docs), np.load(out / docs))
     # another run's settings are not mixed into an interrupted folder
     (out / "manifest.json").unlink()
     (out / "progress.json").write_text(json.dumps({"settings": {}, "shards": [], "kept_documents": 0, "carry": []}))

@@ -240,11 +240,20 @@ def _check_source_uris(s):
 
 
 _FOLDER_CEL = "{x}.startsWith('file://') || {x}.startsWith('s3://')"
+# data.uri, or every data.sources uri when there are sources, is a folder
+_ALL_FOLDERS_CEL = (f"(size(self.data.sources) > 0 ? self.data.sources.all(s, {_FOLDER_CEL.format(x='s.uri')})"
+                    f" : ({_FOLDER_CEL.format(x='self.data.uri')}))")
 
 
 def _check_chat_folders(s):
-    if s.data.format != "chat":
-        return None
+    return _check_folders(s) if s.data.format == "chat" else None
+
+
+def _check_packing_folders(s):
+    return _check_folders(s) if s.data.packing else None
+
+
+def _check_folders(s):
     uris = [src.uri for src in s.data.sources] or [s.data.uri]
     bad = [u for u in uris if not u.startswith(("file://", "s3://"))]
     return f"got {shown(bad[0])}" if bad else None
@@ -414,9 +423,13 @@ RULES: list[Rule] = [
     Rule("data-chat-folders", "data.format",
          "data.format chat trains on conversations prepared with kiln data prepare --format chat: data.uri (or "
          "every data.sources uri) must be a folder, file:///path/ or s3://bucket/prefix/",
-         f"self.data.format != 'chat' || (size(self.data.sources) > 0 ? self.data.sources.all(s, {_FOLDER_CEL.format(x='s.uri')})"
-         f" : ({_FOLDER_CEL.format(x='self.data.uri')}))",
+         f"self.data.format != 'chat' || {_ALL_FOLDERS_CEL}",
          _check_chat_folders),
+    Rule("data-packing-folders", "data.packing",
+         "data.packing packs the documents of shards prepared with kiln data prepare: data.uri (or every "
+         "data.sources uri) must be a folder, file:///path/ or s3://bucket/prefix/",
+         f"!self.data.packing || {_ALL_FOLDERS_CEL}",
+         _check_packing_folders),
     Rule("data-chat-tokenizer", "data.format",
          "data.format chat renders conversations with a chat template: set data.tokenizer (not 'byte') or "
          "model.from to a model folder whose tokenizer has one",

@@ -126,6 +126,15 @@ class DataSpec(ApiModel):
         "`kiln data prepare --format chat`, which renders them with the tokenizer's chat template and writes "
         "each shard's assistant mask. Needs data.tokenizer (or model.from) with a chat template.",
     )
+    packing: bool = Field(
+        False,
+        description="Pack whole documents (chat: whole conversations), several to a sequence of model.seqLen, "
+        "instead of cutting the token stream into windows: attention never crosses a document and positions "
+        "restart at each one, so each token's loss is the one it has alone; padding carries no loss. Text "
+        "documents longer than a sequence are cut into pieces; a conversation longer than model.seqLen + 1 tokens "
+        "is refused. Needs a folder prepared by `kiln data prepare` (file:// or s3://), which records where "
+        "documents start. Rows are planned best-fit decreasing and visited in the seeded order (docs/models.md).",
+    )
 
 
 class TrainingConfig(ApiModel):

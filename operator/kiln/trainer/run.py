@@ -29,7 +29,7 @@ from torch import nn
 
 from kiln.api import TrainingSpec, contract
 from kiln.api.layout import replica_group_spec
-from kiln.trainer.model import hf_folder as hf, kernels
+from kiln.trainer.model import documents, hf_folder as hf, kernels
 from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
@@ -177,6 +177,8 @@ class Run:
             used = kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile, arch=dims.arch)
             print(f"kiln: {used}", flush=True)
             print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
+            if spec.data.packing:
+                print(f"kiln: {documents.describe(device)}", flush=True)
         self.model_parts = [model]
         self.params = [p for part in self.model_parts for p in part.parameters()]  # fixed from here: clipped each step
         self.optimizer = build_optimizer(self.model_parts, tr, device)
@@ -255,18 +257,18 @@ class Run:
         rows = (self.ft.per_group if self.ft is not None else self.tr.global_batch_size) // self.dp_size
         dummy = torch.zeros((rows, self.dims.seq_len), dtype=torch.long, device=self.device)
         rng = rng_state(self.device)
-        self._forward_backward(dummy, dummy, None)
+        self._forward_backward(dummy, dummy, None, torch.zeros_like(dummy) if self.loader.packed else None)
         clip_grad_norm_(self.params, self.tr.grad_clip, pp_group=self.pp_group)
         self.optimizer.zero_grad(set_to_none=True)
         set_rng_state(rng, self.device)
         self.startup["warmed_up"] = time.time()
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                          denominator: torch.Tensor | None) -> torch.Tensor | None:
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, denominator: torch.Tensor | None,
+                          doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.schedule is not None:
             self.pp_loss.denominator = denominator
-            return pipeline_step(self.schedule, inputs, targets, self.is_first, self.is_last)
-        return accumulate_step(self.model, inputs, targets, self.layout, denominator)
+            return pipeline_step(self.schedule, inputs, targets, self.is_first, self.is_last, doc_ids=doc_ids)
+        return accumulate_step(self.model, inputs, targets, self.layout, denominator, doc_ids)
 
     # ---- the events hooks see, one place each -----------------------------------------------------------------
 
@@ -334,15 +336,16 @@ class Run:
         step = self.last_step + 1
         timer.start()
         if ft is not None:  # this group's slot in the quorum's share of the batch
-            inputs, targets = (t.to(device) for t in ft.next_batch(self.loader, self.dp_rank, self.dp_size))
+            batch = ft.next_batch(self.loader, self.dp_rank, self.dp_size)
         else:
-            inputs, targets = (t.to(device) for t in self.loader.next_batch(tr.global_batch_size))
+            batch = self.loader.next_batch(tr.global_batch_size)
+        inputs, targets, *doc_ids = (t.to(device) for t in batch)  # doc_ids: packed rows (data.packing)
         timer.mark("data_s")
         lr = lr_at(step, tr)
         set_lr(self.optimizer, lr)
-        # chat data: the loss is the mean over the global batch's assistant tokens (kiln.trainer.model.loss)
+        # chat data, packed rows: the mean over the global batch's loss-carrying tokens (kiln.trainer.model.loss)
         denominator = global_count(targets, layout) if self.loader.masked else None
-        local_loss = self._forward_backward(inputs, targets, denominator)
+        local_loss = self._forward_backward(inputs, targets, denominator, *doc_ids)
         timer.mark("fwd_bwd_s")
         if ft is not None:  # average with the live groups before clipping: every group clips alike
             ft.average_gradients(self.model_parts)
@@ -357,8 +360,8 @@ class Run:
         self.last_step = step
         self.tokens_seen += self.global_tokens if ft is None else ft.step_tokens(self.dims.seq_len)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
-        if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all)
-            record["assistant_tokens"] = int(denominator)
+        if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all, padding too)
+            record["assistant_tokens" if self.spec.data.format == "chat" else "loss_tokens"] = int(denominator)
         if ft is not None:
             record.update(ft.metrics())
         ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record,
@@ -529,17 +532,20 @@ def _exporter(run: str):
 
 
 def accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
-                    denominator: torch.Tensor | None = None) -> torch.Tensor:
+                    denominator: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP), or
-    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.model.loss)."""
+    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.model.loss). `doc_ids`:
+    packed rows' documents (data.packing), sliced with their microbatch."""
     total = torch.zeros((), device=inputs.device)
     m = layout.micro_batch
     for i in range(layout.grad_accum):
         # Reduce gradients across data parallel only once, after the last microbatch.
         if hasattr(model, "set_requires_gradient_sync"):  # no data-parallel wrapper at dp 1: nothing to sync
             model.set_requires_gradient_sync(i == layout.grad_accum - 1)
-        batch = targets[i * m:(i + 1) * m]
-        loss = microbatch_loss(model(inputs[i * m:(i + 1) * m], batch), batch, denominator, layout, layout.grad_accum)
+        rows = slice(i * m, (i + 1) * m)
+        batch = targets[rows]
+        docs = {} if doc_ids is None else {"doc_ids": doc_ids[rows]}
+        loss = microbatch_loss(model(inputs[rows], batch, **docs), batch, denominator, layout, layout.grad_accum)
         loss.backward()
         total += loss.detach()
     return total

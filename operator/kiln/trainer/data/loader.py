@@ -15,7 +15,9 @@ Sources:
   little-endian uint16, nanoGPT style), read through memory maps in file-name order. With data.format chat,
   each `tokens-N.npy` has a `mask-N.npy` (kiln data prepare --format chat): targets outside the assistant's
   turns become IGNORE, which the loss skips (kiln.trainer.model.loss). Conversations are packed back to back into
-  the windows, like documents (attention is not masked at their boundaries).
+  the windows, like documents (attention is not masked at their boundaries), unless data.packing is on: then each
+  sample is a row of whole documents or conversations that attend only within themselves (kiln.trainer.data.packing),
+  by the document starts kiln data prepare writes beside each shard (docs-N.idx).
 - `data.sources`: several of the above mixed in fixed proportions (MixedSamples).
 - `s3://bucket/prefix/`: the same shards in an object store (kiln.storage; keys from AWS_ACCESS_KEY_ID /
   AWS_SECRET_ACCESS_KEY, endpoint from KILN_DATA_ENDPOINT, else the checkpoint endpoint, else
@@ -38,7 +40,8 @@ import torch
 from kiln.api import contract
 from kiln.errors import KilnError
 from kiln.trainer.model.loss import IGNORE
-from kiln.trainer.data.shards import MASK_PREFIX, TOKENS_PREFIX
+from kiln.trainer.data.packing import PackedSamples, document_starts
+from kiln.trainer.data.shards import DOCS_SUFFIX, MASK_PREFIX, TOKENS_PREFIX
 
 VALIDATION_FRACTION = 0.1
 
@@ -109,7 +112,7 @@ def fetch_shards(uri: str, *, endpoint: str | None = None, cache_root: str | Non
     folder = root / hashlib.sha256(uri.encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
     shards = [info for info in store.list("")
-              if Path(info.key).suffix in (".npy", ".bin") and "/" not in info.key.strip("/")]
+              if Path(info.key).suffix in (".npy", ".bin", DOCS_SUFFIX) and "/" not in info.key.strip("/")]
     # One downloader per node and cache: the other ranks wait on the lock, then find every shard in place
     # (one copy on the disk, not one per rank).
     with open(root / ".lock", "w") as lock:
@@ -146,13 +149,17 @@ def check_cache_room(uri: str, root: Path, needed: int) -> None:
 
 
 def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: str = "train",
-                endpoint: str | None = None, tokenizer=None, chat: bool = False):
+                endpoint: str | None = None, tokenizer=None, chat: bool = False, packing: bool = False):
     """The samples behind a data.uri; KilnError names the uri and what is accepted. `tokenizer` (a
     `tokenizers.Tokenizer`, None for bytes) tokenizes the built-in corpus; token shards are already tokenized.
-    chat: the shards' loss masks too (data.format chat), which `kiln data prepare --format chat` writes."""
+    chat: the shards' loss masks too (data.format chat), which `kiln data prepare --format chat` writes.
+    packing: rows of whole documents (data.packing), by the document starts kiln data prepare writes."""
     if chat and not uri.startswith(("file://", "s3://", "/")):
         raise KilnError(f"data.uri {uri}: data.format chat trains on conversations prepared with kiln data prepare "
                         "--format chat; use file:///path/ or s3://bucket/prefix/ to them")
+    if packing and not uri.startswith(("file://", "s3://", "/")):
+        raise KilnError(f"data.uri {uri}: data.packing packs the documents of shards prepared with kiln data prepare; "
+                        "use file:///path/ or s3://bucket/prefix/ to them")
     if uri == "synthetic":
         return SyntheticSamples(seq_len, vocab_size, seed + (0 if split == "train" else 1))
     if uri == "builtin:pydoc":
@@ -177,6 +184,9 @@ def open_source(uri: str, *, seq_len: int, vocab_size: int, seed: int, split: st
         raise KilnError(f"data.uri {uri}: no *.npy or *.bin token shards in {path}")
     arrays = [np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype="<u2", mode="r") for f in files]
     masks = _masks(uri, files, arrays) if chat else None
+    if packing:
+        return PackedSamples(arrays, document_starts(uri, files, [len(a) for a in arrays]), seq_len, seed,
+                             masks=masks, uri=uri, names=[f.name for f in files])
     return TokenSamples(arrays, seq_len, vocab_size, masks)
 
 
@@ -199,15 +209,15 @@ def _masks(uri: str, files: list[Path], arrays: list[np.ndarray]) -> list[np.nda
 def open_data(data, *, seq_len: int, vocab_size: int, seed: int, endpoint: str | None = None, tokenizer=None):
     """The training samples of a spec's `data` (kiln.api.DataSpec): data.uri's source, or the mix of
     data.sources. Each mixed source gets its own seed, so two sources of the same kind differ."""
-    chat = data.format == "chat"
+    chat, packing = data.format == "chat", data.packing
     if not data.sources:
         return open_source(data.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed, endpoint=endpoint,
-                           tokenizer=tokenizer, chat=chat)
+                           tokenizer=tokenizer, chat=chat, packing=packing)
     opened = []
     for k, src in enumerate(data.sources):
         try:
             opened.append(open_source(src.uri, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 104729 * (k + 1),
-                                      endpoint=endpoint, tokenizer=tokenizer, chat=chat))
+                                      endpoint=endpoint, tokenizer=tokenizer, chat=chat, packing=packing))
         except KilnError as err:
             raise KilnError(f"data.sources[{k}]: {err}") from None
     return MixedSamples(opened, [src.weight for src in data.sources], [src.uri for src in data.sources], seed)
@@ -264,6 +274,7 @@ class MixedSamples:
         self.orders = [SeededOrder(len(s), seed + 7919 * (k + 1)) for k, s in enumerate(sources)]
         self.seq_len = sources[0].seq_len
         self.masked = all(getattr(s, "masked", False) for s in sources)  # data.format chat: all of them
+        self.packed = all(getattr(s, "packed", False) for s in sources)  # data.packing: all of them
         self._block, self._layout = -1, None
 
     def __len__(self) -> int:
@@ -296,6 +307,10 @@ class MixedSamples:
         k, j = self.source_of(index)
         return self.sources[k].target_mask(self.orders[k](j))
 
+    def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, j = self.source_of(index)
+        return self.sources[k].row(self.orders[k](j))
+
     def drawn(self, samples: int) -> dict[str, int]:
         """How many of the first `samples` samples came from each source (the realised mix)."""
         block, rest = divmod(samples, MIX_BLOCK)
@@ -327,14 +342,22 @@ class GlobalBatchLoader:
         return {name: count / self.samples_seen for name, count in drawn.items()}
 
     @property
+    def packed(self) -> bool:
+        """Whether rows are packed documents with doc_ids (data.packing)."""
+        return getattr(self.source, "packed", False)
+
+    @property
     def masked(self) -> bool:
         """Whether targets carry IGNORE where no loss is taken (data.format chat)."""
         return getattr(self.source, "masked", False)
 
-    def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, first: int, count: int) -> tuple[torch.Tensor, ...]:
         """(inputs, targets) of `count` samples from position `first` of the global order, each (count, seq_len);
-        a target that carries no loss (chat data: not the assistant's) is IGNORE."""
+        a target that carries no loss (chat data: not the assistant's) is IGNORE. Packed rows (data.packing) add
+        their doc_ids, which the model's attention keeps apart."""
         ids = [self._sample_id(first + i) for i in range(count)]
+        if self.packed:
+            return tuple(torch.stack(parts) for parts in zip(*(self.source.row(i) for i in ids)))
         rows = torch.stack([self.source.get(i) for i in ids])
         inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         if self.masked:
@@ -342,8 +365,8 @@ class GlobalBatchLoader:
             targets = targets.masked_fill_(~keep, IGNORE)
         return inputs, targets
 
-    def next_batch(self, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (global_batch // dp_size, seq_len), and advance the cursor."""
+    def next_batch(self, global_batch: int) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets) (packed: and doc_ids), each (global_batch // dp_size, seq_len), and advance the cursor."""
         per_rank = global_batch // self.dp_size
         batch = self.rows(self.samples_seen + self.dp_rank * per_rank, per_rank)
         self.samples_seen += global_batch

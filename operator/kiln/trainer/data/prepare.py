@@ -8,10 +8,11 @@ normalised (Unicode NFC, \\r\\n → \\n, surrounding whitespace stripped), filte
 an undecodable or unparsable line: counted, never a crash), deduplicated (exactly by sha256 of the normalised
 text; with dedup minhash also near-duplicates, `NearDuplicates`), tokenized in batches with the `tokenizers`
 library (its batch encoding runs on every core, in a background thread while the next batch is read) and
-appended, with an optional end-of-document token, to
-`tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when the vocabulary fits, else uint32). `manifest.json`, written last, counts documents in and out, tokens, what each
-filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A rerun
-of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
+appended, with an optional end-of-document token, to `tokens-NNNNN.npy` shards of `shard_tokens` tokens (uint16 when
+the vocabulary fits, else uint32), each with a `docs-NNNNN.idx` of the offsets where its documents start
+(data.packing packs whole documents by them). `manifest.json`, written last, counts documents in and out, tokens,
+what each filter removed, and lists the shards; a folder with a manifest is complete and a rerun leaves it alone. A
+rerun of an interrupted run keeps its finished shards and tokenizes only the documents after them (progress.json).
 
 Chat data (format "chat"): each .jsonl line's or .parquet row's `messages` is a conversation of {role, content}
 messages (contents normalised as above); it is rendered with the tokenizer's chat template, and each shard gets a
@@ -22,6 +23,7 @@ the template refuses is counted under its reason.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import itertools
@@ -41,7 +43,7 @@ from kiln.storage import ObjectStore, open_store
 from kiln.storage.bounded import read_json_object
 from kiln.storage.reader import open_reader
 from kiln.trainer.data.chat import ChatRefused, check_messages, token_mask
-from kiln.trainer.data.shards import MASK_PREFIX, TOKENS_PREFIX
+from kiln.trainer.data.shards import DOCS_PREFIX, DOCS_SUFFIX, MASK_PREFIX, TOKENS_PREFIX
 from kiln.storage.store import ObjectNotFound
 
 MANIFEST = "manifest.json"
@@ -205,8 +207,10 @@ class Prepared:
 class ShardWriter:
     """Tokens appended document by document, cut into shards of exactly `shard_tokens` (the last one shorter).
     With `masked` (chat data), each token also has a loss-mask byte (1: an assistant token), written to
-    mask-NNNNN.npy beside tokens-NNNNN.npy. After each shard, PROGRESS records the shards so far, how many kept
-    documents they (and the carried-over remainder) hold, and that remainder: an interrupted run resumes from there."""
+    mask-NNNNN.npy beside tokens-NNNNN.npy. docs-NNNNN.idx lists where in the shard each document starts (int64
+    offsets; a document may run on into the next shard), which data.packing packs by. After each shard, PROGRESS
+    records the shards so far, how many kept documents they (and the carried-over remainder) hold, and that
+    remainder: an interrupted run resumes from there."""
 
     def __init__(self, store: ObjectStore, shard_tokens: int, dtype: np.dtype, result: Prepared, settings: dict,
                  masked: bool = False):
@@ -216,10 +220,21 @@ class ShardWriter:
         self.pending_mask: list[np.ndarray] = []
         self.count = 0
         self.kept = 0  # kept documents whose tokens were all added
+        self.starts: list[int] | None = []  # offsets in the pending tokens where documents start; None: not kept
+
+    def _cut_starts(self, at: int) -> np.ndarray | None:
+        """The document starts before token `at` of the pending tokens; the rest move to the remainder."""
+        if self.starts is None:
+            return None
+        cut = bisect.bisect_left(self.starts, at)
+        head, self.starts = self.starts[:cut], [s - at for s in self.starts[cut:]]
+        return np.asarray(head, dtype=np.int64)
 
     def resume(self, progress: dict) -> None:
         carry = np.asarray(progress["carry"], dtype=self.dtype)
         self.pending, self.count, self.kept = [carry], len(carry), int(progress["kept_documents"])
+        # a run interrupted before kiln kept document boundaries: its shards have none, nor will the rest
+        self.starts = list(progress["carry_starts"]) if "carry_starts" in progress else None
         if self.masked:
             self.pending_mask = [np.asarray(progress["carry_mask"], dtype=np.uint8)]
         self.result.shards = list(progress["shards"])
@@ -228,6 +243,12 @@ class ShardWriter:
         """The token ids of a batch of kept documents, in order (one array for all: no per-document overhead),
         and with `masked` their loss masks."""
         total = sum(len(d) for d in docs)
+        if self.starts is not None:
+            at = self.count
+            for d in docs:
+                if d:  # an empty document starts nothing
+                    self.starts.append(at)
+                at += len(d)
         self.pending.append(np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=total))
         if self.masked:
             self.pending_mask.append(np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total))
@@ -239,32 +260,39 @@ class ShardWriter:
             rest = flat[self.shard_tokens:]
             rest_mask = flat_mask[self.shard_tokens:] if self.masked else None
             self._write(flat[:self.shard_tokens], rest,
-                        flat_mask[:self.shard_tokens] if self.masked else None, rest_mask)
+                        flat_mask[:self.shard_tokens] if self.masked else None, rest_mask,
+                        self._cut_starts(self.shard_tokens))
             self.pending, self.count = [rest], len(rest)
             self.pending_mask = [rest_mask] if self.masked else []
 
     def close(self) -> None:
         if self.count:
             self._write(np.concatenate(self.pending), None,
-                        np.concatenate(self.pending_mask) if self.masked else None, None)
+                        np.concatenate(self.pending_mask) if self.masked else None, None, self._cut_starts(self.count))
         self.pending, self.pending_mask, self.count = [], [], 0
 
     def _write(self, tokens: np.ndarray, rest: np.ndarray | None, mask: np.ndarray | None = None,
-               rest_mask: np.ndarray | None = None) -> None:
+               rest_mask: np.ndarray | None = None, starts: np.ndarray | None = None) -> None:
         number = len(self.result.shards)
         name = f"{TOKENS_PREFIX}{number:05d}.npy"
         if mask is not None:  # before its tokens: a listed token shard always has its mask
             self.store.put_bytes(f"{MASK_PREFIX}{number:05d}.npy", _npy(mask))
+        if starts is not None:  # likewise its document starts
+            self.store.put_bytes(f"{DOCS_PREFIX}{number:05d}{DOCS_SUFFIX}", _npy(starts))
         self.store.put_bytes(name, _npy(tokens))
         shard = {"name": name, "tokens": int(len(tokens))}
         if mask is not None:
             shard["assistant_tokens"] = int(mask.sum())
+        if starts is not None:
+            shard["document_starts"] = int(len(starts))
         self.result.shards.append(shard)
         if rest is not None:  # written after the shard: it never names a shard that is not there
             state = {"settings": self.settings, "shards": self.result.shards, "kept_documents": self.kept,
                      "carry": rest.tolist()}
             if rest_mask is not None:
                 state["carry_mask"] = rest_mask.tolist()
+            if self.starts is not None:
+                state["carry_starts"] = self.starts
             self.store.put_bytes(PROGRESS, json.dumps(state).encode())
 
 

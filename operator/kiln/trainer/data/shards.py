@@ -4,3 +4,6 @@ jinja2 before its first step (a restart pays every import again: docs/resilience
 
 TOKENS_PREFIX = "tokens-"  # tokens-NNNNN.npy: token ids
 MASK_PREFIX = "mask-"  # chat data: mask-NNNNN.npy holds the loss mask of tokens-NNNNN.npy, one byte per token
+# docs-NNNNN.idx: the token offsets in tokens-NNNNN.npy where documents start (data.packing), an int64 array in .npy
+# format; not named *.npy so that a trainer from before it existed, which reads every *.npy as tokens, skips it
+DOCS_PREFIX, DOCS_SUFFIX = "docs-", ".idx"

@@ -4,7 +4,8 @@ Plain data: every target carries loss and every microbatch holds the same number
 microbatch means (each divided by gradient accumulation, then averaged over data-parallel ranks by the gradient
 reduction) is the global mean, and the step runs exactly as it always has (`denominator` None).
 
-Chat data (data.format chat): targets outside the assistant's turns are IGNORE, and how many tokens carry loss
+Chat data (data.format chat) and packed rows (data.packing): targets outside the assistant's turns, across a
+document boundary or in padding are IGNORE, and how many tokens carry loss
 differs between microbatches and ranks; a mean of per-microbatch means would weigh a microbatch's few assistant
 tokens like another's many. Instead each microbatch contributes (sum of its token losses) / N, N the number of
 loss-carrying targets in the whole global batch (`global_count`, one all-reduce per step), times the

@@ -1,7 +1,8 @@
 """A Llama-style decoder, readable top to bottom (nanoGPT spirit, TorchTitan layout).
 
-RMSNorm -> grouped-query attention with RoPE (through `F.scaled_dot_product_attention`) -> RMSNorm -> SwiGLU
-MLP, repeated `layers` times, then a final RMSNorm and the output projection.
+RMSNorm -> grouped-query attention with RoPE (through `F.scaled_dot_product_attention`, or for packed rows a
+document mask: kiln.trainer.model.documents) -> RMSNorm -> SwiGLU MLP, repeated `layers` times, then a final
+RMSNorm and the output projection.
 
 The other families (Mistral, Qwen2/3, Gemma 2/3) are the same decoder with the departures that
 `dims.arch` (kiln.api.presets.Arch) lists as data: q/k/v biases, per-head q/k norms, a GeGLU MLP, Gemma's
@@ -33,7 +34,7 @@ from torch import nn
 
 from kiln.api import ModelDims
 from kiln.api.presets import RopeScaling
-from kiln.trainer.model import kernels
+from kiln.trainer.model import documents, kernels
 
 
 class RMSNorm(nn.Module):
@@ -76,19 +77,24 @@ def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+           window: int | None = None, softcap: float | None = None, docs=None) -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim). `window`: a query sees itself and the window - 1
     positions before it (transformers' sliding window). `softcap`: scores -> softcap * tanh(scores / softcap)
     before the mask, which SDPA cannot do, so those layers take the explicit path (fp32 softmax, as
-    transformers' eager attention)."""
+    transformers' eager attention). `docs`: packed rows' document mask (kiln.trainer.model.documents), a
+    (batch, 1, seq, seq) bool tensor ANDed with the rest, or a FlexAttention BlockMask on CUDA."""
     seq = q.shape[-2]
     if window is not None and window >= seq:
         window = None  # the window covers every earlier position: plain causal
-    if window is None and softcap is None:
+    if docs is not None and not isinstance(docs, torch.Tensor):
+        return documents.flex_attend(q, k, v, docs, scale=scale, window=window, softcap=softcap)
+    if window is None and softcap is None and docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     pos = torch.arange(seq, device=q.device)
     offset = pos[:, None] - pos[None, :]  # query position - key position
     mask = (offset >= 0) & (offset < window) if window is not None else offset >= 0
+    if docs is not None:  # a document is contiguous: the window's distance is the same within it
+        mask = mask & docs
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
@@ -115,7 +121,9 @@ class Attention(nn.Module):
         self.window = arch.sliding_window if sliding else None
         self.softcap = arch.attn_softcap
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        """cos/sin: (positions, head_dim // 2) tables, or (bsz, seq, head_dim // 2) per token for packed rows, whose
+        `mask` keeps documents apart (kiln.trainer.model.documents; None: plain causal)."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -123,13 +131,19 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope(q, k, cos[:seq], sin[:seq])
+        if cos.dim() == 3:  # per-token angles: rotate the rows as one long sequence of bsz * seq positions
+            flat = (1, bsz * seq, -1, self.head_dim)
+            q, k = kernels.apply_rope(q.reshape(flat), k.reshape(flat), cos.reshape(bsz * seq, -1),
+                                      sin.reshape(bsz * seq, -1))
+            q, k = q.view(bsz, seq, -1, self.head_dim), k.view(bsz, seq, -1, self.head_dim)
+        else:
+            q, k = kernels.apply_rope(q, k, cos[:seq], sin[:seq])
         # (bsz, heads, seq, head_dim) for SDPA; repeat each kv head for its group of query heads.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.n_rep > 1:  # a copy of k and v, even for n_rep 1
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = attend(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
+        out = attend(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap, docs=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -160,15 +174,18 @@ class TransformerBlock(nn.Module):
         self.ffn_post_norm = norm() if arch.sandwich_norm else None
         self.local_rope = sliding and arch.local_rope_theta is not None  # Gemma 3: its own RoPE base
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        # mask as a keyword: tensor parallelism's input plan covers (x, cos, sin) only
+        a = self.attention(self.attention_norm(x), cos, sin, mask=mask)
         h = x + (a if self.attention_post_norm is None else self.attention_post_norm(a))
         f = self.feed_forward(self.ffn_norm(h))
         return h + (f if self.ffn_post_norm is None else self.ffn_post_norm(f))
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab), or the mean loss when targets are given."""
+    """tokens (batch, seq) -> logits (batch, seq, vocab), or the mean loss when targets are given; with `doc_ids`
+    (batch, seq), packed rows (data.packing): attention stays within each document and positions restart at
+    each one's first token (kiln.trainer.model.documents)."""
 
     def __init__(self, dims: ModelDims):
         super().__init__()
@@ -194,7 +211,8 @@ class Transformer(nn.Module):
             tables["rope_local"] = rope_tables(d.head_dim, d.seq_len, d.arch.local_rope_theta, device)
         return tables
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Pipeline stages: the first stage embeds tokens, later ones receive hidden states.
         if self.tok_embeddings is None:
             h = tokens
@@ -202,11 +220,13 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(tokens)
             if self.dims.arch.embed_scale:  # Gemma; sqrt(dim) rounded to the activations' dtype, as transformers
                 h = h * torch.tensor(self.dims.dim ** 0.5, dtype=h.dtype)
+        docs = documents.Documents.of(doc_ids) if doc_ids is not None else None
         for block in self.layers.values():
-            if block.local_rope:
-                h = block(h, self.rope_local_cos, self.rope_local_sin)
-            else:
-                h = block(h, self.rope_cos, self.rope_sin)
+            cos, sin = ((self.rope_local_cos, self.rope_local_sin) if block.local_rope
+                        else (self.rope_cos, self.rope_sin))
+            if docs is not None:  # each token's angles from its position in its document
+                cos, sin = cos[docs.positions], sin[docs.positions]
+            h = block(h, cos, sin, mask=None if docs is None else docs.mask)
         if self.norm is None:
             return h
         return self.head(h, targets)

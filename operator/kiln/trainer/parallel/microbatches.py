@@ -20,11 +20,15 @@ def microbatch_losses(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
 
 
 def pipeline_step(schedule, inputs, targets, is_first: bool, is_last: bool, *,
-                  train: bool = True) -> torch.Tensor | None:
+                  train: bool = True, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """One 1F1B pass over this rank's batch: forward and backward, or forward only (`train` False: the schedule's
-    eval, no gradients). The last stage returns the mean of its microbatch losses, the other stages None."""
+    eval, no gradients). The last stage returns the mean of its microbatch losses, the other stages None.
+    `doc_ids` (packed rows): every stage's attention needs them; the schedule splits keyword inputs into the same
+    microbatches as the rows and hands them to every stage."""
     losses: list[torch.Tensor] = []
     args = (inputs,) if is_first else ()
     kwargs = {"target": targets, "losses": losses} if is_last else {}
+    if doc_ids is not None:
+        kwargs["doc_ids"] = doc_ids
     (schedule.step if train else schedule.eval)(*args, **kwargs)
     return torch.stack([l.detach() for l in losses]).mean() if is_last else None
