@@ -520,7 +520,7 @@ class HangStatus(ApiModel):
     step: int = Field(..., ge=0, le=JSON_INT_MAX, description="The last step rank 0 completed.")
     stacks_uri: str = Field(..., max_length=2048, description="The folder of rank-N.txt stack dumps in the store.")
     ranks_reported: int = Field(..., ge=0, le=INT32_MAX, description="Ranks whose stacks reached the store.")
-    waiting_for: list[int] = Field(
+    waiting_for: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
         default_factory=list, max_length=4096,
         description="Ranks not inside a torch.distributed call while the others wait in one: whom they wait for.")
 
