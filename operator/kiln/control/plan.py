@@ -34,6 +34,7 @@ from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, MAX_REPLICA_GROUPS, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
+from kiln.control.kueue import LEFT_OUT_ANNOTATION, Coverage
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
@@ -99,6 +100,10 @@ WRITABLE_ENV = {
 
 # Changing these under a running job would silently break it (the checkpoint no longer fits the model,
 # the data cursor no longer means anything): the operator refuses the change instead of applying it.
+# What a request left out (queue_fit) costs the run, said in SpecAccepted's message.
+LEFT_OUT_WHY = {"ephemeral-storage": "; the trainer still refuses data shards that do not fit the node's free disk",
+                "memory": "; the pod has no memory limit and /dev/shm is bounded by the operator's default memory"}
+
 IMMUTABLE_WHILE_RUNNING = (
     ("model",), ("data", "uri"), ("parallelism", "tensor"), ("parallelism", "pipeline"),
     ("resources", "gpusPerNode"), ("resources", "processesPerNode"),
@@ -114,13 +119,16 @@ class Observed:
     job_active: bool = False  # a PyTorchJob exists and has not finished
     nodes: int | None = None  # the elastic controller's current node decision; None: spec.resources.nodes
     avoid_nodes: tuple[str, ...] = ()  # nodes that failed this run twice (kiln.control.elastic)
+    queue_coverage: Coverage | None = None  # what the run's ClusterQueue covers (None: not known, or no queue)
+    left_out: tuple[str, ...] | None = None  # the requests left out of the live job (None: no live job)
 
 
 @dataclass
 class Plan:
     objects: list[dict[str, Any]] = field(default_factory=list)
     refused: str | None = None  # why nothing is applied: a spec change the running job cannot absorb, or ...
-    refused_reason: str = "ImmutableFieldChanged"  # ... ForbiddenByPolicy (kiln.control.policy)
+    refused_reason: str = "ImmutableFieldChanged"  # ... ForbiddenByPolicy (kiln.control.policy), NotCoveredByQueue
+    notes: list[str] = field(default_factory=list)  # what the user should know about an applied plan
 
 
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
@@ -131,6 +139,46 @@ def quantity_bytes(quantity: str) -> int:
     """A byte quantity as the API takes it (kiln.api.spec.QUANTITY: 50Gi, 100G, 1000000) in bytes."""
     number = quantity.rstrip("kKMGTPEim")
     return int(float(number) * _SUFFIX[quantity[len(number):]])
+
+
+def pod_resources(s: TrainingSpecSpec, config: OperatorConfig) -> dict[str, tuple[str, str | None]]:
+    """What each trainer pod requests: resource → (quantity, the spec field that asks for it, or None for
+    kiln's own default). Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's
+    defaults apply; local disk always (the kubelet evicts a pod past it; the trainer refuses data that
+    cannot fit first, KILN_DATA_CACHE_BYTES)."""
+    r = s.resources
+    out: dict[str, tuple[str, str | None]] = {}
+    if r.gpus_per_node:
+        out[GPU] = (str(r.gpus_per_node), "resources.gpusPerNode")
+    out["cpu"] = (r.cpu, "resources.cpu") if r.cpu else (config.default_cpu, None)
+    out["memory"] = (r.memory, "resources.memory") if r.memory else (config.default_memory, None)
+    out["ephemeral-storage"] = (r.ephemeral_storage, "resources.ephemeralStorage") if r.ephemeral_storage \
+        else (config.default_ephemeral_storage, None)
+    return out
+
+
+def queue_fit(s: TrainingSpecSpec, config: OperatorConfig, observed: Observed) -> tuple[tuple[str, ...], list[str]]:
+    """(requests to leave out, refusals) so that the run's ClusterQueue can admit it: Kueue never admits a
+    pod set with a request its ClusterQueue does not cover, and says so only in the Workload. kiln's own
+    defaults the queue does not cover are left out; a request the spec asks for is refused by field, with
+    both fixes. A live job keeps what was left out when it was made (docs/scheduling.md)."""
+    if observed.left_out is not None:
+        return observed.left_out, []
+    cov = observed.queue_coverage
+    if cov is None:
+        return (), []
+    left_out, refusals = [], []
+    for resource, (_, spec_field) in pod_resources(s, config).items():
+        if cov.covers(resource):
+            continue
+        if spec_field is None:
+            left_out.append(resource)
+        else:
+            refusals.append(
+                f"spec.{spec_field}: the pods request {resource}, which ClusterQueue {cov.cluster_queue} (behind "
+                f"LocalQueue {s.scheduling.queue}) does not cover, so Kueue would never admit the run; add "
+                f"{resource} to the ClusterQueue's coveredResources with a quota, or leave spec.{spec_field} unset")
+    return tuple(left_out), refusals
 
 
 def names(run: str) -> dict[str, str]:
@@ -233,6 +281,11 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     problem = group_problem(doc.spec)
     if problem:  # refused whole: never a job that cannot start
         return Plan(refused=problem, refused_reason="NotSupported")
+    left_out, uncovered = queue_fit(doc.spec, config, observed)
+    if uncovered:  # refused whole: a job Kueue can never admit would sit Queued for ever
+        return Plan(refused="; ".join(uncovered), refused_reason="NotCoveredByQueue")
+    notes = [f"the pods do not request {r} (kiln's default; ClusterQueue {observed.queue_coverage.cluster_queue} "
+             f"does not cover it){LEFT_OUT_WHY.get(r, '')}" for r in left_out if observed.queue_coverage]
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
@@ -267,7 +320,7 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
         jobs = [*lighthouse(resolved, config, metadata),
                 *(pytorchjob(resolved, observed, config, metadata, job_name[i], group=i) for i in range(groups))]
     return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
-                         configmap, *jobs])
+                         configmap, *jobs], notes=notes)
 
 
 def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
@@ -311,19 +364,13 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     low, high = (s.elastic.min_nodes, s.elastic.max_nodes) if group is None else (replicas, replicas)
     ppn = r.processes_per_node
 
-    # Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's defaults apply, as a
-    # cpu request (no limit: no throttling) and a memory request = limit, which also bounds /dev/shm.
-    limits: dict[str, str] = {}
-    if r.gpus_per_node:
-        limits[GPU] = str(r.gpus_per_node)
-    if r.cpu:
-        limits["cpu"] = r.cpu
-    memory = r.memory or config.default_memory
-    limits["memory"] = memory
-    # the kubelet evicts a pod past this; the trainer refuses data that cannot fit first (KILN_DATA_CACHE_BYTES)
-    disk = r.ephemeral_storage or config.default_ephemeral_storage
-    limits["ephemeral-storage"] = disk
-    requests = {**limits, "cpu": r.cpu or config.default_cpu}
+    left_out, _ = queue_fit(s, config, observed)
+    wanted = {name: q for name, q in pod_resources(s, config).items() if name not in left_out}
+    requests = {name: quantity for name, (quantity, _) in wanted.items()}
+    # cpu: a request, a limit only when the spec sets one (no throttling by default); the rest request = limit
+    limits = {name: quantity for name, (quantity, spec_field) in wanted.items() if name != "cpu" or spec_field}
+    memory = r.memory or config.default_memory  # /dev/shm (tmpfs) is bounded by it
+    disk = requests.get("ephemeral-storage")
     node_selector = dict(r.node_selector)
     if r.gpu_type:
         node_selector[GPU_PRODUCT_LABEL] = r.gpu_type
@@ -354,7 +401,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name=contract.DATA_CACHE, value=f"{config.scratch_dir}/data"))
-    env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
+    if disk:  # without a request (left out for the queue) the trainer checks the disk's free space only
+        env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
     if group is not None:  # kiln.trainer.membership.replica_groups: every group's rank 0 heartbeats to the lighthouse
         env += [k.V1EnvVar(name=contract.FT_LIGHTHOUSE, value=lighthouse_address(run)),
                 k.V1EnvVar(name=contract.FT_GROUP, value=str(group))]
@@ -457,6 +505,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
     labels = {**labels, **group_label} or None
     body["metadata"] = metadata(name, labels)
+    if left_out:
+        body["metadata"]["annotations"] = {LEFT_OUT_ANNOTATION: ",".join(left_out)}
     return body
 
 
