@@ -226,7 +226,7 @@ class PodSettings(ApiModel):
         description="Linux capabilities added to the container (every other one stays dropped), e.g. IPC_LOCK for "
         "RDMA. Admin policy: an allow-list, empty by default.")
     host_network: bool = Field(False, description="Use the node's network namespace (admin policy: allowHostNetwork).")
-    host_ipc: bool = Field(False, description="Use the node's IPC namespace (admin policy: allowHostIPC).")
+    host_ipc: bool = Field(False, alias="hostIPC", description="Use the node's IPC namespace (admin policy: allowHostIPC).")
 
     @model_validator(mode="after")
     def _rules(self) -> "PodSettings":
@@ -234,7 +234,9 @@ class PodSettings(ApiModel):
 
         problems = []
         if reserved := [e.name for e in self.env if reserved_env(e.name)]:
-            problems.append(f"{RESERVED_ENV_MESSAGE} (got {', '.join(reserved)})")
+            problems.append(f"pod.env may not set {', '.join(reserved)}: kiln sets it itself, and another value "
+                            "would break the run (kiln.api.contract.RESERVED_ENV; for the store use "
+                            "checkpoint.credentialsSecret and checkpoint.endpoint)")
         for what, values in (("pod.env names each variable once", [e.name for e in self.env]),
                              ("pod.volumes names each volume once", [v.name for v in self.volumes]),
                              ("pod.volumes mounts one volume per mountPath", [v.mount_path for v in self.volumes])):

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import yaml
-from kubeflow.training import ApiClient, Configuration
-from kubeflow.training import models as _models
 
 from kiln.api.presets import resolve_model
 from kiln.api import contract
@@ -34,25 +31,14 @@ from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, MAX_REPLICA_GROUPS, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
+from kiln.control.k8s import K8S_MODELS, SERIALIZER
+from kiln.control import pods
 from kiln.control.kueue import LEFT_OUT_ANNOTATION, Coverage
+from kiln.control.network import preset
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
-_CONFIG = Configuration()  # one for every model and the serializer (see _SharedConfigModels)
-
-
-class _SharedConfigModels:
-    """kubeflow.training.models (and the kubernetes models it re-exports), each made with one shared
-    Configuration. Without one, every model makes its own, and Configuration() sets two loggers' levels, which
-    clears the level cache of every logger in the process under logging's global lock: ~40 models per
-    PyTorchJob cost a new run ~30 of the operator's ~43 ms of CPU in a burst, and stalled the threads that log."""
-
-    def __getattr__(self, name: str):
-        return partial(getattr(_models, name), local_vars_configuration=_CONFIG)
-
-
-k = _SharedConfigModels()
-_SERIALIZER = ApiClient(_CONFIG)  # sanitize_for_serialization only: it sends nothing
+k, _SERIALIZER = K8S_MODELS, SERIALIZER  # the kubeflow-training / kubernetes models, one shared Configuration
 
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
 SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -154,6 +140,9 @@ def pod_resources(s: TrainingSpecSpec, config: OperatorConfig) -> dict[str, tupl
     out["memory"] = (r.memory, "resources.memory") if r.memory else (config.default_memory, None)
     out["ephemeral-storage"] = (r.ephemeral_storage, "resources.ephemeralStorage") if r.ephemeral_storage \
         else (config.default_ephemeral_storage, None)
+    # extended resources (devices, huge pages): request = limit, as Kubernetes requires
+    out |= {name: (quantity, "network.fabric") for name, quantity in preset(s.network).resources.items()}
+    out |= {name: (quantity, f"pod.extraResources[{name}]") for name, quantity in s.pod.extra_resources.items()}
     return out
 
 
@@ -286,6 +275,10 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
         return Plan(refused="; ".join(uncovered), refused_reason="NotCoveredByQueue")
     notes = [f"the pods do not request {r} (kiln's default; ClusterQueue {observed.queue_coverage.cluster_queue} "
              f"does not cover it){LEFT_OUT_WHY.get(r, '')}" for r in left_out if observed.queue_coverage]
+    level, needs = pods.security_level(doc.spec)
+    if level != "restricted":  # allowed by the admin policy (checked above); the namespace must allow it too
+        notes.append(f"the pods need Pod Security level {level} ({pods.LEVEL_LABEL}: {level} on the namespace): "
+                     + ", ".join(needs))
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
@@ -319,7 +312,8 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     else:  # the lighthouse before the jobs: a group's first quorum asks it
         jobs = [*lighthouse(resolved, config, metadata),
                 *(pytorchjob(resolved, observed, config, metadata, job_name[i], group=i) for i in range(groups))]
-    return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
+    return Plan(objects=[*trainer_identity(meta.name, metadata, doc.spec.pod.service_account_name),
+                         trainer_network_policy(meta.name, metadata, config),
                          configmap, *jobs], notes=notes)
 
 
@@ -338,9 +332,13 @@ def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
             "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
-def trainer_identity(run: str, metadata) -> list[dict]:
-    """The pods' ServiceAccount: allowed to read and patch the status of this one TrainingSpec."""
+def trainer_identity(run: str, metadata, service_account: str | None = None) -> list[dict]:
+    """The pods' ServiceAccount: allowed to read and patch the status of this one TrainingSpec. With
+    pod.serviceAccountName the pods run as that one instead, which the RoleBinding then grants the same."""
     name = names(run)["trainer"]
+    subjects = [{"kind": "ServiceAccount", "name": name}]
+    if service_account and service_account != name:
+        subjects.append({"kind": "ServiceAccount", "name": service_account})
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(name),
@@ -348,7 +346,7 @@ def trainer_identity(run: str, metadata) -> list[dict]:
                     "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata(name),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name}]},
+         "subjects": subjects},
     ]
 
 
@@ -415,6 +413,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
     if to_store:
         env.append(k.V1EnvVar(name=contract.SHM_DIR, value=SHM_DIR))
+    env += pods.env(s)  # the network preset's and pod.env (which never names one of kiln's above)
+    user_volumes, user_mounts = pods.volumes(s.pod)
 
     container = k.V1Container(
         name=CONTAINER,
@@ -435,17 +435,25 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             k.V1VolumeMount(name="dshm", mount_path="/dev/shm"),  # NCCL and dataloaders need more than 64Mi
             k.V1VolumeMount(name="scratch", mount_path=config.scratch_dir),
             k.V1VolumeMount(name="tmp", mount_path=TMP_DIR),
+            *user_mounts,
         ],
-        # Pod Security `restricted`: the trainer needs no privilege, no capability and no writable root.
+        # Pod Security `restricted`: the trainer needs no privilege, no capability and no writable root; what
+        # pod.capabilities and the network preset add (RDMA: IPC_LOCK) only as the admin policy allows.
         security_context=k.V1SecurityContext(
             allow_privilege_escalation=False,
-            capabilities=k.V1Capabilities(drop=["ALL"]),
+            capabilities=k.V1Capabilities(drop=["ALL"], add=pods.capabilities(s) or None),
             read_only_root_filesystem=True,
         ),
     )
     pod = k.V1PodSpec(
         containers=[container],
-        service_account_name=n["trainer"],
+        service_account_name=s.pod.service_account_name or n["trainer"],
+        image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
+        runtime_class_name=s.pod.runtime_class_name,
+        host_network=s.pod.host_network or None,
+        host_ipc=s.pod.host_ipc or None,
+        # on the node's network the pod still resolves the rendezvous Service's name
+        dns_policy="ClusterFirstWithHostNet" if s.pod.host_network else None,
         # The image's USER must be numeric and non-root (kiln's trainer image runs as 10001).
         security_context=k.V1PodSecurityContext(
             run_as_non_root=True, seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
@@ -458,9 +466,11 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         volumes=[
             k.V1Volume(name="spec", config_map=k.V1ConfigMapVolumeSource(name=n["configmap"])),
             # tmpfs counts against the container's memory limit: bounded by it, never more
-            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=memory)),
+            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
+                                                                      size_limit=s.pod.shm_size or memory)),
             k.V1Volume(name="scratch", empty_dir=k.V1EmptyDirVolumeSource()),
             k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource()),
+            *user_volumes,
         ],
     )
     group_label = {} if group is None else {GROUP_LABEL: str(group)}
