@@ -253,3 +253,20 @@ def test_a_device_the_queue_does_not_cover_is_refused_by_field():
                      observed=Observed(queue_coverage=cov))
     assert result.refused_reason == "NotCoveredByQueue"
     assert result.refused.startswith("spec.pod.extraResources[rdma/ib]: the pods request rdma/ib")
+
+
+# ---- gang placement, honestly: the condition names what holds ----
+
+@pytest.mark.parametrize("scheduling, expected", [
+    ({"queue": "team", "topology": {"level": "rack"}}, ("True", "KueueAdmission", "free capacity")),
+    ({"queue": "team"}, ("True", "KueueAdmission", "quota only")),
+    ({}, ("False", "NoGangScheduler", "default kube-scheduler")),
+    ({"gang": False}, ("False", "Disabled", "one by one")),
+])
+def test_the_gang_condition_says_what_holds(scheduling, expected):
+    from kiln.control.status import derive
+
+    ts = {"metadata": {"name": "r", "generation": 1}, "spec": {"scheduling": scheduling}, "status": {}}
+    d = derive(ts, None, [], "2026-01-01T00:00:00Z", accepted=("True", "Applied", "ok"))
+    gang = next(c for c in d.status["conditions"] if c["type"] == "Gang")
+    assert (gang["status"], gang["reason"]) == expected[:2] and expected[2] in gang["message"], gang

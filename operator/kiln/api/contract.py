@@ -64,7 +64,7 @@ TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensP
 
 # The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).
 CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",
-                   "Failed", "Elastic", "GPUHealthy")
+                   "Failed", "Elastic", "GPUHealthy", "Gang")
 
 # ---- GPU health: what trainer rank 0 reports per node in status.gpuHealth (kiln.trainer.observe.gpu_health), and the
 # operator acts on (kiln.control.failover) ----

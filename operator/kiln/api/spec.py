@@ -313,8 +313,11 @@ class SchedulingSpec(ApiModel):
         description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and PyTorchJob schedulingPolicy.queue.",
     )
     gang: bool = Field(
-        True, description="Gang scheduling: PyTorchJob schedulingPolicy.minAvailable = elastic.minNodes (default: "
-                          "nodes), the fewest pods the run trains with, placed together or not at all."
+        True, description="Sets the PyTorchJob's schedulingPolicy.minAvailable = elastic.minNodes (default: nodes), "
+                          "the fewest pods the run trains with. Only a gang scheduler (Volcano, scheduler-plugins "
+                          "coscheduling) reads it; kiln's pods go to the default kube-scheduler, which places them "
+                          "one by one. All or nothing holds through Kueue admission when queue is set (condition "
+                          "Gang says which holds for the run)."
     )
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
     priority: str | None = Field(
