@@ -270,3 +270,10 @@ def test_the_gang_condition_says_what_holds(scheduling, expected):
     d = derive(ts, None, [], "2026-01-01T00:00:00Z", accepted=("True", "Applied", "ok"))
     gang = next(c for c in d.status["conditions"] if c["type"] == "Gang")
     assert (gang["status"], gang["reason"]) == expected[:2] and expected[2] in gang["message"], gang
+
+
+def test_the_lighthouse_pulls_the_trainer_image_with_the_same_secrets():
+    raw = with_({"resources.nodes": 2, "elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 2}},
+                 "pod": {"imagePullSecrets": [{"name": "regcred"}]}})
+    deployment = next(o for o in planned(raw).objects if o["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]

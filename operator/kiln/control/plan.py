@@ -558,6 +558,8 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
     pod = k.V1PodSpec(
         containers=[container],
         automount_service_account_token=False,  # it talks to no apiserver
+        # the trainer image: pulled with the trainer pods' secrets
+        image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
         security_context=k.V1PodSecurityContext(run_as_non_root=True,
                                                 seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
         # the pools the spec names (resources.nodeSelector, tolerations), where the groups' pods reach it; not
