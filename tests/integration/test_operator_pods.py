@@ -19,7 +19,7 @@ from kiln.control.plan import plan
 
 from tests.integration.test_operator_api import install_crd
 from tests.integration.test_operator_lifecycle import scratch_namespace
-from tests.unit.test_control_pods import EVERYTHING, OPEN
+from tests.pod_settings import EVERYTHING, OPEN
 
 pytestmark = pytest.mark.rig
 
