@@ -27,7 +27,7 @@ EVERYTHING = {
     "shmSize": "64Gi",
     "imagePullSecrets": [{"name": "regcred"}],
     "serviceAccountName": "team-irsa",
-    "extraResources": {"rdma/ib": "1", "hugepages-2Mi": "5120Mi"},
+    "extraResources": [{"name": "rdma/ib", "quantity": "1"}, {"name": "hugepages-2Mi", "quantity": "5120Mi"}],
     "runtimeClassName": "nvidia",
     "capabilities": ["IPC_LOCK"],
     "hostNetwork": True,

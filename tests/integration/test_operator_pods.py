@@ -64,7 +64,8 @@ def server_dry_run(rig, pod: dict):
 @pytest.mark.parametrize("pod_settings, network, level", [
     (None, None, "restricted"),
     ({"volumes": [v for v in EVERYTHING["volumes"] if "hostPath" not in v], "env": EVERYTHING["env"],
-      "shmSize": "1Gi", "imagePullSecrets": [{"name": "regcred"}], "extraResources": {"rdma/ib": "1"}},
+      "shmSize": "1Gi", "imagePullSecrets": [{"name": "regcred"}],
+      "extraResources": [{"name": "rdma/ib", "quantity": "1"}]},
      {"fabric": "efa", "devices": 4}, "restricted"),
     ({"capabilities": ["CHOWN"]}, None, "baseline"),
     (None, {"fabric": "infiniband"}, "privileged"),  # IPC_LOCK

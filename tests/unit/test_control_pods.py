@@ -81,7 +81,7 @@ def test_nothing_set_keeps_the_pod_as_before():
     ({"volumes": [{"name": "h", "mountPath": "/h", "hostPath": {"path": "/mnt/datasets2"}}]},
      "spec.pod.volumes[0].hostPath.path"),
     ({"capabilities": ["SYS_ADMIN"]}, "spec.pod.capabilities[0]"),
-    ({"extraResources": {"example.com/fpga": "1"}}, "spec.pod.extraResources[example.com/fpga]"),
+    ({"extraResources": [{"name": "example.com/fpga", "quantity": "1"}]}, "spec.pod.extraResources[0]"),
 ])
 def test_dangerous_settings_outside_the_policy_are_refused_by_field_with_nothing_applied(pod_settings, field):
     result = planned(with_({"pod": pod_settings}))
@@ -95,7 +95,7 @@ def test_dangerous_settings_outside_the_policy_are_refused_by_field_with_nothing
     ({"capabilities": ["IPC_LOCK"]}, "spec.pod.capabilities[0]"),
     ({"hostNetwork": True}, "spec.pod.hostNetwork"),
     ({"hostIPC": True}, "spec.pod.hostIPC"),
-    ({"extraResources": {"rdma/ib": "1"}}, "spec.pod.extraResources[rdma/ib]"),
+    ({"extraResources": [{"name": "rdma/ib", "quantity": "1"}]}, "spec.pod.extraResources[0]"),
 ])
 def test_the_default_policy_refuses_each_and_the_sites_policy_allows_it(pod_settings, field):
     refused = planned(with_({"pod": pod_settings}), CLOSED)
@@ -157,7 +157,8 @@ def test_security_level_is_restricted_unless_asked_otherwise():
 
     assert level({}) == "restricted"
     assert level({"volumes": [{"name": "c", "mountPath": "/c", "persistentVolumeClaim": {"claimName": "c"}}],
-                  "runtimeClassName": "nvidia", "extraResources": {"rdma/ib": "1"}}) == "restricted"
+                  "runtimeClassName": "nvidia",
+                  "extraResources": [{"name": "rdma/ib", "quantity": "1"}]}) == "restricted"
     assert level({"capabilities": ["NET_BIND_SERVICE"]}) == "restricted"
     assert level({"capabilities": ["CHOWN"]}) == "baseline"
     assert level({"capabilities": ["IPC_LOCK"]}) == "privileged"
@@ -220,10 +221,11 @@ def test_a_device_the_queue_does_not_cover_is_refused_by_field():
     from kiln.control import kueue
 
     cov = kueue.Coverage("gpus", frozenset({"cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"}))
-    result = planned(with_({"scheduling.queue": "team", "pod": {"extraResources": {"rdma/ib": "1"}}}),
+    rdma = {"extraResources": [{"name": "rdma/ib", "quantity": "1"}]}
+    result = planned(with_({"scheduling.queue": "team", "pod": rdma}),
                      observed=Observed(queue_coverage=cov))
     assert result.refused_reason == "NotCoveredByQueue"
-    assert result.refused.startswith("spec.pod.extraResources[rdma/ib]: the pods request rdma/ib")
+    assert result.refused.startswith("spec.pod.extraResources[0]: the pods request rdma/ib")
 
 
 # ---- gang placement, honestly: the condition names what holds ----
@@ -248,3 +250,12 @@ def test_the_lighthouse_pulls_the_trainer_image_with_the_same_secrets():
                  "pod": {"imagePullSecrets": [{"name": "regcred"}]}})
     deployment = next(o for o in planned(raw).objects if o["kind"] == "Deployment")
     assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_extra_resources_are_extended_resources_named_once():
+    for bad, says in (([{"name": "nvidia.com/gpu", "quantity": "1"}], "set in resources"),
+                      ([{"name": "ib", "quantity": "1"}], "pattern"),
+                      ([{"name": "rdma/ib", "quantity": "lots"}], "pattern"),
+                      ([{"name": "rdma/ib", "quantity": "1"}, {"name": "rdma/ib", "quantity": "2"}], "once")):
+        with pytest.raises(KilnError, match=says):
+            parse(with_({"pod": {"extraResources": bad}}))

@@ -101,6 +101,24 @@ class EmptyDirSource(ApiModel):
     size_limit: str | None = Field(None, max_length=32, pattern=QUANTITY, description="e.g. 100Gi.")
 
 
+class ExtraResource(ApiModel):
+    """One extended resource each pod requests (request = limit, as Kubernetes requires for them)."""
+
+    model_config = with_cel((f"!({_cel_list(OWN_RESOURCES)}.exists(o, o == self.name))",
+                             "cpu, memory, ephemeral-storage and GPUs are set in resources, not pod.extraResources"))
+    name: str = Field(..., max_length=253, pattern=EXTRA_RESOURCE,
+                      description="An extended resource (a domain and a name, e.g. rdma/ib, vpc.amazonaws.com/efa) "
+                                  "or hugepages-2Mi / hugepages-1Gi.")
+    quantity: str = Field(..., max_length=32, pattern=QUANTITY, description="How many (or how much), e.g. 1, 5120Mi.")
+
+    @model_validator(mode="after")
+    def _not_own(self) -> "ExtraResource":
+        if self.name in OWN_RESOURCES:
+            raise ValueError(f"pod.extraResources: {self.name} is set in resources (cpu, memory, ephemeralStorage, "
+                             "gpusPerNode), not here")
+        return self
+
+
 class LocalObjectReference(ApiModel):
     """A named object in the run's namespace (core/v1 LocalObjectReference)."""
 
@@ -194,11 +212,8 @@ class PodSettings(ApiModel):
         ("self.volumes.all(a, self.volumes.exists_one(b, b.name == a.name))", "pod.volumes names each volume once"),
         ("self.volumes.all(a, self.volumes.exists_one(b, b.mountPath == a.mountPath))",
          "pod.volumes mounts one volume per mountPath"),
-        (f"self.extraResources.all(k, k.matches('{EXTRA_RESOURCE}') && !({_cel_list(OWN_RESOURCES)}.exists(o, o == k)))",
-         "pod.extraResources names extended resources (a domain and a name, e.g. rdma/ib) or hugepages-2Mi/1Gi; "
-         "cpu, memory, ephemeral-storage and GPUs are set in resources"),
-        ("self.extraResources.all(k, self.extraResources[k].matches('" + QUANTITY + "'))",
-         "pod.extraResources values are quantities, e.g. 1 or 5120Mi"),
+        ("self.extraResources.all(a, self.extraResources.exists_one(b, b.name == a.name))",
+         "pod.extraResources names each resource once"),
     )
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128,
@@ -215,10 +230,13 @@ class PodSettings(ApiModel):
         None, max_length=253, pattern=DNS_SUBDOMAIN,
         description="The pods' ServiceAccount (for IRSA or workload identity annotations); kiln also grants it the "
         "run's status patch. Default: the run's own <name>-trainer. Admin policy: allowed names.")
-    extra_resources: dict[str, str] = Field(
-        default_factory=dict, max_length=16,
-        description="Extra per-pod requests (= limits) of extended resources, e.g. {rdma/ib: '1'} or "
-        "{vpc.amazonaws.com/efa: '32', hugepages-2Mi: 5120Mi}. Admin policy: allowed names.")
+    # a list of {name, quantity}, not a core/v1 ResourceList map: a map's keys have no length bound in a CRD,
+    # so the apiserver's CEL cost estimate could not bound a check of them
+    extra_resources: list[ExtraResource] = Field(
+        default_factory=list, max_length=16,
+        description="Extra per-pod requests (= limits) of extended resources, e.g. [{name: rdma/ib, quantity: '1'}] "
+        "or [{name: vpc.amazonaws.com/efa, quantity: '32'}, {name: hugepages-2Mi, quantity: 5120Mi}]. Admin "
+        "policy: allowed names.")
     runtime_class_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN,
                                            description="The pods' RuntimeClass, e.g. nvidia.")
     capabilities: list[Annotated[str, Field(max_length=64, pattern=CAPABILITY)]] = Field(
@@ -238,17 +256,11 @@ class PodSettings(ApiModel):
                             "would break the run (kiln.api.contract.RESERVED_ENV; for the store use "
                             "checkpoint.credentialsSecret and checkpoint.endpoint)")
         for what, values in (("pod.env names each variable once", [e.name for e in self.env]),
+                             ("pod.extraResources names each resource once", [r.name for r in self.extra_resources]),
                              ("pod.volumes names each volume once", [v.name for v in self.volumes]),
                              ("pod.volumes mounts one volume per mountPath", [v.mount_path for v in self.volumes])):
             if twice := sorted({x for x in values if values.count(x) > 1}):
                 problems.append(f"{what} (got {', '.join(twice)} twice)")
-        for name, quantity in self.extra_resources.items():
-            if not re.match(EXTRA_RESOURCE, name) or name in OWN_RESOURCES:
-                problems.append(f"pod.extraResources: {name!r} is not an extended resource (a domain and a name, "
-                                "e.g. rdma/ib) or hugepages-2Mi/1Gi; cpu, memory, ephemeral-storage and GPUs are "
-                                "set in resources")
-            elif not re.match(QUANTITY, quantity):
-                problems.append(f"pod.extraResources[{name}]: {quantity!r} is not a quantity, e.g. 1 or 5120Mi")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -142,7 +142,7 @@ def pod_resources(s: TrainingSpecSpec, config: OperatorConfig) -> dict[str, tupl
         else (config.default_ephemeral_storage, None)
     # extended resources (devices, huge pages): request = limit, as Kubernetes requires
     out |= {name: (quantity, "network.fabric") for name, quantity in preset(s.network).resources.items()}
-    out |= {name: (quantity, f"pod.extraResources[{name}]") for name, quantity in s.pod.extra_resources.items()}
+    out |= {r.name: (r.quantity, f"pod.extraResources[{i}]") for i, r in enumerate(s.pod.extra_resources)}
     return out
 
 

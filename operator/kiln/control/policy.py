@@ -202,7 +202,7 @@ def pod_violations(spec: Any, policy: AdminPolicy) -> list[str]:
         if flag and not getattr(policy, field):
             out.append(f"spec.pod.{name}: the node's {name[4:].lower()} namespace is not allowed here "
                        f"(policy.allow{name[0].upper()}{name[1:]})")
-    wanted = [(f"spec.pod.extraResources[{n}]", n) for n in pod.extra_resources]
+    wanted = [(f"spec.pod.extraResources[{i}]", r.name) for i, r in enumerate(pod.extra_resources)]
     wanted += [(f"spec.network.fabric ({spec.network.fabric} requests it)", n) for n in net.resources]
     for where, name in wanted:
         if not resource_allowed(name, policy.allowed_extra_resources):
