@@ -26,19 +26,30 @@ pytestmark = pytest.mark.rig
 LEVELS = ("restricted", "baseline", "privileged")
 
 
+RUNTIME_CLASS = f"kiln-pss-{uuid.uuid4().hex[:6]}"
+
+
 @pytest.fixture(scope="module")
 def level_namespaces(rig):
-    """One namespace per Pod Security level, enforced."""
+    """One namespace per Pod Security level, enforced, each with the ServiceAccounts the pods name (admission
+    refuses a pod whose ServiceAccount does not exist), and a RuntimeClass of this module's own."""
     names = {level: f"kiln-pss-{level}-{uuid.uuid4().hex[:6]}" for level in LEVELS}
     rig.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
         "pod-security.kubernetes.io/enforce": level, "pod-security.kubernetes.io/enforce-version": "latest"}}}
         for level, ns in names.items()])
+    rig.apply([{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}}
+               for ns in names.values() for sa in ("pss-trainer", EVERYTHING["serviceAccountName"])]
+              + [{"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": RUNTIME_CLASS},
+                  "handler": "runc"}])
     yield names
     for ns in names.values():
         rig.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    rig.kubectl("delete", "runtimeclass", RUNTIME_CLASS, "--wait=false", check=False)
 
 
 def spec(pod: dict | None = None, network: dict | None = None) -> dict:
+    if pod and "runtimeClassName" in pod:
+        pod = {**pod, "runtimeClassName": RUNTIME_CLASS}
     body = {"model": {"preset": "tiny"}, "training": {"steps": 10, "globalBatchSize": 8},
             "resources": {"nodes": 1, "gpusPerNode": 1}}
     body |= {"pod": pod} if pod else {}
