@@ -130,7 +130,9 @@ def test_kilns_own_env_names_are_refused_by_name_offline():
 def test_every_variable_kiln_sets_is_reserved():
     """A user's pod.env can never replace what kiln's plan sets, in any configuration that adds variables."""
     raw = with_({"elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 2}}, "resources.nodes": 2,
-                 "checkpoint": {"uri": "s3://b/r/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"}})
+                 "checkpoint": {"uri": "s3://b/r/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"},
+                 "tracking": {"mlflow": {"uri": "http://mlflow:5000", "credentialsSecret": "ml"},
+                              "wandb": {"project": "p", "credentialsSecret": "wb"}}})
     for body in (with_({}), raw):
         result = planned(body)
         for job in (o for o in result.objects if o["kind"] == "PyTorchJob"):

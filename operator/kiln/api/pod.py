@@ -199,8 +199,8 @@ def reserved_env(name: str) -> bool:
 _RESERVED_ENV_CEL = (f"self.env.all(e, !({_cel_list(RESERVED_ENV)}.exists(n, n == e.name)) && "
                      f"!({_cel_list(RESERVED_ENV_PREFIXES)}.exists(p, e.name.startsWith(p))))")
 RESERVED_ENV_MESSAGE = ("pod.env may not set a variable kiln sets itself (" + ", ".join(RESERVED_ENV) + ", or any "
-                        + "*, ".join(RESERVED_ENV_PREFIXES) + "*): use checkpoint.credentialsSecret and "
-                        "checkpoint.endpoint for the store")
+                        + "*, ".join(RESERVED_ENV_PREFIXES) + "*): for keys use checkpoint.credentialsSecret, "
+                        "checkpoint.endpoint and tracking.*.credentialsSecret")
 
 
 class PodSettings(ApiModel):
@@ -253,8 +253,9 @@ class PodSettings(ApiModel):
         problems = []
         if reserved := [e.name for e in self.env if reserved_env(e.name)]:
             problems.append(f"pod.env may not set {', '.join(reserved)}: kiln sets it itself, and another value "
-                            "would break the run (kiln.api.contract.RESERVED_ENV; for the store use "
-                            "checkpoint.credentialsSecret and checkpoint.endpoint)")
+                            "would break the run (kiln.api.contract.RESERVED_ENV; for the store's and the "
+                            "trackers' keys use checkpoint.credentialsSecret, checkpoint.endpoint and "
+                            "tracking.*.credentialsSecret)")
         for what, values in (("pod.env names each variable once", [e.name for e in self.env]),
                              ("pod.extraResources names each resource once", [r.name for r in self.extra_resources]),
                              ("pod.volumes names each volume once", [v.name for v in self.volumes]),
