@@ -66,7 +66,8 @@ def test_one_run_shows_its_conditions_whole_and_wide_adds_columns(rig, runs):
     assert MESSAGE in out and "PodsRunning" in out
     wide = kiln_status(rig, "-n", runs, "-o", "wide")
     header, *rows = wide.splitlines()
-    assert header.split()[-7:] == ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT", "URI", "GENERATION"]
+    assert header.split()[-8:] == ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT", "URI", "GENERATION",
+                                   "MESSAGE"]
     row = next(r for r in rows if r.startswith(NAME))
     assert row.split()[-4:] == ["2h", "91.2%", URI, "1/1"]
     assert any(r.split()[:2] == ["short", "Pending"] for r in rows)

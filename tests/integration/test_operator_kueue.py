@@ -101,6 +101,55 @@ def test_a_run_larger_than_the_quota_starts_no_pod(rig, ns, operator, team):
 
 
 @pytest.fixture
+def gpu_only_team(rig, kueue, ns):
+    """LocalQueue `gpu-team` → a ClusterQueue covering only cpu, memory and nvidia.com/gpu, as Kueue's own
+    examples do (no ephemeral-storage); yields the ClusterQueue's name."""
+    name = f"cq-{uuid.uuid4().hex[:8]}"
+    rig.apply([kueue.cluster_queue(name, gpus=GPUS, namespaces=[ns], covered=("cpu", "memory", "nvidia.com/gpu")),
+               kueue.local_queue(ns, "gpu-team", name)])
+    yield name
+    rig.kubectl("delete", "localqueue", "gpu-team", "-n", ns, check=False)
+    rig.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def test_a_queue_that_covers_only_cpu_memory_and_gpus_admits_the_run(rig, kueue, ns, operator, gpu_only_team, capsys):
+    """kiln's default local-disk request is left out for such a queue and the run is admitted and runs; a
+    run whose spec asks for local disk is refused by field with nothing applied, and starts once the admin
+    covers ephemeral-storage (the operator retries)."""
+    gpu_team = {"queue": "gpu-team"}
+    submit(rig, ns, node_run("disk", scheduling=gpu_team, resources={"ephemeralStorage": "10Gi"}))
+    refused = rig.wait_for("disk refused as not covered by its queue",
+                           lambda: (c := condition(rig, ns, "disk", "SpecAccepted")).get("reason") == "NotCoveredByQueue"
+                           and c, timeout=SAFETY_TIMEOUT_S)
+    assert refused["status"] == "False" and "spec.resources.ephemeralStorage" in refused["message"], refused
+    assert f"ClusterQueue {gpu_only_team}" in refused["message"] and "coveredResources" in refused["message"]
+    assert not items(rig, ns, "pytorchjobs", "kiln.dev/trainingspec=disk")  # nothing applied
+    assert main(["status", "-n", ns, "--kubeconfig", str(rig.kubeconfig)]) == 0
+    assert "disk: SpecAccepted NotCoveredByQueue: spec.resources.ephemeralStorage" in capsys.readouterr().out
+
+    with rig.exclusive_gpus():
+        submit(rig, ns, node_run("plain", scheduling=gpu_team))
+        st = wait_phase(rig, ns, "plain", "Running")
+        assert st["queue"]["clusterQueue"] == gpu_only_team
+        (pod,) = running_pods(rig, ns, "plain")
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert "ephemeral-storage" not in resources.get("requests", {}) and resources["limits"]["nvidia.com/gpu"] == "4"
+        accepted = condition(rig, ns, "plain", "SpecAccepted")
+        assert accepted["status"] == "True" and "do not request ephemeral-storage" in accepted["message"], accepted
+
+        # the admin covers local disk: the refused run is made on the operator's retry, without a spec change
+        rig.apply([kueue.cluster_queue(gpu_only_team, gpus=GPUS, namespaces=[ns])])
+        job = rig.wait_for("disk's PyTorchJob made once its queue covers ephemeral-storage",
+                           lambda: next(iter(items(rig, ns, "pytorchjobs", "kiln.dev/trainingspec=disk")), None),
+                           timeout=SAFETY_TIMEOUT_S)
+        limits = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["ephemeral-storage"] == "10Gi"
+        rig.succeed_pod(ns, "plain-worker-0")
+        wait_phase(rig, ns, "plain", "Succeeded")
+    rig.kubectl("delete", "trainingspec", "disk", "-n", ns)
+
+
+@pytest.fixture
 def priorities(rig, kueue):
     """WorkloadPriorityClasses `low-…` (10) and `high-…` (1000); yields their names."""
     suffix = uuid.uuid4().hex[:6]

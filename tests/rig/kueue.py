@@ -185,25 +185,29 @@ def pool_flavor() -> dict:
                      "tolerations": [toleration]}}
 
 
+COVERED = ("cpu", "memory", "ephemeral-storage", GPU)
+
+
 def cluster_queue(name: str, gpus: int, namespaces: list[str] | None = None, preemption: dict | None = None,
-                  flavor: str = FLAVOR) -> dict:
+                  flavor: str = FLAVOR, covered: tuple[str, ...] = COVERED) -> dict:
     """A ClusterQueue with `gpus` nvidia.com/gpu of the rig's flavor (CPU, memory and local disk: what the
     nodes have; Kueue admits nothing that requests a resource its ClusterQueue does not cover, and kiln's
     pods request all four).
 
-    namespaces: the namespaces whose LocalQueues may use it (None: any)."""
+    namespaces: the namespaces whose LocalQueues may use it (None: any). covered: the resources it covers (a
+    subset of COVERED: Kueue's own examples leave out ephemeral-storage)."""
     nodes = len(POOL_NODES) if flavor == POOL_FLAVOR else len(cluster.GPU_NODES)
     spec: dict = {
         "namespaceSelector": ({"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
                                                      "values": namespaces}]} if namespaces else {}),
         "resourceGroups": [{
-            "coveredResources": ["cpu", "memory", "ephemeral-storage", GPU],
-            "flavors": [{"name": flavor, "resources": [
+            "coveredResources": list(covered),
+            "flavors": [{"name": flavor, "resources": [q for q in (
                 {"name": "cpu", "nominalQuota": str(96 * nodes)},
                 {"name": "memory", "nominalQuota": f"{2 * nodes}Ti"},
                 {"name": "ephemeral-storage", "nominalQuota": f"{28 * nodes}Ti"},
                 {"name": GPU, "nominalQuota": str(gpus)},
-            ]}],
+            ) if q["name"] in covered]}],
         }],
     }
     if preemption:

@@ -9,6 +9,8 @@ import re
 
 from rich.console import Console
 
+from kiln.cli import cluster_cmds
+from kiln.cli.main import build_parser
 from kiln.cli.cluster_cmds import _print_table, as_data, condition_table, plain_table, queue_table, status_table
 
 LONG = "llama-8b-pretrain-with-a-very-long-experiment-name-that-goes-on-0123456789"
@@ -51,12 +53,39 @@ def test_a_terminal_narrower_than_the_table_gets_whole_values_too():
 
 def test_wide_adds_eta_goodput_cost_checkpoint_uri_and_generation():
     header, rows = status_table([_item(LONG, **STATUS)], all_namespaces=False, wide=True)
-    assert header[-6:] == ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION"]
-    assert rows[0][0] == LONG and rows[0][-6:] == ["1h", "95.0%", "", "", STATUS["lastCheckpoint"]["uri"], "2/2"]
+    assert header[-7:] == ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION", "MESSAGE"]
+    assert rows[0][0] == LONG and rows[0][-7:] == ["1h", "95.0%", "", "", STATUS["lastCheckpoint"]["uri"], "2/2", ""]
     cost = {"gpuHours": 16.0, "gpuHoursByCause": {"productive": 12.0, "restart": 4.0},
             "pricePerGpuHour": 3.5, "currency": "USD", "amount": 56.0}
     _, rows = status_table([_item(LONG, **STATUS, cost=cost)], all_namespaces=False, wide=True)
-    assert rows[0][-4:-2] == ["16 (75% productive)", "56.00 USD"]
+    assert rows[0][-5:-3] == ["16 (75% productive)", "56.00 USD"]
+
+
+NO_EPHEMERAL = ("couldn't assign flavors to pod set worker: resource ephemeral-storage unavailable in ClusterQueue")
+
+
+def test_a_queued_run_says_why_it_waits_in_wide_and_below_the_list(capsys, monkeypatch):
+    queued = _item("q", phase="Queued", conditions=[
+        {"type": "SpecAccepted", "status": "True", "reason": "Applied", "message": "ok"},
+        {"type": "Queued", "status": "True", "reason": "Pending", "message": NO_EPHEMERAL}])
+    admitted = _item("a", phase="Running", conditions=[
+        {"type": "Queued", "status": "False", "reason": "Admitted", "message": "admitted by ClusterQueue gpus"}])
+    refused = _item("r", phase="Pending", conditions=[
+        {"type": "SpecAccepted", "status": "False", "reason": "NotCoveredByQueue", "message": "spec.resources.cpu: x"}])
+    header, rows = status_table([queued, admitted, refused], all_namespaces=False, wide=True)
+    assert [r[-1] for r in rows] == [f"Queued Pending: {NO_EPHEMERAL}", "",
+                                     "SpecAccepted NotCoveredByQueue: spec.resources.cpu: x"]
+
+    class FakeKube:  # stands in for the apiserver: the listing only
+        def trainingspecs(self, namespace):
+            return [queued, admitted, refused]
+
+    monkeypatch.setattr(cluster_cmds, "_kube", lambda args: FakeKube())
+    args = build_parser().parse_args(["status", "-n", "ml"])
+    assert cluster_cmds.status(args) == 0
+    out = capsys.readouterr().out
+    assert f"q: Queued Pending: {NO_EPHEMERAL}" in out and "r: SpecAccepted NotCoveredByQueue" in out
+    assert "a: " not in out
 
 
 def test_conditions_keep_their_whole_message():

@@ -37,6 +37,22 @@ FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.contr
 # hold a token or a user and password).
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 WANDB_SECRET_KEYS = ("WANDB_API_KEY",)
+# What kiln's plan sets in the trainer container and a spec's pod.env may not replace (refused by name):
+# torchrun and the training-operator's rendezvous, the writable folders of a read-only root, the store's keys.
+# Names: every KILN_*, PET_* (the training-operator's, read by torchrun) and TORCHELASTIC_* (torchrun's own).
+# The store's and the trackers' keys come from checkpoint.credentialsSecret and tracking.*.credentialsSecret.
+RESERVED_ENV_PREFIXES = ("KILN_", "PET_", "TORCHELASTIC_")
+RESERVED_ENV = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "TMPDIR", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME", "TRITON_CACHE_DIR",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+    *MLFLOW_SECRET_KEYS, *WANDB_SECRET_KEYS,  # spec.tracking.*.credentialsSecret's
+)
+# The trainer pod's own volumes and mount paths (kiln.control.plan); a spec's pod.volumes may use neither.
+# /var/lib/kiln is the operator's default scratch folder (OperatorConfig.scratch_dir).
+POD_VOLUMES = ("spec", "dshm", "scratch", "tmp")
+POD_MOUNTS = (SPEC_MOUNT, "/dev/shm", "/tmp", "/var/lib/kiln")
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES, NODE_NAME)
@@ -50,7 +66,7 @@ TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensP
 
 # The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).
 CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",
-                   "Failed", "Elastic", "GPUHealthy")
+                   "Failed", "Elastic", "GPUHealthy", "Gang")
 
 # ---- GPU health: what trainer rank 0 reports per node in status.gpuHealth (kiln.trainer.observe.gpu_health), and the
 # operator acts on (kiln.control.failover) ----

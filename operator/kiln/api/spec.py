@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from kiln.api.base import QUANTITY, ApiModel
 from kiln.api.contract import CONDITION_TYPES
+from kiln.api.pod import NetworkSpec, PodSettings
 from kiln.api.presets import PRESETS
 
 GROUP = "kiln.dev"
@@ -34,20 +36,6 @@ JSON_INT_MIN = -JSON_INT_MAX
 # elastic.faultTolerance.groups: each group is a PyTorchJob the operator renders and applies on every resync, and
 # a status entry; one small spec must not fan out into more work than the operator can redo (status lists stop here)
 MAX_REPLICA_GROUPS = 4096
-# A Kubernetes resource quantity as people write them: 32, 500m, 1.5, 512Gi, 100G (no exponents, no signs)
-QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
-
-
-class ApiModel(BaseModel):
-    """Base for every API object: camelCase aliases, unknown fields rejected, Python names accepted too."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_assignment=True,
-        allow_inf_nan=False,  # YAML has .inf and .nan, JSON (what the apiserver stores) has neither
-    )
 
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in kiln.api.presets, one source
@@ -340,8 +328,11 @@ class SchedulingSpec(ApiModel):
         description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and PyTorchJob schedulingPolicy.queue.",
     )
     gang: bool = Field(
-        True, description="Gang scheduling: PyTorchJob schedulingPolicy.minAvailable = elastic.minNodes (default: "
-                          "nodes), the fewest pods the run trains with, placed together or not at all."
+        True, description="Sets the PyTorchJob's schedulingPolicy.minAvailable = elastic.minNodes (default: nodes), "
+                          "the fewest pods the run trains with. Only a gang scheduler (Volcano, scheduler-plugins "
+                          "coscheduling) reads it; kiln's pods go to the default kube-scheduler, which places them "
+                          "one by one. All or nothing holds through Kueue admission when queue is set (condition "
+                          "Gang says which holds for the run)."
     )
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
     priority: str | None = Field(
@@ -417,6 +408,13 @@ class TrainingSpecSpec(ApiModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Queues and gang scheduling.")
     tracking: TrackingSpec | None = Field(None, description="Experiment tracking in MLflow and/or W&B.")
+    pod: PodSettings = Field(
+        default_factory=PodSettings, description="Settings of the trainer pods a site needs (environment, volumes, "
+        "/dev/shm, pull secrets, service account, extra devices, runtime class, capabilities, host namespaces), "
+        "under the operator's admin policy (docs/pods.md).")
+    network: NetworkSpec | None = Field(
+        None, description="The fabric between the nodes: NCCL's environment and the device requests a fabric "
+        "needs (docs/pods.md \"Network presets\"). Unset: NCCL's own choice.")
     suspend: bool = Field(False, description="true: checkpoint, then release every GPU; false again: resume.")
 
     @model_validator(mode="after")

@@ -131,7 +131,7 @@ def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) ->
     header = (["NAMESPACE"] if all_namespaces else []) + ["NAME", "PHASE", "NODES", "STEP", "PROGRESS", "TOKENS/S",
                                                           "MFU", "LAST CHECKPOINT", "RESTARTS", "AGE"]
     if wide:
-        header += ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION"]
+        header += ["ETA", "GOODPUT", "GPU-HOURS", "COST", "CHECKPOINT URI", "GENERATION", "MESSAGE"]
     rows = []
     for item in items:
         st, meta = item.get("status") or {}, item["metadata"]
@@ -148,9 +148,21 @@ def status_table(items: list[dict], all_namespaces: bool, wide: bool = False) ->
             row += [duration(st["etaSeconds"]) if st.get("etaSeconds") is not None else "",
                     f"{st['goodput']:.1%}" if st.get("goodput") is not None else "", *_cost(st.get("cost")),
                     ckpt.get("uri", ""),
-                    f"{observed if observed is not None else '-'}/{meta.get('generation', '-')}"]
+                    f"{observed if observed is not None else '-'}/{meta.get('generation', '-')}", waiting(item) or ""]
         rows.append(row)
     return header, rows
+
+
+def waiting(item: dict) -> str | None:
+    """Why a run does not train: the spec refused (SpecAccepted=False), or the queue's reason and message
+    while it is Queued (Kueue's words, e.g. which resource its ClusterQueue lacks); None otherwise."""
+    st = item.get("status") or {}
+    conds = {c.get("type"): c for c in st.get("conditions") or []}
+    for ctype, status in (("SpecAccepted", "False"), ("Queued", "True")):
+        c = conds.get(ctype) or {}
+        if c.get("status") == status and (ctype != "Queued" or st.get("phase") == "Queued"):
+            return f"{ctype} {c.get('reason', '')}: {c.get('message', '')}"
+    return None
 
 
 def condition_table(item: dict) -> tuple[list[str], list[list[str]]]:
@@ -253,6 +265,10 @@ def status(args) -> int:
         return 0
     header, rows = status_table(items, all_namespaces=ns is None, wide=args.output == "wide")
     _print_table(console, header, rows, phase_column=header.index("PHASE"))
+    if args.output != "wide" and not args.name:  # why each waiting run waits (-o wide: the MESSAGE column)
+        for item in items:
+            if why := waiting(item):
+                print(f"{item['metadata']['name']}: {why}")
     if args.name:
         if (groups := group_table(items[0])) is not None:
             _print_table(console, *groups, phase_column=2)

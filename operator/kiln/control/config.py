@@ -56,6 +56,9 @@ class OperatorConfig:
     # Local disk request = limit of a trainer pod whose spec sets no resources.ephemeralStorage: the node's disk
     # is shared, and every pod downloads its own copy of the data shards.
     default_ephemeral_storage: str = "50Gi"
+    # Kueue's own resources.excludeResourcePrefixes (its Configuration): requests Kueue ignores, which kiln then
+    # does not hold against a ClusterQueue's coveredResources (kiln.control.plan.queue_fit)
+    kueue_excluded_resource_prefixes: tuple[str, ...] = ()
     field_manager: str = "kiln-operator"
     health_port: int = 8080
     metrics_port: int = 9090  # Prometheus /metrics (kiln.control.metrics); 0 disables
@@ -99,5 +102,7 @@ class OperatorConfig:
                 kwargs[field] = conv(env[var])
         if "KILN_MONITORING_NAMESPACE" in env:  # set empty: no namespace
             kwargs["monitoring_namespace"] = env["KILN_MONITORING_NAMESPACE"].strip()
+        if prefixes := env.get("KILN_KUEUE_EXCLUDED_RESOURCE_PREFIXES"):
+            kwargs["kueue_excluded_resource_prefixes"] = tuple(p.strip() for p in prefixes.split(",") if p.strip())
         pricing = Pricing.parse(env.get("KILN_GPU_PRICES", ""), env.get("KILN_CURRENCY") or "USD")
         return cls(**kwargs, pricing=pricing, policy=AdminPolicy.from_env(env))

@@ -184,7 +184,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             try:
                 applied = kube.applied_spec(namespace, name)
                 desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
-                                             avoid_nodes=tuple(avoid)), config)
+                                             avoid_nodes=tuple(avoid), left_out=kueue.left_out_of(job)), config)
                 for obj in desired.objects if desired.refused is None else ():
                     kube.apply(kueue.with_admitted_tolerations(obj, job) if obj["kind"] == "PyTorchJob" else obj)
             except ApiException as err:  # not recorded as done: the next tick decides (and tries) again

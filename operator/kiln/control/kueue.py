@@ -256,3 +256,64 @@ def observe_groups(kube, jobs: list[dict | None], old_status: dict | None) -> li
         return None
     return [queue_state(job, read_workload(kube, job)) if read else recorded(job, old.get(i))
             for i, (job, read) in enumerate(zip(jobs, due))]
+
+
+# ---- what the run's ClusterQueue covers: a pod request it does not cover is never admitted ----
+
+LOCAL_QUEUES, CLUSTER_QUEUES = "localqueues", "clusterqueues"
+# on a run's PyTorchJob: the requests kiln left out when it first made the job, because the ClusterQueue did
+# not cover them; kept by every later apply of that job (a changed pod set would make Kueue stop an admitted job)
+LEFT_OUT_ANNOTATION = "kiln.dev/queue-left-out"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The resources the ClusterQueue behind a run's LocalQueue has quota for."""
+
+    cluster_queue: str
+    resources: frozenset[str]
+    excluded_prefixes: tuple[str, ...] = ()  # Kueue's resources.excludeResourcePrefixes: ignored by Kueue
+
+    def covers(self, resource: str) -> bool:
+        return resource in self.resources or resource.startswith(self.excluded_prefixes)
+
+
+def covered_resources(cluster_queue: dict) -> frozenset[str]:
+    """Every resource name a ClusterQueue's resourceGroups cover."""
+    groups = (cluster_queue.get("spec") or {}).get("resourceGroups") or []
+    return frozenset(r for g in groups for r in (g.get("coveredResources") or []))
+
+
+def read_coverage(kube, namespace: str, queue: str, excluded_prefixes: tuple[str, ...] = ()) -> Coverage | None:
+    """The ClusterQueue's coverage through the LocalQueue `queue` (None: no such LocalQueue or ClusterQueue,
+    no Kueue, or the operator may not read them; then kiln requests everything and Kueue says what it lacks)."""
+    try:
+        local = kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, LOCAL_QUEUES, queue)
+        name = (local.get("spec") or {}).get("clusterQueue")
+        if not name:
+            return None
+        cq = kube.custom.get_cluster_custom_object(GROUP, VERSION, CLUSTER_QUEUES, name)
+    except ApiException as err:
+        if err.status in (403, 404):
+            return None
+        raise
+    return Coverage(name, covered_resources(cq), excluded_prefixes)
+
+
+def left_out_of(job: dict | None) -> tuple[str, ...] | None:
+    """The requests kiln left out of this live job (None: no job; then the plan decides from the queue)."""
+    if job is None:
+        return None
+    raw = ((job.get("metadata") or {}).get("annotations") or {}).get(LEFT_OUT_ANNOTATION) or ""
+    return tuple(r for r in raw.split(",") if r)
+
+
+def observe_queue(kube, namespace: str, queue: str | None, jobs: list[dict],
+                  excluded_prefixes: tuple[str, ...] = ()) -> tuple[Coverage | None, tuple[str, ...] | None]:
+    """(Observed.queue_coverage, Observed.left_out) for a run: an admitted job keeps what was left out of it
+    (no read); otherwise the ClusterQueue is read, so an admin's fix reaches a run that still waits."""
+    if not queue:
+        return None, None
+    if admitted := [j for j in jobs if j is not None and not held(j)]:
+        return None, left_out_of(admitted[0])
+    return read_coverage(kube, namespace, queue, excluded_prefixes), None

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import yaml
-from kubeflow.training import ApiClient, Configuration
-from kubeflow.training import models as _models
 
 from kiln.api.presets import resolve_model
 from kiln.api import contract
@@ -34,24 +31,14 @@ from kiln.api.rules import check
 from kiln.api.spec import API_VERSION, KIND, MAX_REPLICA_GROUPS, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
+from kiln.control.k8s import K8S_MODELS, SERIALIZER
+from kiln.control import pods
+from kiln.control.kueue import LEFT_OUT_ANNOTATION, Coverage
+from kiln.control.network import preset
 from kiln.control.policy import violations
 from kiln.errors import KilnError
 
-_CONFIG = Configuration()  # one for every model and the serializer (see _SharedConfigModels)
-
-
-class _SharedConfigModels:
-    """kubeflow.training.models (and the kubernetes models it re-exports), each made with one shared
-    Configuration. Without one, every model makes its own, and Configuration() sets two loggers' levels, which
-    clears the level cache of every logger in the process under logging's global lock: ~40 models per
-    PyTorchJob cost a new run ~30 of the operator's ~43 ms of CPU in a burst, and stalled the threads that log."""
-
-    def __getattr__(self, name: str):
-        return partial(getattr(_models, name), local_vars_configuration=_CONFIG)
-
-
-k = _SharedConfigModels()
-_SERIALIZER = ApiClient(_CONFIG)  # sanitize_for_serialization only: it sends nothing
+k, _SERIALIZER = K8S_MODELS, SERIALIZER  # the kubeflow-training / kubernetes models, one shared Configuration
 
 # libyaml's emitter when present (same text, ~4x faster: the largest cost of a plan in a burst)
 SafeDumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -99,6 +86,10 @@ WRITABLE_ENV = {
 
 # Changing these under a running job would silently break it (the checkpoint no longer fits the model,
 # the data cursor no longer means anything): the operator refuses the change instead of applying it.
+# What a request left out (queue_fit) costs the run, said in SpecAccepted's message.
+LEFT_OUT_WHY = {"ephemeral-storage": "; the trainer still refuses data shards that do not fit the node's free disk",
+                "memory": "; the pod has no memory limit and /dev/shm is bounded by the operator's default memory"}
+
 IMMUTABLE_WHILE_RUNNING = (
     ("model",), ("data", "uri"), ("parallelism", "tensor"), ("parallelism", "pipeline"),
     ("resources", "gpusPerNode"), ("resources", "processesPerNode"),
@@ -114,13 +105,16 @@ class Observed:
     job_active: bool = False  # a PyTorchJob exists and has not finished
     nodes: int | None = None  # the elastic controller's current node decision; None: spec.resources.nodes
     avoid_nodes: tuple[str, ...] = ()  # nodes that failed this run twice (kiln.control.elastic)
+    queue_coverage: Coverage | None = None  # what the run's ClusterQueue covers (None: not known, or no queue)
+    left_out: tuple[str, ...] | None = None  # the requests left out of the live job (None: no live job)
 
 
 @dataclass
 class Plan:
     objects: list[dict[str, Any]] = field(default_factory=list)
     refused: str | None = None  # why nothing is applied: a spec change the running job cannot absorb, or ...
-    refused_reason: str = "ImmutableFieldChanged"  # ... ForbiddenByPolicy (kiln.control.policy)
+    refused_reason: str = "ImmutableFieldChanged"  # ... ForbiddenByPolicy (kiln.control.policy), NotCoveredByQueue
+    notes: list[str] = field(default_factory=list)  # what the user should know about an applied plan
 
 
 _SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
@@ -131,6 +125,49 @@ def quantity_bytes(quantity: str) -> int:
     """A byte quantity as the API takes it (kiln.api.spec.QUANTITY: 50Gi, 100G, 1000000) in bytes."""
     number = quantity.rstrip("kKMGTPEim")
     return int(float(number) * _SUFFIX[quantity[len(number):]])
+
+
+def pod_resources(s: TrainingSpecSpec, config: OperatorConfig) -> dict[str, tuple[str, str | None]]:
+    """What each trainer pod requests: resource → (quantity, the spec field that asks for it, or None for
+    kiln's own default). Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's
+    defaults apply; local disk always (the kubelet evicts a pod past it; the trainer refuses data that
+    cannot fit first, KILN_DATA_CACHE_BYTES)."""
+    r = s.resources
+    out: dict[str, tuple[str, str | None]] = {}
+    if r.gpus_per_node:
+        out[GPU] = (str(r.gpus_per_node), "resources.gpusPerNode")
+    out["cpu"] = (r.cpu, "resources.cpu") if r.cpu else (config.default_cpu, None)
+    out["memory"] = (r.memory, "resources.memory") if r.memory else (config.default_memory, None)
+    out["ephemeral-storage"] = (r.ephemeral_storage, "resources.ephemeralStorage") if r.ephemeral_storage \
+        else (config.default_ephemeral_storage, None)
+    # extended resources (devices, huge pages): request = limit, as Kubernetes requires
+    out |= {name: (quantity, "network.fabric") for name, quantity in preset(s.network).resources.items()}
+    out |= {r.name: (r.quantity, f"pod.extraResources[{i}]") for i, r in enumerate(s.pod.extra_resources)}
+    return out
+
+
+def queue_fit(s: TrainingSpecSpec, config: OperatorConfig, observed: Observed) -> tuple[tuple[str, ...], list[str]]:
+    """(requests to leave out, refusals) so that the run's ClusterQueue can admit it: Kueue never admits a
+    pod set with a request its ClusterQueue does not cover, and says so only in the Workload. kiln's own
+    defaults the queue does not cover are left out; a request the spec asks for is refused by field, with
+    both fixes. A live job keeps what was left out when it was made (docs/scheduling.md)."""
+    if observed.left_out is not None:
+        return observed.left_out, []
+    cov = observed.queue_coverage
+    if cov is None:
+        return (), []
+    left_out, refusals = [], []
+    for resource, (_, spec_field) in pod_resources(s, config).items():
+        if cov.covers(resource):
+            continue
+        if spec_field is None:
+            left_out.append(resource)
+        else:
+            refusals.append(
+                f"spec.{spec_field}: the pods request {resource}, which ClusterQueue {cov.cluster_queue} (behind "
+                f"LocalQueue {s.scheduling.queue}) does not cover, so Kueue would never admit the run; add "
+                f"{resource} to the ClusterQueue's coveredResources with a quota, or leave spec.{spec_field} unset")
+    return tuple(left_out), refusals
 
 
 def names(run: str) -> dict[str, str]:
@@ -214,6 +251,15 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     forbidden = violations(doc.spec, config.policy, config.image)
     if forbidden:
         return Plan(refused="; ".join(forbidden), refused_reason="ForbiddenByPolicy")
+    left_out, uncovered = queue_fit(doc.spec, config, observed)
+    if uncovered:  # refused whole: a job Kueue can never admit would sit Queued for ever
+        return Plan(refused="; ".join(uncovered), refused_reason="NotCoveredByQueue")
+    notes = [f"the pods do not request {r} (kiln's default; ClusterQueue {observed.queue_coverage.cluster_queue} "
+             f"does not cover it){LEFT_OUT_WHY.get(r, '')}" for r in left_out if observed.queue_coverage]
+    level, needs = pods.security_level(doc.spec)
+    if level != "restricted":  # allowed by the admin policy (checked above); the namespace must allow it too
+        notes.append(f"the pods need Pod Security level {level} ({pods.LEVEL_LABEL}: {level} on the namespace): "
+                     + ", ".join(needs))
     resolved = resolve(doc, config)
     resolved_dict = dump(resolved)
     if observed.applied is not None and observed.job_active:
@@ -247,8 +293,9 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     else:  # the lighthouse before the jobs: a group's first quorum asks it
         jobs = [*lighthouse(resolved, config, metadata),
                 *(pytorchjob(resolved, observed, config, metadata, job_name[i], group=i) for i in range(groups))]
-    return Plan(objects=[*trainer_identity(meta.name, metadata), trainer_network_policy(meta.name, metadata, config),
-                         configmap, *jobs])
+    return Plan(objects=[*trainer_identity(meta.name, metadata, doc.spec.pod.service_account_name),
+                         trainer_network_policy(meta.name, metadata, config),
+                         configmap, *jobs], notes=notes)
 
 
 def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
@@ -266,9 +313,13 @@ def trainer_network_policy(run: str, metadata, config: OperatorConfig) -> dict:
             "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
-def trainer_identity(run: str, metadata) -> list[dict]:
-    """The pods' ServiceAccount: allowed to read and patch the status of this one TrainingSpec."""
+def trainer_identity(run: str, metadata, service_account: str | None = None) -> list[dict]:
+    """The pods' ServiceAccount: allowed to read and patch the status of this one TrainingSpec. With
+    pod.serviceAccountName the pods run as that one instead, which the RoleBinding then grants the same."""
     name = names(run)["trainer"]
+    subjects = [{"kind": "ServiceAccount", "name": name}]
+    if service_account and service_account != name:
+        subjects.append({"kind": "ServiceAccount", "name": service_account})
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(name),
@@ -276,7 +327,7 @@ def trainer_identity(run: str, metadata) -> list[dict]:
                     "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata(name),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name}]},
+         "subjects": subjects},
     ]
 
 
@@ -292,19 +343,13 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     low, high = (s.elastic.min_nodes, s.elastic.max_nodes) if group is None else (replicas, replicas)
     ppn = r.processes_per_node
 
-    # Never a BestEffort pod (the first evicted): without spec cpu/memory the operator's defaults apply, as a
-    # cpu request (no limit: no throttling) and a memory request = limit, which also bounds /dev/shm.
-    limits: dict[str, str] = {}
-    if r.gpus_per_node:
-        limits[GPU] = str(r.gpus_per_node)
-    if r.cpu:
-        limits["cpu"] = r.cpu
-    memory = r.memory or config.default_memory
-    limits["memory"] = memory
-    # the kubelet evicts a pod past this; the trainer refuses data that cannot fit first (KILN_DATA_CACHE_BYTES)
-    disk = r.ephemeral_storage or config.default_ephemeral_storage
-    limits["ephemeral-storage"] = disk
-    requests = {**limits, "cpu": r.cpu or config.default_cpu}
+    left_out, _ = queue_fit(s, config, observed)
+    wanted = {name: q for name, q in pod_resources(s, config).items() if name not in left_out}
+    requests = {name: quantity for name, (quantity, _) in wanted.items()}
+    # cpu: a request, a limit only when the spec sets one (no throttling by default); the rest request = limit
+    limits = {name: quantity for name, (quantity, spec_field) in wanted.items() if name != "cpu" or spec_field}
+    memory = r.memory or config.default_memory  # /dev/shm (tmpfs) is bounded by it
+    disk = requests.get("ephemeral-storage")
     node_selector = dict(r.node_selector)
     if r.gpu_type:
         node_selector[GPU_PRODUCT_LABEL] = r.gpu_type
@@ -335,7 +380,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     env += [k.V1EnvVar(name=key, value=value) for key, value in TORCHRUN_ENV.items()]
     env += [k.V1EnvVar(name=key, value=value) for key, value in WRITABLE_ENV.items()]
     env.append(k.V1EnvVar(name=contract.DATA_CACHE, value=f"{config.scratch_dir}/data"))
-    env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
+    if disk:  # without a request (left out for the queue) the trainer checks the disk's free space only
+        env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
     if group is not None:  # kiln.trainer.membership.replica_groups: every group's rank 0 heartbeats to the lighthouse
         env += [k.V1EnvVar(name=contract.FT_LIGHTHOUSE, value=lighthouse_address(run)),
                 k.V1EnvVar(name=contract.FT_GROUP, value=str(group))]
@@ -348,6 +394,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
     to_store = not s.checkpoint.uri.startswith(f"file://{config.scratch_dir}/")
     if to_store:
         env.append(k.V1EnvVar(name=contract.SHM_DIR, value=SHM_DIR))
+    env += pods.env(s)  # the network preset's and pod.env (which never names one of kiln's above)
+    user_volumes, user_mounts = pods.volumes(s.pod)
 
     container = k.V1Container(
         name=CONTAINER,
@@ -368,17 +416,25 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
             k.V1VolumeMount(name="dshm", mount_path="/dev/shm"),  # NCCL and dataloaders need more than 64Mi
             k.V1VolumeMount(name="scratch", mount_path=config.scratch_dir),
             k.V1VolumeMount(name="tmp", mount_path=TMP_DIR),
+            *user_mounts,
         ],
-        # Pod Security `restricted`: the trainer needs no privilege, no capability and no writable root.
+        # Pod Security `restricted`: the trainer needs no privilege, no capability and no writable root; what
+        # pod.capabilities and the network preset add (RDMA: IPC_LOCK) only as the admin policy allows.
         security_context=k.V1SecurityContext(
             allow_privilege_escalation=False,
-            capabilities=k.V1Capabilities(drop=["ALL"]),
+            capabilities=k.V1Capabilities(drop=["ALL"], add=pods.capabilities(s) or None),
             read_only_root_filesystem=True,
         ),
     )
     pod = k.V1PodSpec(
         containers=[container],
-        service_account_name=n["trainer"],
+        service_account_name=s.pod.service_account_name or n["trainer"],
+        image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
+        runtime_class_name=s.pod.runtime_class_name,
+        host_network=s.pod.host_network or None,
+        host_ipc=s.pod.host_ipc or None,
+        # on the node's network the pod still resolves the rendezvous Service's name
+        dns_policy="ClusterFirstWithHostNet" if s.pod.host_network else None,
         # The image's USER must be numeric and non-root (kiln's trainer image runs as 10001).
         security_context=k.V1PodSecurityContext(
             run_as_non_root=True, seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
@@ -391,9 +447,11 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         volumes=[
             k.V1Volume(name="spec", config_map=k.V1ConfigMapVolumeSource(name=n["configmap"])),
             # tmpfs counts against the container's memory limit: bounded by it, never more
-            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=memory)),
+            k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
+                                                                      size_limit=s.pod.shm_size or memory)),
             k.V1Volume(name="scratch", empty_dir=k.V1EmptyDirVolumeSource()),
             k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource()),
+            *user_volumes,
         ],
     )
     group_label = {} if group is None else {GROUP_LABEL: str(group)}
@@ -438,6 +496,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         labels[KUEUE_PRIORITY_LABEL] = s.scheduling.priority
     labels = {**labels, **group_label} or None
     body["metadata"] = metadata(name, labels)
+    if left_out:
+        body["metadata"]["annotations"] = {LEFT_OUT_ANNOTATION: ",".join(left_out)}
     return body
 
 
@@ -479,6 +539,8 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
     pod = k.V1PodSpec(
         containers=[container],
         automount_service_account_token=False,  # it talks to no apiserver
+        # the trainer image: pulled with the trainer pods' secrets
+        image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
         security_context=k.V1PodSecurityContext(run_as_non_root=True,
                                                 seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault")),
         # the pools the spec names (resources.nodeSelector, tolerations), where the groups' pods reach it; not

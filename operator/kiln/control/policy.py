@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.api.layout import node_bounds, replica_groups
 from kiln.errors import KilnError
+from kiln.control.network import preset  # a preset's devices and capabilities are judged as the user's own
 
 CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 # The taint `kubectl cordon` sets: the cluster's own "no new pods here" (drains, repairs), never a tenant's to lift
@@ -47,6 +48,18 @@ class AdminPolicy:
     max_nodes: int = 0
     max_gpus: int = 0
     max_groups: int = 0
+    # spec.pod (and spec.network's presets): what lets a pod reach beyond its container (kiln.control.pods).
+    # hostPath volumes only under these folders (a prefix matches at a path boundary); empty: none
+    allowed_host_path_prefixes: tuple[str, ...] = ()
+    # capabilities a pod may add (pod.capabilities, a preset's IPC_LOCK); empty: none
+    allowed_capabilities: tuple[str, ...] = ()
+    allow_host_network: bool = False
+    allow_host_ipc: bool = False
+    # extended resources a pod may request (pod.extraResources, a preset's devices): exact names, or a domain
+    # ending in '/' (rdma/ allows every rdma/* resource); empty: none
+    allowed_extra_resources: tuple[str, ...] = ()
+    # pod.serviceAccountName must be one of these; empty: any in the run's namespace
+    allowed_service_accounts: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "AdminPolicy":
@@ -62,11 +75,12 @@ class AdminPolicy:
         for field, var in (("allowed_image_prefixes", "KILN_POLICY_IMAGE_PREFIXES"),
                            ("allowed_priority_classes", "KILN_POLICY_PRIORITY_CLASSES"),
                            ("allowed_queue_priorities", "KILN_POLICY_QUEUE_PRIORITIES"),
-                           ("forbidden_node_keys", "KILN_POLICY_FORBIDDEN_NODE_KEYS")):
+                           ("forbidden_node_keys", "KILN_POLICY_FORBIDDEN_NODE_KEYS"),
+                           *POD_LISTS):
             if (value := items(var)) is not None:
                 kwargs[field] = value
         for field, var in (("allow_tolerate_all", "KILN_POLICY_ALLOW_TOLERATE_ALL"),
-                           ("allow_node_names", "KILN_POLICY_ALLOW_NODE_NAMES")):
+                           ("allow_node_names", "KILN_POLICY_ALLOW_NODE_NAMES"), *POD_SWITCHES):
             if env.get(var):
                 kwargs[field] = env[var].strip().lower() in ("1", "true", "yes")
         for field, var in (("max_nodes", "KILN_POLICY_MAX_NODES"), ("max_gpus", "KILN_POLICY_MAX_GPUS"),
@@ -76,6 +90,14 @@ class AdminPolicy:
                     raise KilnError(f"{var}={raw!r}: a cap is a whole number (0: no cap)")
                 kwargs[field] = int(raw)
         return cls(**kwargs)
+
+
+# spec.pod's limits and their env variables (the chart's values policy.* set them)
+POD_LISTS = (("allowed_host_path_prefixes", "KILN_POLICY_HOST_PATH_PREFIXES"),
+             ("allowed_capabilities", "KILN_POLICY_CAPABILITIES"),
+             ("allowed_extra_resources", "KILN_POLICY_EXTRA_RESOURCES"),
+             ("allowed_service_accounts", "KILN_POLICY_SERVICE_ACCOUNTS"))
+POD_SWITCHES = (("allow_host_network", "KILN_POLICY_ALLOW_HOST_NETWORK"), ("allow_host_ipc", "KILN_POLICY_ALLOW_HOST_IPC"))
 
 
 def violations(spec: Any, policy: AdminPolicy, default_image: str) -> list[str]:
@@ -99,6 +121,7 @@ def violations(spec: Any, policy: AdminPolicy, default_image: str) -> list[str]:
                    f"{', '.join(policy.allowed_queue_priorities)}")
     out += _size_violations(spec, policy)
     out += _node_violations(spec.resources, policy)
+    out += pod_violations(spec, policy)
     return out
 
 
@@ -146,6 +169,49 @@ def _node_violations(r: Any, policy: AdminPolicy) -> list[str]:
         elif not t.key and t.operator == "Exists" and not policy.allow_tolerate_all:
             out.append(f"spec.resources.tolerations[{i}]: operator Exists without a key tolerates every taint; "
                        "name the taint's key")
+    return out
+
+
+def under(path: str, prefix: str) -> bool:
+    """Whether `path` is `prefix` or inside it (/data allows /data and /data/x, never /data2)."""
+    prefix = prefix.rstrip("/")
+    return path.rstrip("/") == prefix or path.startswith(prefix + "/")
+
+
+def resource_allowed(name: str, allowed: tuple[str, ...]) -> bool:
+    return any(name == a or (a.endswith("/") and name.startswith(a)) for a in allowed)
+
+
+def pod_violations(spec: Any, policy: AdminPolicy) -> list[str]:
+    """spec.pod and the network preset's requests against the policy, one line per field."""
+    pod, net, out = spec.pod, preset(spec.network), []
+    allowed = " or ".join(repr(p) for p in policy.allowed_host_path_prefixes) or "none (policy.hostPathPrefixes)"
+    for i, v in enumerate(pod.volumes):
+        if v.host_path and not any(under(v.host_path.path, p) for p in policy.allowed_host_path_prefixes):
+            out.append(f"spec.pod.volumes[{i}].hostPath.path: {v.host_path.path!r} is not under a folder the admin "
+                       f"allows; allowed: {allowed}")
+    caps = [(f"spec.pod.capabilities[{i}]", c) for i, c in enumerate(pod.capabilities)]
+    caps += [(f"spec.network.fabric ({spec.network.fabric} needs it)", c) for c in net.capabilities
+             if c not in pod.capabilities]
+    for where, cap in caps:
+        if cap not in policy.allowed_capabilities:
+            out.append(f"{where}: capability {cap} is not allowed here; allowed: "
+                       f"{', '.join(policy.allowed_capabilities) or 'none (policy.capabilities)'}")
+    for flag, field, name in ((pod.host_network, "allow_host_network", "hostNetwork"),
+                              (pod.host_ipc, "allow_host_ipc", "hostIPC")):
+        if flag and not getattr(policy, field):
+            out.append(f"spec.pod.{name}: the node's {name[4:].lower()} namespace is not allowed here "
+                       f"(policy.allow{name[0].upper()}{name[1:]})")
+    wanted = [(f"spec.pod.extraResources[{i}]", r.name) for i, r in enumerate(pod.extra_resources)]
+    wanted += [(f"spec.network.fabric ({spec.network.fabric} requests it)", n) for n in net.resources]
+    for where, name in wanted:
+        if not resource_allowed(name, policy.allowed_extra_resources):
+            out.append(f"{where}: resource {name} is not allowed here; allowed: "
+                       f"{', '.join(policy.allowed_extra_resources) or 'none (policy.extraResources)'}")
+    sa = pod.service_account_name
+    if sa and policy.allowed_service_accounts and sa not in policy.allowed_service_accounts:
+        out.append(f"spec.pod.serviceAccountName: {sa!r} is not allowed here; allowed: "
+                   f"{', '.join(policy.allowed_service_accounts)}")
     return out
 
 

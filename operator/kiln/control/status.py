@@ -205,6 +205,24 @@ def set_condition(conditions: list[dict], ctype: str, status: str, reason: str, 
     return sorted(out, key=lambda c: c["type"])
 
 
+def gang(spec: dict) -> tuple[str, str, str]:
+    """Condition Gang: whether the run's pods start all together or not at all, and through what (docs/scheduling.md
+    "All or nothing"). From the spec as stored: a reconcile writes it with SpecAccepted."""
+    sched = spec.get("scheduling") or {}
+    if sched.get("queue"):
+        where = ("against the ClusterQueue's quota and, with scheduling.topology's Topology flavor, the nodes' free "
+                 "capacity" if sched.get("topology") else "against the ClusterQueue's quota only: without a "
+                 "Topology flavor, pods outside Kueue holding the nodes can still leave some pods Pending")
+        return ("True", "KueueAdmission", f"Kueue admits the run's whole pod set (each replica group's) at once, "
+                f"{where}; no pod exists before admission")
+    if sched.get("gang", True):
+        return ("False", "NoGangScheduler", "scheduling.gang sets the PyTorchJob's schedulingPolicy.minAvailable, "
+                "which only a gang scheduler reads (Volcano, scheduler-plugins coscheduling); the pods go to the "
+                "default kube-scheduler, which places them one by one, so a run that does not fit can start some "
+                "pods and hold their GPUs; set scheduling.queue for an all-or-nothing start")
+    return ("False", "Disabled", "scheduling.gang is false and no queue is set: the pods are placed one by one")
+
+
 def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
            accepted: tuple[str, str, str] | None = None, queue: kueue.QueueState | None = None,
            group_jobs: list[dict | None] | None = None,
@@ -237,6 +255,7 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         if accepted[0] == "False" and not _same(old, "SpecAccepted", *accepted):
             events.append(Event("Warning", accepted[1], accepted[2]))
         conditions = set_condition(conditions, "SpecAccepted", *accepted, now, gen)
+        conditions = set_condition(conditions, "Gang", *gang(spec), now, gen)
 
     why_pending = unschedulable(pods)
     if why_pending:

@@ -66,8 +66,11 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
             if any(jobs[n] is None for n in wanted) or resync:  # never made, or deleted by someone: the other
                 kube.forget_applied(namespace, name)                # objects may be gone too
             job_active = any(j is not None and job_condition(j) not in ("Succeeded", "Failed") for j in jobs.values())
+            coverage, left_out = kueue.observe_queue(
+                kube, namespace, ((body.get("spec") or {}).get("scheduling") or {}).get("queue"),
+                list(jobs.values()), config.kueue_excluded_resource_prefixes)
             observed = Observed(applied=kube.applied_spec(namespace, name) if job_active else None,
-                                job_active=job_active)
+                                job_active=job_active, queue_coverage=coverage, left_out=left_out)
         except ApiException as err:  # nothing is known, so nothing is derived: say why, retry
             _report(kube, body, post, ("False", "ReadFailed", read_failure(namespace, name, err)))
             raise Wait(f"{namespace}/{name}: reading the run's objects failed ({err.status})") from None
@@ -91,7 +94,7 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
             else:
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
-                accepted = ("True", "Applied", "the PyTorchJob and ConfigMap match the spec")
+                accepted = ("True", "Applied", "; ".join(["the PyTorchJob and ConfigMap match the spec", *desired.notes]))
                 uid = body["metadata"].get("uid")
                 # The job is applied last, each object before it checked: a job of this run's vouches for them.
                 checked = all(jobs[n] is not None and foreign(jobs[n], uid) is None for n in wanted)
@@ -123,7 +126,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
 # SpecAccepted reasons whose cause may pass without a spec change (a Secret created, a foreign object
 # removed, the apiserver back): the reconcile is retried. An apply the apiserver refuses as invalid
 # (ApplyRefused) is not, nor is an invalid spec: only a new spec can help, and it brings a new reconcile.
-RETRIED = ("SecretMissing", "NotOwner", "ApplyFailed", "ReadFailed")
+# NotCoveredByQueue: the admin may add the resource to the ClusterQueue, which the operator does not watch.
+RETRIED = ("SecretMissing", "NotOwner", "ApplyFailed", "ReadFailed", "NotCoveredByQueue")
 
 
 def _secret_problem(kube: Kube, namespace: str, secret: str) -> tuple[str, str, str] | None:
