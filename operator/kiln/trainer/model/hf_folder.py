@@ -290,8 +290,12 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
     tied = bool(config.get("tie_word_embeddings", False))
     ckpt = Checkpoint(uri, endpoint)
     ckpt.check(dims, tied)
+    from kiln.trainer.model.lora import is_adapter
+
     jobs = []
     for name, param in model.named_parameters():
+        if is_adapter(name):  # LoRA adapters are not in the folder (kiln.trainer.model.lora.init_adapters)
+            continue
         local, offsets, sizes = _local_chunk(param)
         jobs.append((local, ckpt.source_of(name, tied, dims.arch), offsets, sizes))
     read = 0
