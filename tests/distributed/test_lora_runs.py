@@ -119,3 +119,23 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(run, tmp_pa
     assert (merged - theirs).abs().max() < 1e-4
     assert (mine - before).abs().max() > 1e-3  # the adapters changed the model
     shutil.rmtree(merged_dir)
+
+
+def test_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(run, tmp_path):
+    """training.precision bf16 under FSDP2: a block's frozen bf16 base and fp32 adapters share one FSDP unit (the
+    cast itself: tests/unit/test_lora.py); the adapters, their AdamW state and so the commit are fp32, and the
+    curve follows the fp32 run's within bf16's rounding."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, folder, _, losses, _ = run
+    ckpt = tmp_path / "ckpt"
+    spec = write_spec(tmp_path / "bf16.yaml", model={"from": f"file://{folder}", "seqLen": 32, "adapter": ADAPTER},
+                      nproc=2, training={**TRAINING, "steps": 2, "precision": "bf16"},
+                      checkpoint={"uri": f"file://{ckpt}"})
+    records = torchrun_train(spec, tmp_path / "out", 2)
+    assert [r["loss"] for r in records] == pytest.approx(losses[:2], abs=0.02)
+    meta = FileSystemReader(str(ckpt / "step-00000002")).read_metadata().state_dict_metadata
+    dtypes = {k: m.properties.dtype for k, m in meta.items() if k.startswith(("model.", "optim.state."))
+              and not k.endswith(".step")}
+    assert dtypes and set(dtypes.values()) == {torch.float32}
+    assert len([k for k in dtypes if k.startswith("optim.state.")]) == 2 * 2 * 7 * 2  # exp_avg(_sq) of each
