@@ -69,9 +69,9 @@ def train(model: torch.nn.Module, spec, steps: int = 3) -> torch.optim.Optimizer
 
 def peft_model(folder: Path, adapter_dir: Path):
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
@@ -82,7 +82,13 @@ def test_adapters_at_initialisation_leave_the_output_exactly_the_base(folder):
         assert torch.equal(kiln_model(spec)(tokens), kiln_model(spec, lora=False)(tokens))
 
 
-def test_peft_loads_the_trained_adapter_and_gives_kilns_logits(folder, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_peft_loads_the_trained_adapter_and_gives_kilns_logits(folder, tmp_path, family):
+    """Llama, Qwen2 (biased q/k/v projections under the adapters) and Gemma 3 (sandwich norms, tied)."""
+    if family != "llama":
+        folder = tmp_path / family
+        save_model(folder, family, tokenizer=False)
+        tmp_path = tmp_path / "adapter"
     spec = lora_spec(folder)
     model = kiln_model(spec)
     train(model, spec)
