@@ -41,6 +41,29 @@ MAX_REPLICA_GROUPS = 4096
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in kiln.api.presets, one source
 
 
+# LoRA's target modules, by their transformers / peft names (q_proj, ...; what `target_modules` says in a peft
+# adapter_config.json): the attention and MLP projections every block has.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LoraTarget = Literal[LORA_TARGETS]  # type: ignore[valid-type]
+
+
+class AdapterSpec(ApiModel):
+    """Train low-rank adapters instead of every weight (LoRA, Hu et al. 2021): each target projection W gets
+    y = W x + (alpha / rank) · B A x with A (rank × in) and B (out × rank) trained and W frozen. Checkpoints hold
+    the adapters and their optimizer state only (plus the base model's identity); `kiln export --format peft`
+    writes them as a peft adapter folder, `--format hf --merge` the merged model."""
+
+    type: Literal["lora"] = Field("lora", description="The adapter kind: lora.")
+    rank: int = Field(16, ge=1, le=INT32_MAX, description="Rank r of each adapter: A is r × in, B is out × r.")
+    alpha: float = Field(32.0, gt=0, le=1e6, description="Scale numerator: the update B A is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0: none).")
+    targets: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1, max_length=len(LORA_TARGETS),
+        description="The projections of every block that get an adapter, by their transformers names: q_proj, "
+        "k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLP). Default: all seven.",
+    )
+
+
 class ModelSpec(ApiModel):
     """Which model to train: a named preset, optionally with explicit dimensions overriding it, or a model
     folder in Hugging Face layout (model.from) whose weights training starts from."""
@@ -66,6 +89,10 @@ class ModelSpec(ApiModel):
     ffn_dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
+    adapter: AdapterSpec | None = Field(
+        None, description="Fine-tune with LoRA adapters: the model's own weights (model.from's, else the seed's) "
+        "stay frozen, in training.precision; only the adapters and their optimizer state are trained and saved.",
+    )
 
 
 class DataSource(ApiModel):

@@ -88,10 +88,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load the newest committed checkpoint of SPEC's run (saved by any number of processes) into "
         "this one process and write it to OUTPUT as a Hugging Face folder: sharded safetensors with their index, "
         "config.json, generation_config.json and the tokenizer files, which transformers loads as the "
-        "model.from folder's family (LlamaForCausalLM for a preset).",
+        "model.from folder's family (LlamaForCausalLM for a preset). A LoRA run (spec.model.adapter): --format "
+        "peft writes its adapters as a peft adapter folder, --format hf --merge the base with them merged in.",
     )
     ex.add_argument("spec", help="TrainingSpec YAML file")
-    ex.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face folder)")
+    ex.add_argument("--format", choices=["hf", "peft"], default="hf",
+                    help="output format: hf (a Hugging Face model folder), peft (a LoRA run's adapter folder: "
+                    "adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained)")
+    ex.add_argument("--merge", action="store_true",
+                    help="with --format hf, for a LoRA run: the base with the adapters merged into it")
     ex.add_argument("--output", required=True, help="folder to write: file:///path/ or s3://bucket/prefix/")
     where = ex.add_mutually_exclusive_group()
     where.add_argument("--run-output", default=None, help="the `kiln run` folder whose checkpoints/ to read "
@@ -518,8 +523,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.output.startswith(("file://", "s3://")):
         raise KilnError(f"--output {args.output}: use file:///path/ or s3://bucket/prefix/")
     uri = eval_checkpoint_uri(doc, output=args.run_output, checkpoint=args.checkpoint)
-    result = export_hf(doc, checkpoint_uri=uri, output_uri=args.output, endpoint=args.endpoint, dtype=args.dtype,
-                       max_shard_bytes=max_bytes)
+    if args.format == "peft":
+        from kiln.trainer.model.peft_folder import export_peft
+
+        if args.merge or args.dtype:
+            raise KilnError("--merge and --dtype go with --format hf; --format peft writes the fp32 adapters")
+        result = export_peft(doc, checkpoint_uri=uri, output_uri=args.output, endpoint=args.endpoint)
+    else:
+        result = export_hf(doc, checkpoint_uri=uri, output_uri=args.output, endpoint=args.endpoint,
+                           dtype=args.dtype, max_shard_bytes=max_bytes, merge=args.merge)
     print(f"kiln: exported step {result.step} of {uri} to {result.output}: {len(result.files)} files, "
           f"{result.bytes / 1e6:,.1f} MB", flush=True)
     return 0

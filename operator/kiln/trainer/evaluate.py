@@ -79,9 +79,15 @@ def validation_loader(doc: TrainingSpec, dims: ModelDims, data_uri: str | None =
 def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device, endpoint: str | None = None,
                   load_from: bool = True) -> nn.Module:
     """The plain model with the weights training starts from (model.from's, else seeded by parameter name), in
-    eval mode. load_from=False skips reading model.from (a checkpoint replaces the weights anyway)."""
+    eval mode; with spec.model.adapter, LoRA adapters at their initial values on the frozen base. load_from=False
+    skips reading model.from (a checkpoint replaces the weights anyway; for LoRA only the adapters)."""
     kernels.set_mode(doc.spec.parallelism.kernels)
     model = build_model(dims)
+    adapter = doc.spec.model.adapter
+    if adapter is not None:
+        from kiln.trainer.model.lora import apply_lora, init_adapters
+
+        apply_lora(model, adapter)
     model.to_empty(device=device)
     if doc.spec.model.from_:
         model.init_buffers()
@@ -89,6 +95,8 @@ def initial_model(doc: TrainingSpec, dims: ModelDims, device: torch.device, endp
             hf.load_weights(model, doc.spec.model.from_, dims, endpoint=endpoint or hf.storage_endpoint(doc.spec))
     else:
         model.init_weights(doc.spec.training.seed)
+    if adapter is not None:
+        init_adapters(model, doc.spec.training.seed)
     return model.eval()
 
 
@@ -96,13 +104,17 @@ def load_checkpoint(model: nn.Module, doc: TrainingSpec, uri: str, endpoint: str
     """Load the newest intact committed step under `uri` into `model`; its step. KilnError naming `uri` when
     there is none (a damaged newest commit falls back to the one before, as a resuming run does)."""
     from kiln.trainer.checkpoint.checkpointer import Checkpointer
+    from kiln.trainer.model.lora import check_base
+    from kiln.trainer.model.peft_folder import adapter_record
 
     spec = doc.spec.checkpoint.model_copy(update={"uri": uri, "endpoint": endpoint or doc.spec.checkpoint.endpoint})
+    adapter = adapter_record(doc.spec, model.dims, endpoint=endpoint or hf.storage_endpoint(doc.spec))
     checkpointer = Checkpointer(spec, default_uri=uri, rank=0, world_size=1)
     try:
         with warnings.catch_warnings():  # DCP warns that it loads into one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            state = checkpointer.restore([model], [])
+            state = checkpointer.restore([model], [], check=lambda st, where: check_base(st.get("adapter"), adapter,
+                                                                                           where))
     finally:
         checkpointer.close()
     if state is None:
@@ -179,7 +191,9 @@ def evaluate(doc: TrainingSpec, *, checkpoint_uri: str | None, batches: int | No
     tr = doc.spec.training
     dims = model_dims(doc, endpoint)
     loader = validation_loader(doc, dims, data_uri, endpoint)  # first: a bad data URI fails before any loading
-    model = initial_model(doc, dims, device, endpoint, load_from=not checkpoint_uri)
+    # a LoRA checkpoint holds the adapters only: its base is read from model.from
+    model = initial_model(doc, dims, device, endpoint,
+                          load_from=not checkpoint_uri or doc.spec.model.adapter is not None)
     step = load_checkpoint(model, doc, checkpoint_uri, endpoint) if checkpoint_uri else 0
     # bf16 on a GPU, as training computes; fp32 on CPU (where bf16 matmuls are slow and the run is small).
     autocast = torch.bfloat16 if tr.precision == "bf16" and device.type == "cuda" else None

@@ -46,7 +46,9 @@ def build_optimizer(model_parts: list[nn.Module], cfg: TrainingConfig, device: t
         for p in part.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # no empty group (LoRA trains only matrices): DCP's flattened optimizer state cannot load one
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=(0.9, 0.95), eps=1e-8, fused=fused,
                              foreach=None if fused else True)

@@ -33,6 +33,8 @@ from kiln.trainer.model import documents, hf_folder as hf, kernels
 from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
+from kiln.trainer.model.lora import check_base, init_adapters
+from kiln.trainer.model.peft_folder import adapter_record
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
 from kiln.trainer.membership.hang_watch import HangWatch
 from kiln.trainer.observe import hang_report, tracking
@@ -162,6 +164,7 @@ class Run:
         spec, tr, par, device = self.spec, self.tr, self.spec.parallelism, self.device
         self.dims = dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
         self.tokenizer = hf.training_tokenizer(spec, dims)
+        self.adapter = adapter_record(spec, dims, endpoint=hf.storage_endpoint(spec))  # LoRA: base identity; else None
         # elastic.faultTolerance replicaGroups: this job is one replica group, with its share of the batch
         self.layout = layout = plan_layout(replica_group_spec(spec), dims, self.world,
                                            int(os.environ.get("LOCAL_WORLD_SIZE") or self.world))
@@ -226,13 +229,16 @@ class Run:
         if state is not None:
             self._heal(state, at_start=True)
         else:
-            state = self.checkpointer.restore(self.model_parts, self.optimizers)
+            lora = self.adapter is not None
+            if lora and self.ft is None:  # a LoRA commit holds the adapters only: the frozen base comes first
+                self._initial_weights()
+            state = self.checkpointer.restore(self.model_parts, self.optimizers, check=self._check_commit)
             from_commit = state is not None
             if from_commit:
                 self._restart(state)
                 if self.rank == 0:
                     print(self.checkpointer.resume_line(), flush=True)
-            elif self.ft is None:  # a new run (replica groups set them before their join)
+            elif self.ft is None and not lora:  # a new run (replica groups set them before their join)
                 self._initial_weights()
         self.start_step = self.last_step
         if self.ft is not None:
@@ -247,6 +253,12 @@ class Run:
             hf.load_weights(self.model, self.spec.model.from_, self.dims, endpoint=hf.storage_endpoint(self.spec))
         else:
             self.model.init_weights(self.tr.seed)
+        if self.adapter is not None:  # LoRA: B = 0, so the run starts as its base
+            init_adapters(self.model, self.tr.seed)
+
+    def _check_commit(self, state: dict, where: str) -> str | None:
+        """Why a commit is not this run's to resume (LoRA adapters on another base), else None."""
+        return check_base(state.get("adapter"), self.adapter, where)
 
     def warm_up(self) -> None:
         """One forward/backward and gradient clip on a dummy batch of the step's shapes, then discarded: the
@@ -306,7 +318,7 @@ class Run:
     def trainer_state(self) -> dict:
         return {"step": self.last_step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
                 "rng": rng_state(self.device), "lr": lr_at(self.last_step, self.tr), "layout": self.layout.as_dict(),
-                "model": self.dims.model_dump(), "goodput": self.reporter.state_dict(),
+                "model": self.dims.model_dump(), "adapter": self.adapter, "goodput": self.reporter.state_dict(),
                 "hooks": {name: obj.state_dict() for name, obj in self.hooks.state.items()}}
 
     def _load_trainer_state(self, state: dict) -> None:

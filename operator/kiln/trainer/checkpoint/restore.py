@@ -76,11 +76,13 @@ class CheckpointRestore:
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
 
-    def restore(self, model_parts, optimizers) -> dict | None:
+    def restore(self, model_parts, optimizers, check=None) -> dict | None:
         """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
         Returns the trainer_state saved with it (plus a "kiln" entry), or None when there is no commit. When every
         commit is damaged, a KilnError naming the newest one's damage: starting over would let the first save's
-        retention delete them, and they may be repaired (a copy that is still uploading, a restored backup)."""
+        retention delete them, and they may be repaired (a copy that is still uploading, a restored backup).
+        check(trainer_state, where) may refuse a commit before any tensor is loaded: it returns why (a KilnError
+        then), else None."""
         self.wait()
         listing = None
         if self.rank == 0:
@@ -102,7 +104,7 @@ class CheckpointRestore:
         damage: dict[int, list[str]] = {}
         for step in candidates:
             if step == candidates[0]:
-                trainer_state = self._restore_from_memory(step, model_parts, optimizers)
+                trainer_state = self._restore_from_memory(step, model_parts, optimizers, check)
                 if trainer_state is not None:
                     return trainer_state
             t0 = time.perf_counter()
@@ -122,6 +124,8 @@ class CheckpointRestore:
                         "; ".join(problems),
                     )
                 continue
+            if check is not None and (refused := check(trainer_state, self.store.url(step_dir(step)))):
+                raise KilnError(refused)
             try:
                 self._load(step, model_parts, optimizers, StoreFS(self.store, fetched=fetched))
             except (Exception, CheckpointException) as err:  # DCP raises the same on every rank
@@ -178,7 +182,7 @@ class CheckpointRestore:
         return (f"kiln: resumed from step {step} at {where} (committed {duration((now or time.time()) - committed_at)} "
                 f"ago{'; read from the host-memory copy' if memory else ''})")
 
-    def _restore_from_memory(self, step: int, model_parts, optimizers) -> dict | None:
+    def _restore_from_memory(self, step: int, model_parts, optimizers, check=None) -> dict | None:
         """Load the newest commit from the ranks' host-memory copies when every rank has a whole one for this
         step and world size (all ranks agree, so all take the same path); else None and the store is used.
         Only the small files (COMMIT, .metadata, trainer.json) and shards no rank on this node holds are read
@@ -213,16 +217,21 @@ class CheckpointRestore:
                     raise KilnError(f"{self.store.url(step_dir(step))}: " + "; ".join(problems))
                 checked.add(name)
 
+        refused = None
         try:
-            fs = StoreFS(self.store, local_files=local, check_remote=check_remote)
-            self._load(step, model_parts, optimizers, fs)
             check_remote("trainer.json")
             trainer_state = read_trainer_state(self.store, step)
+            refused = check(trainer_state, self.store.url(step_dir(step))) if check is not None else None
+            if refused is None:
+                fs = StoreFS(self.store, local_files=local, check_remote=check_remote)
+                self._load(step, model_parts, optimizers, fs)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP fails on every rank alike
             self._refuse_if_unsafe(step, err)
             if self.rank == 0:
                 log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
             return None
+        if refused:
+            raise KilnError(refused)
         return self._restored(step, trainer_state, "memory", t0, commit.time)
 
     def _refuse_if_unsafe(self, step: int, err: BaseException) -> None:

@@ -10,7 +10,10 @@ from torch.optim import Optimizer
 
 from kiln.errors import KilnError
 
-STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # FQN keys: mergeable over pipeline stages
+# FQN keys: mergeable over pipeline stages. Frozen parameters (a LoRA run's base) are left out: a commit holds
+# what trains; strict=False lets them be absent on load, where every key asked for is one collect_state took
+# from the model itself (and DCP loads all of those or fails).
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 def _pairs(model_parts: list[nn.Module], optimizers: list[Optimizer]) -> list[tuple[nn.Module, list[Optimizer]]]:

@@ -290,8 +290,12 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
     tied = bool(config.get("tie_word_embeddings", False))
     ckpt = Checkpoint(uri, endpoint)
     ckpt.check(dims, tied)
+    from kiln.trainer.model.lora import is_adapter
+
     jobs = []
     for name, param in model.named_parameters():
+        if is_adapter(name):  # LoRA adapters are not in the folder (kiln.trainer.model.lora.init_adapters)
+            continue
         local, offsets, sizes = _local_chunk(param)
         jobs.append((local, ckpt.source_of(name, tied, dims.arch), offsets, sizes))
     read = 0
@@ -462,14 +466,20 @@ class ExportResult:
 
 
 def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None = None,
-              dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> ExportResult:
+              dtype: str | None = None, max_shard_bytes: int = 2 << 30, merge: bool = False) -> ExportResult:
     """Load the newest commit under checkpoint_uri (saved at any world size) into this process and write it
     as a Hugging Face folder at output_uri. dtype defaults to model.from's (its config's torch_dtype/dtype),
-    else float32 (kiln's master weights)."""
-    from kiln.trainer.evaluate import load_checkpoint
+    else float32 (kiln's master weights). merge: a LoRA run's adapters folded into its base (read from
+    model.from, else the seed's), W + (alpha / rank) · B A, in fp32 before the cast to dtype."""
+    from kiln.trainer.evaluate import initial_model, load_checkpoint
+    from kiln.trainer.model.lora import merge_adapters
     from kiln.trainer.model.transformer import build_model
 
     spec = doc.spec
+    if merge != (spec.model.adapter is not None):
+        raise KilnError("--merge folds LoRA adapters into their base, and spec.model.adapter is not set: drop --merge"
+                        if merge else "this run trains LoRA adapters (spec.model.adapter): its checkpoints hold "
+                        "the adapters only; export them with --format peft, or the merged model with --merge")
     ep = endpoint or storage_endpoint(spec)
     base = read_config(spec.model.from_, ep) if spec.model.from_ else {}
     if dtype is None:  # the source folder's, when it names one kiln writes
@@ -477,10 +487,15 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     if dtype not in EXPORT_DTYPES:
         raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     dims = resolve_dims(spec, config=base or None)
-    model = build_model(dims)
-    model.to_empty(device="cpu")
-    model.init_buffers()
+    if merge:  # the base's weights, then the adapters from the commit
+        model = initial_model(doc, dims, torch.device("cpu"), ep)
+    else:  # every weight comes from the commit
+        model = build_model(dims)
+        model.to_empty(device="cpu")
+        model.init_buffers()
     step = load_checkpoint(model, doc, checkpoint_uri, endpoint)
+    if merge:
+        merge_adapters(model)
     state = hf_state(model, EXPORT_DTYPES[dtype])
     del model
     tok_uri = tokenizer_uri(spec)

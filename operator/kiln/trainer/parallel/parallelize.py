@@ -230,7 +230,7 @@ def uses_fsdp(layout: Layout, precision: str) -> bool:
 
 
 def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) -> nn.Module:
-    """Split for the pipeline, then TP, activation checkpointing, compile, FSDP: TorchTitan's order."""
+    """Split for the pipeline, then TP, LoRA adapters, activation checkpointing, compile, FSDP: TorchTitan's order."""
     from kiln.trainer.parallel.compression import apply_replicate, check_supported
 
     compression = spec.parallelism.gradient_compression
@@ -241,6 +241,10 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
         model.fused_loss = False  # the loss is computed from (replicated) logits, see Transformer
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
+    if spec.model.adapter is not None:  # after TP (an adapter follows its base's plan), before FSDP (shards it)
+        from kiln.trainer.model.lora import apply_lora
+
+        apply_lora(model, spec.model.adapter, torch.bfloat16 if spec.training.precision == "bf16" else torch.float32)
     apply_activation_checkpointing(model, spec.parallelism.activation_checkpoint)
     if spec.parallelism.compile:
         apply_compile(model, whole=compiles_whole(layout, spec.training.precision))

@@ -1,0 +1,170 @@
+"""LoRA adapters (Hu et al. 2021) on kiln's plain decoder, applied by module name (TorchTitan's converter style).
+
+`apply_lora` turns each target `nn.Linear` (spec.model.adapter.targets, by its transformers name: q_proj, ...)
+into a `LoRALinear` in place: the same module object with the same `weight` (so its name, its checkpoint key
+and any tensor-parallel hooks on it stay), plus two children `lora_A` (rank × in) and `lora_B` (out × rank):
+
+    y = x Wᵀ + (alpha / rank) · B A dropout(x)
+
+exactly peft's `LoraLayer` (its `base_model.model.<path>.lora_A.weight` keys map one to one onto kiln's
+`<path>.lora_A.weight`, kiln.trainer.model.peft_folder). Every other parameter is frozen (requires_grad False)
+and kept in the run's precision (bf16 under training.precision bf16), the adapters in fp32: the optimizer, the
+gradients and the checkpoints (StateDictOptions(ignore_frozen_params)) see the adapters only.
+
+Applied after tensor parallelism and before FSDP2 (kiln.trainer.parallel.parallelize): an adapter is laid out to
+match its base weight's tensor-parallel plan — a column-wise W (out sharded) gets a replicated A and an
+out-sharded B, a row-wise W (in sharded) an in-sharded A and a replicated B — so the update is computed where
+the base output is, with no extra collective. FSDP2 then shards frozen and trainable parameters of a block in
+one unit (it allows mixed requires_grad; only the trainable ones must share a dtype).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.api.spec import AdapterSpec
+from kiln.errors import KilnError
+from kiln.trainer.model.hf_folder import hf_name
+from kiln.trainer.model.transformer import _copy_into
+
+ADAPTER_KEYS = ("lora_A", "lora_B")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (kiln's, transformers' or peft's) is an adapter's."""
+    return any(f".{key}." in name for key in ADAPTER_KEYS)
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank update; made from one in place by `adapt`."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    @classmethod
+    def adapt(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float) -> "LoRALinear":
+        """Turn `linear` into a LoRALinear (the object is kept: the hooks tensor parallelism put on it stay)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        w = linear.weight
+        a_place = b_place = None
+        if isinstance(w, DTensor):  # match the base's TP plan: the update lands where the base output is
+            placements = tuple(w.placements)
+            a_place = tuple(Shard(1) if p == Shard(1) else Replicate() for p in placements)
+            b_place = tuple(Shard(0) if p == Shard(0) else Replicate() for p in placements)
+        linear.__class__ = cls
+        linear.scaling = alpha / rank
+        linear.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        linear.lora_A = _adapter(linear.in_features, rank, w, a_place)
+        linear.lora_B = _adapter(rank, linear.out_features, w, b_place)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> nn.Linear:
+        """Fold the update into the weight (W + scaling · B A) and become a plain nn.Linear again."""
+        self.weight += (self.lora_B.weight.float() @ self.lora_A.weight.float() * self.scaling).to(self.weight.dtype)
+        for key in (*ADAPTER_KEYS, "lora_dropout"):
+            delattr(self, key)
+        del self.scaling
+        self.__class__ = nn.Linear
+        return self
+
+
+def _adapter(in_features: int, out_features: int, like: torch.Tensor, placements) -> nn.Linear:
+    """An fp32 nn.Linear on `like`'s device; a DTensor on its mesh with `placements` when it is one."""
+    layer = nn.Linear(in_features, out_features, bias=False, device=like.device, dtype=torch.float32)
+    if placements is not None:
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank None: no communication (the values are set later, by init_adapters or a checkpoint)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), like.device_mesh, placements,
+                                                      src_data_rank=None))
+    return layer
+
+
+def target_of(module_name: str) -> str | None:
+    """The transformers name of a kiln module (`layers.3.attention.wq` -> q_proj), None for one it lacks."""
+    try:
+        return hf_name(module_name + ".weight").removesuffix(".weight").rsplit(".", 1)[-1]
+    except KeyError:
+        return None
+
+
+def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Adapters on every target projection, every other parameter frozen and cast to `base_dtype`. KilnError
+    naming spec.model.adapter.targets when a target names no module of the model (checked on the meta
+    device, before any memory or GPU time is spent)."""
+    wanted, found, projections = set(adapter.targets), set(), set()
+    for name, module in list(model.named_modules()):
+        target = target_of(name) if type(module) is nn.Linear else None
+        if target is None:
+            continue
+        projections.add(target)
+        if target in wanted:
+            LoRALinear.adapt(module, adapter.rank, adapter.alpha, adapter.dropout)
+            found.add(target)
+    if wanted - found:
+        raise KilnError(f"spec.model.adapter.targets: {sorted(wanted - found)[0]!r} names no module of this model "
+                        f"(its projections: {', '.join(sorted(projections - {'lm_head'}))})")
+    adapters = {id(p) for n, p in model.named_parameters() if is_adapter(n)}
+    for module in model.modules():  # the rest frozen, in the run's precision (on meta: no memory yet)
+        for key, param in list(module._parameters.items()):
+            if param is not None and id(param) not in adapters:
+                module.register_parameter(key, nn.Parameter(param.detach().to(base_dtype), requires_grad=False))
+    return model
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """peft's default initialisation, from (seed, the parameter's name) in every layout alike: A uniform in
+    ±1/sqrt(in) (kaiming-uniform with a = sqrt(5), as nn.Linear), B zero, so the model starts as its base."""
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        if ".lora_A." in name:
+            gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1.0 / math.sqrt(param.shape[1])
+            full.uniform_(-bound, bound, generator=gen)
+        _copy_into(param, full)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (a plain, single-process model): the merged model."""
+    for module in list(model.modules()):
+        if isinstance(module, LoRALinear):
+            module.merge()
+    return model
+
+
+def check_base(saved: dict | None, current: dict | None, where: str) -> str | None:
+    """Why a commit (its trainer.json `adapter` record: `saved`) cannot resume this run (`current`), in one line
+    naming both bases, or None: LoRA adapters resume only on the base they were trained on, and a LoRA run
+    resumes no full fine-tune (nor the other way round)."""
+    if saved is None and current is None:
+        return None
+    if saved is None:
+        return (f"checkpoint {where} holds a full fine-tune, not LoRA adapters, and spec.model.adapter is set; "
+                f"use a new checkpoint.uri for the adapters")
+    if current is None:
+        return (f"checkpoint {where} holds only LoRA adapters (of base {_named(saved['base'])}), and "
+                f"spec.model.adapter is not set; set it to resume them, or use a new checkpoint.uri")
+    if saved["base"] != current["base"]:
+        return (f"checkpoint {where} holds LoRA adapters trained on base {_named(saved['base'])}, but this run's "
+                f"base is {_named(current['base'])}; resume on that base, or use a new checkpoint.uri")
+    return None
+
+
+def _named(base: dict) -> str:
+    return f"{base['uri']} (digest {base['digest']})"

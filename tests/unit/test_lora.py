@@ -1,0 +1,191 @@
+"""LoRA (kiln.trainer.model.lora) against peft itself, on a random Llama made by transformers.
+
+peft is the oracle: its `PeftModel.from_pretrained` loads kiln's exported adapter over the same base and gives
+kiln's logits; its `merge_and_unload` gives kiln's merged weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.api.load import parse
+from kiln.api.spec import AdapterSpec
+from kiln.errors import KilnError
+from kiln.storage import open_store
+from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model.lora import apply_lora, check_base, init_adapters, merge_adapters
+from kiln.trainer.model.peft_folder import adapter_record, write_adapter
+from kiln.trainer.model.transformer import build_model
+from kiln.trainer.optim import build_optimizer
+from tests.hf_models import VOCAB, save_model
+
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("lora") / "base"
+    save_model(path, "gqa", tokenizer=False)
+    return path
+
+
+def lora_spec(folder: Path, **adapter):
+    return parse({"spec": {"model": {"from": f"file://{folder}/", "seqLen": 16,
+                                     "adapter": {"rank": RANK, "alpha": ALPHA, **adapter}}}}).spec
+
+
+def kiln_model(spec, *, lora: bool = True) -> torch.nn.Module:
+    """The plain model as a run builds it: meta, adapters, allocate, base from the folder, adapters initialised."""
+    dims = hf.resolve_dims(spec)
+    model = build_model(dims)
+    if lora:
+        apply_lora(model, spec.model.adapter)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    hf.load_weights(model, spec.model.from_, dims)
+    if lora:
+        init_adapters(model, spec.training.seed)
+    return model
+
+
+def batch(seed: int, rows: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def train(model: torch.nn.Module, spec, steps: int = 3) -> torch.optim.Optimizer:
+    opt = build_optimizer([model], spec.training.model_copy(update={"lr": 1e-2, "warmup_steps": 0}),
+                          torch.device("cpu"))
+    for step in range(steps):
+        tokens = batch(step)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def peft_model(folder: Path, adapter_dir: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def test_adapters_at_initialisation_leave_the_output_exactly_the_base(folder):
+    spec = lora_spec(folder)
+    tokens = batch(0)[:, :-1]
+    with torch.no_grad():
+        assert torch.equal(kiln_model(spec)(tokens), kiln_model(spec, lora=False)(tokens))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_peft_loads_the_trained_adapter_and_gives_kilns_logits(folder, tmp_path, family):
+    """Llama, Qwen2 (biased q/k/v projections under the adapters) and Gemma 3 (sandwich norms, tied)."""
+    if family != "llama":
+        folder = tmp_path / family
+        save_model(folder, family, tokenizer=False)
+        tmp_path = tmp_path / "adapter"
+    spec = lora_spec(folder)
+    model = kiln_model(spec)
+    train(model, spec)
+    b = dict(model.named_parameters())["layers.1.feed_forward.w2.lora_B.weight"]
+    assert b.abs().max() > 1e-3  # trained away from zero: the comparison below tests the update, not only the base
+    files = write_adapter(open_store(f"file://{tmp_path}/"), model, spec.model.adapter, spec.model.from_)
+    assert files == ["adapter_model.safetensors", "adapter_config.json"]
+    ref = peft_model(folder, tmp_path)
+    tokens = batch(7)[:, :-1]
+    with torch.no_grad():
+        ours, theirs = model(tokens), ref(input_ids=tokens).logits
+    assert (ours - theirs).abs().max() < 1e-4
+    # every adapter kiln trained is one peft loaded (none left at peft's own initialisation)
+    loaded = {n for n, _ in ref.named_parameters() if "lora_" in n}
+    assert len(loaded) == 2 * 2 * 7  # A and B, 2 blocks, 7 projections
+
+
+def test_merged_weights_equal_peft_merge_and_unload_and_base_plus_scaled_ba(folder, tmp_path):
+    spec = lora_spec(folder, targets=["q_proj", "down_proj"])
+    model = kiln_model(spec)
+    train(model, spec, steps=2)
+    write_adapter(open_store(f"file://{tmp_path}/"), model, spec.model.adapter, spec.model.from_)
+    params = dict(model.named_parameters())
+    w, a, b = (params[f"layers.0.attention.wq.{k}"].detach().clone() for k in ("weight", "lora_A.weight", "lora_B.weight"))
+    merged = hf.hf_state(merge_adapters(model), torch.float32)
+    theirs = peft_model(folder, tmp_path).merge_and_unload().state_dict()
+    assert set(merged) <= set(theirs) and not any("lora" in n for n in merged)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], w + (ALPHA / RANK) * b @ a,
+                               rtol=0, atol=1e-6)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], w)  # the update is in it
+
+
+def test_only_adapters_train_and_the_optimizer_holds_their_state_only(folder):
+    spec = lora_spec(folder)
+    dims = hf.resolve_dims(spec)
+    model = kiln_model(spec)
+    hd, d, f = dims.head_dim, dims.dim, dims.ffn_dim
+    # (in, out) of the seven projections of a block
+    shapes = [(d, dims.heads * hd), (d, dims.kv_heads * hd), (d, dims.kv_heads * hd), (dims.heads * hd, d),
+              (d, f), (d, f), (f, d)]
+    adapter_numel = dims.layers * sum(RANK * (i + o) for i, o in shapes)
+    assert adapter_numel == 4096  # 2 blocks x 4 x (64 + 48 + 48 + 64 + 96 + 96 + 96)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable) and len(trainable) == 2 * 7 * dims.layers
+    assert sum(p.numel() for p in trainable.values()) == adapter_numel
+    opt = train(model, spec, steps=1)
+    assert all(p.grad is None for p in model.parameters())  # zeroed; frozen ones never had any
+    state = [opt.state[p] for p in trainable.values()]
+    assert len(opt.state) == len(trainable)
+    moments = sum(s[k].numel() * s[k].element_size() for s in state for k in ("exp_avg", "exp_avg_sq"))
+    assert moments == 2 * 4 * adapter_numel  # fp32 Adam moments of the adapters, nothing else
+    assert all(s["exp_avg"].dtype == torch.float32 for s in state)
+
+
+def test_frozen_base_is_kept_in_the_runs_precision_and_adapters_in_fp32(folder):
+    spec = lora_spec(folder)
+    model = apply_lora(build_model(hf.resolve_dims(spec)), spec.model.adapter, torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+
+
+def test_a_target_that_names_no_module_is_one_line_naming_the_field(folder):
+    with pytest.raises(KilnError) as err:
+        parse({"spec": {"model": {"preset": "tiny", "adapter": {"targets": ["q_proj", "qkv_proj"]}}}})
+    assert "spec.model.adapter.targets.1" in str(err.value) and "qkv_proj" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+    spec = lora_spec(folder)
+    bad = AdapterSpec.model_construct(type="lora", rank=4, alpha=8.0, dropout=0.0, targets=["q_proj", "qkv_proj"])
+    with pytest.raises(KilnError, match=r"^spec\.model\.adapter\.targets: 'qkv_proj' names no module of this model "
+                                        r"\(its projections: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
+                                        r"v_proj\)$"):
+        apply_lora(build_model(hf.resolve_dims(spec)), bad)
+    with pytest.raises(KilnError, match="spec.model.adapter.rank"):
+        parse({"spec": {"model": {"preset": "tiny", "adapter": {"rank": 0}}}})
+
+
+def test_defaults_target_every_projection_at_rank_16():
+    a = parse({"spec": {"model": {"preset": "tiny", "adapter": {}}}}).spec.model.adapter
+    assert (a.type, a.rank, a.alpha, a.dropout) == ("lora", 16, 32.0, 0.0)
+    assert a.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_base_identity_names_the_folder_and_changes_with_its_weights_index(folder, tmp_path):
+    spec = lora_spec(folder)
+    dims = hf.resolve_dims(spec)
+    mine = adapter_record(spec, dims)
+    assert mine["base"]["uri"] == f"file://{folder}/" and mine == adapter_record(spec, dims)
+    other = tmp_path / "other"
+    save_model(other, "tied", tokenizer=False)  # same dims, another index (no lm_head)
+    theirs = adapter_record(lora_spec(other), dims)
+    assert theirs["base"]["digest"] != mine["base"]["digest"]
+    why = check_base(mine, theirs, "file:///ck/step-00000003")
+    assert why is not None and len(why.splitlines()) == 1
+    assert mine["base"]["uri"] in why and theirs["base"]["uri"] in why and mine["base"]["digest"] in why
+    assert check_base(mine, dict(mine), "x") is None
+    assert "full fine-tune" in check_base(None, mine, "x") and "only LoRA adapters" in check_base(mine, None, "x")
+    assert json.loads(json.dumps(mine)) == mine  # it goes into trainer.json
