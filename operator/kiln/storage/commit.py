@@ -1,7 +1,7 @@
 """The checkpoint commit protocol (DESIGN.md §4): what a committed step is, and how it is written and checked.
 
     <root>/step-00001000/*.distcp, .metadata   DCP shards, written by every rank
-    <root>/step-00001000/trainer.json          step, data cursor, RNG, scheduler, layout (rank 0)
+    <root>/step-00001000/trainer.json          step, data cursor, RNG, hook state, goodput (rank 0)
     <root>/step-00001000/COMMIT                size and sha256 of every file above; written last
     <root>/latest                              "step-00001000", rewritten after COMMIT
 

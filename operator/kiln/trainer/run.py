@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from kiln.api import TrainingSpec, contract
 from kiln.api.layout import replica_group_spec
@@ -42,16 +43,20 @@ from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
 from kiln.trainer.rng import rng_state, set_rng_state
+from kiln.trainer.state import ModelState, Named, Progress, RngState, RunState
 from kiln.trainer.observe.startup import process_start_time
 from kiln.trainer.observe.status_report import StatusReporter
 
 
 def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
-          checkpoint_uri: str | None = None, checkpointing: bool = True) -> Run:
+          checkpoint_uri: str | None = None, checkpointing: bool = True,
+          state_parts: dict[str, Stateful] | None = None) -> Run:
     """Build (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0.
 
     hooks: None installs the training-health guards (kiln.trainer.guards), as do hooks with no step hooks.
     checkpointing=False neither restores nor saves (throughput benchmarks of models too big to save often).
+    state_parts: more parts of the run's state (kiln.trainer.state), saved, restored, rolled back and healed
+    with the rest (JSON state dicts, under their names in trainer.json).
     """
     hooks = hooks or StepHooks()
     if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
@@ -64,7 +69,8 @@ def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     startup["rendezvous_done"] = time.time()
     try:
         return Run(spec_doc, output_dir=output_dir, hooks=hooks, checkpoint_uri=checkpoint_uri,
-                   checkpointing=checkpointing, rank=rank, world=world, device=device, startup=startup)
+                   checkpointing=checkpointing, rank=rank, world=world, device=device, startup=startup,
+                   state_parts=state_parts or {})
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -96,17 +102,19 @@ def ft_enabled(spec) -> bool:
 
 
 class Run:
-    """Everything one process trains with, and where it is: `last_step` (restored or taken), `tokens_seen`,
-    the loss of every step taken (`losses`). Built by `setup()`."""
+    """Everything one process trains with, and where it is: `state` (kiln.trainer.state: every part a
+    checkpoint, a rollback and a heal carry; `last_step` and `tokens_seen` are its progress), the loss of every
+    step taken (`losses`). Built by `setup()`."""
 
     def __init__(self, spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks,
                  checkpoint_uri: str | None, checkpointing: bool, rank: int, world: int, device: torch.device,
-                 startup: dict):
+                 startup: dict, state_parts: dict[str, Stateful]):
         self.spec_doc, self.spec = spec_doc, spec_doc.spec
         self.tr = self.spec.training
         self.hooks, self.rank, self.world, self.device = hooks, rank, world, device
         self.startup: dict | None = startup  # None once the first step has logged it
-        self.last_step = self.start_step = self.tokens_seen = 0
+        self.progress = Progress()
+        self.start_step = 0
         self.losses: list[float] = []
         self.stopped = False  # a stop was requested (SIGTERM) and saved
         self._closed = False
@@ -117,12 +125,20 @@ class Run:
         self._build_model()
         self._build_data()
         self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
+        # the run's state, one registry: a commit, a rollback and a heal carry these parts and nothing else
+        self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank)  # rank 0 → status; its time counters
+        self.state = state = RunState(ModelState(self.model_parts, self.optimizers), self.progress)
+        state.add("data", self.loader, rolls_back=False)  # a rollback skips the data that spiked
+        state.add("rng", RngState(device))
+        state.add("hooks", Named(hooks.state), rolls_back=False)  # the guards' baseline and counters
+        state.add("goodput", self.reporter, rolls_back=False)  # counted from the run's start, across restarts
+        for name, part in state_parts.items():
+            state.add(name, part)
         self.ft = None
         if ft_enabled(self.spec):  # replica groups: a group that joins live peers heals from one, not from a commit
             from kiln.trainer.membership.replica_groups import ReplicaGroups
 
-            self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, model_parts=self.model_parts,
-                                    optimizers=self.optimizers, snapshot=self.trainer_state,
+            self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, state=state,
                                     on_membership_change=self.hooks.membership_changed)
             self._initial_weights()  # before the join, which live groups wait on; a peer's or a commit's replace them
         exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
@@ -132,8 +148,7 @@ class Run:
             preload(output_dir, rank=rank)
             self.warm_up()
             self.startup["joining"] = time.time()
-        restored = self._restore()
-        self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank, restored=restored)  # rank 0 → status
+        self._restore()
         self.startup["restored"] = time.time()
 
         self.global_tokens = self.tr.global_batch_size * self.dims.seq_len
@@ -218,13 +233,13 @@ class Run:
         if checkpointing:
             self.hooks.record_incidents(self.checkpointer.store)  # e.g. SDC mismatches outlive the process
 
-    def _restore(self) -> dict | None:
-        """Where the weights come from: a live peer's (replica groups, when one is ahead), else the newest
-        commit, else model.from (a new run) or the seed. The trainer state restored, or None."""
-        state = self.ft.join() if self.ft is not None else None
+    def _restore(self) -> None:
+        """Where the state comes from: a live peer's (replica groups, when one is ahead), else the newest
+        commit, else model.from (a new run) or the seed."""
+        healed = self.ft.join() if self.ft is not None else None  # a heal has loaded the whole state
         from_commit = False
-        if state is not None:
-            self._heal(state, at_start=True)
+        if healed is not None:
+            self._heal(at_start=True)
         else:
             state = self.checkpointer.restore(self.model_parts, self.optimizers)
             from_commit = state is not None
@@ -235,9 +250,9 @@ class Run:
             elif self.ft is None:  # a new run (replica groups set them before their join)
                 self._initial_weights()
         self.start_step = self.last_step
+        self.reporter.resumed_at(self.last_step)
         if self.ft is not None:
             self.ft.restored(self.last_step, from_checkpoint=from_commit)
-        return state
 
     def _initial_weights(self) -> None:
         """A new run's weights: model.from's, else initialised from training.seed. A resumed run skips it (the
@@ -274,12 +289,11 @@ class Run:
 
     def _restart(self, state: dict) -> None:
         """Resumed from a commit (not a guard's rollback, which keeps the data cursor: see step)."""
-        self._load_trainer_state(state)
+        self.state.load_trainer_state(state)
         self.hooks.restarted(Restart(self.last_step, self.tokens_seen))
 
-    def _heal(self, state: dict, *, at_start: bool) -> None:
-        """A live peer's state (its weights and optimizer state are loaded already, by kiln.trainer.membership.replica_groups)."""
-        self._load_trainer_state(state)
+    def _heal(self, *, at_start: bool) -> None:
+        """Took a live peer's state (all of it loaded already, by kiln.trainer.membership.replica_groups)."""
         self.hooks.healed(Heal(self.last_step, self.tokens_seen, at_start=at_start))
 
     def _roll_back(self, step: int) -> int:
@@ -297,26 +311,26 @@ class Run:
             state = self.checkpointer.restore(self.model_parts, self.optimizers)
         if state is None:
             return step
-        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        set_rng_state(state["rng"], self.device)
+        self.state.load_trainer_state(state, rollback=True)
         return self.last_step
 
-    # ---- trainer state: what a commit carries and a healing peer receives -------------------------------------
+    # ---- where the run is: the registry's progress --------------------------------------------------------------
 
-    def trainer_state(self) -> dict:
-        return {"step": self.last_step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
-                "rng": rng_state(self.device), "lr": lr_at(self.last_step, self.tr), "layout": self.layout.as_dict(),
-                "model": self.dims.model_dump(), "goodput": self.reporter.state_dict(),
-                "hooks": {name: obj.state_dict() for name, obj in self.hooks.state.items()}}
+    @property
+    def last_step(self) -> int:
+        return self.progress.step
 
-    def _load_trainer_state(self, state: dict) -> None:
-        """Continue from a trainer state (a commit's, or a live peer's): data cursor, RNG, hook state."""
-        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"], self.device)
-        saved_hooks = state.get("hooks", {})
-        for name, obj in self.hooks.state.items():
-            obj.load_state_dict(saved_hooks.get(name))
+    @last_step.setter
+    def last_step(self, step: int) -> None:
+        self.progress.step = step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, tokens: int) -> None:
+        self.progress.tokens_seen = tokens
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
@@ -329,8 +343,8 @@ class Run:
         metrics and status, a checkpoint when due. Replica groups: a step the groups did not commit is not
         taken (`last_step` stays; the next call redoes it), and a group that fell behind heals first."""
         tr, ft, layout, device, timer = self.tr, self.ft, self.layout, self.device, self.timer
-        if ft is not None and (healed := ft.begin_step(self.last_step)) is not None:  # fell behind: a peer's state
-            self._heal(healed, at_start=False)
+        if ft is not None and ft.begin_step(self.last_step) is not None:  # fell behind: took a peer's state
+            self._heal(at_start=False)
             if self.done:
                 return
         step = self.last_step + 1
@@ -407,7 +421,7 @@ class Run:
         if (final or step in self.plan_steps or checkpointer.should_save(step)) and not restored \
                 and (self.ft is None or self.ft.writes_checkpoints):
             with self._waiting():
-                checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
+                checkpointer.save(step, self.model_parts, self.optimizers, self.state.trainer_state(), final=final)
             record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
             self.reporter.stalled(record["checkpoint_stall_s"])
         if step == tr.steps and self.val_loader is not None:

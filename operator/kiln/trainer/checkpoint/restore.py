@@ -10,7 +10,6 @@ import time
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from kiln.errors import KilnError
 from kiln.text import duration
@@ -23,9 +22,9 @@ from kiln.storage.commit import (
     step_dir,
     verify_files,
 )
-from kiln.trainer.checkpoint.state import STATE_OPTIONS, _pairs, collect_state
 from kiln.trainer.checkpoint.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, UnsafeCheckpoint
 from kiln.trainer.checkpoint.host_copy import read_shm_copy
+from kiln.trainer.state import ModelState
 
 log = logging.getLogger("kiln.checkpoint")
 
@@ -140,7 +139,8 @@ class CheckpointRestore:
         return None
 
     def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
-        state, keys = collect_state(model_parts, optimizers)
+        model = ModelState(model_parts, optimizers)
+        state = model.state_dict()  # DCP loads into its tensors, in place
         reader = StoreReader(fs, step_dir(step))  # and its planner: nothing in the files runs as code
         try:
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=self._pg,
@@ -149,14 +149,7 @@ class CheckpointRestore:
             if reader.refused is not None:  # what this rank refused, in its own words (DCP may fold it into text)
                 raise reader.refused from None
             raise
-        for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
-            set_state_dict(
-                model,
-                opts,
-                model_state_dict={k: state["model"][k] for k in mkeys},
-                optim_state_dict={k: state["optim"][k] for k in okeys},
-                options=STATE_OPTIONS,
-            )
+        model.load_state_dict(state)
 
     def _restored(self, step: int, trainer_state: dict, source: str, t0: float, committed_at: float) -> dict:
         meta = trainer_state.get("kiln", {})

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from kiln.errors import KilnError
 from kiln.storage.commit import FileEntry, apply_retention, step_dir, write_commit
-from kiln.trainer.checkpoint.state import collect_state
 from kiln.trainer.checkpoint.dcp_store import StoreFS, StoreWriter
 from kiln.trainer.checkpoint.host_copy import SHM_MANIFEST
+from kiln.trainer.state import ModelState
 
 log = logging.getLogger("kiln.checkpoint")
 
@@ -56,7 +56,7 @@ class CheckpointSave:
         if step == self.last_saved_step:
             return
         t0 = time.perf_counter()
-        state, _ = collect_state(model_parts, optimizers)
+        state = ModelState(model_parts, optimizers).state_dict()
         staged = self._stage(state)
         self.last_blocking_s = time.perf_counter() - t0
         self._run_seconds_at_save = self._run_seconds + self._elapsed()

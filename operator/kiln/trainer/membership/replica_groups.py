@@ -30,7 +30,7 @@ import hashlib
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor
 from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
-from kiln.trainer.checkpoint.checkpointer import STATE_OPTIONS, _pairs, collect_state
 from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
 from kiln.trainer.hooks import MembershipChange
+from kiln.trainer.state import RunState, local
 
 TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
 # At a fresh start (or a whole-job restart) wait this long for every group before stepping with fewer: a group
@@ -70,20 +70,14 @@ def rank0_decides(value: bool) -> bool:
 _SET_EACH_STEP = (".lr",)
 
 
-def _local(t: Any) -> Any:
-    if isinstance(t, DTensor):
-        return t.to_local().detach()
-    return t.detach() if isinstance(t, torch.Tensor) else t
-
-
 class ReplicaGroups:
     """One replica group's side of the job: its torchft Manager and the few calls the run makes (kiln.trainer.run).
 
-    `snapshot()` returns the trainer state a healing peer receives (the run's, as in a checkpoint);
+    `state` is the run's (kiln.trainer.state): what a healing peer receives and loads, all of it;
     `on_membership_change` is called with each new quorum after the first (kiln.trainer.hooks)."""
 
-    def __init__(self, spec, *, rank: int, world: int, device: torch.device, model_parts, optimizers,
-                 snapshot: Callable[[], dict], on_membership_change: Callable[[MembershipChange], None]):
+    def __init__(self, spec, *, rank: int, world: int, device: torch.device, state: RunState,
+                 on_membership_change: Callable[[MembershipChange], None]):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -103,7 +97,7 @@ class ReplicaGroups:
                             f"(elastic.faultTolerance.groups)")
         self.per_group = spec.training.global_batch_size // self.groups
         self.rank, self.device = rank, device
-        self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
+        self.state = state
         self.on_membership_change = on_membership_change
         self.watch = HangWatch(floor=floor_s())  # this group's loop; torchft's waits below are paused in it
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
@@ -122,7 +116,7 @@ class ReplicaGroups:
             timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
             quorum_retries=int(quorum_timeout.total_seconds() / QUORUM_RETRY_S),
         )
-        self.manager.register_state_dict_fn("kiln", self._load, self._state)
+        self.manager.register_state_dict_fn("kiln", self._load, state.state_dict)
         self._healed: dict | None = None
         self._joined = False
         self.replica_rank, self.participants, self.quorum_id = 0, 1, -1
@@ -132,42 +126,16 @@ class ReplicaGroups:
 
     # ---- state a healing peer receives --------------------------------------------------------------------
 
-    def _state(self) -> dict:
-        state, _ = collect_state(self.model_parts, self.optimizers)
-        return {"model": {k: _local(v) for k, v in state["model"].items()},
-                "optim": {k: _local(v) for k, v in state["optim"].items()},
-                "trainer": self.snapshot()}
-
     def _receive_into(self) -> dict:
-        """Where a heal lands: the tensors of the sender's state (`_state` under torchft's own keys) that this
-        group already holds, by path (get_state_dict makes a fresh optimizer's state); the trainer state is new."""
-        state, _ = collect_state(self.model_parts, self.optimizers)
-        return {"user": {"kiln": {part: {k: _local(v) for k, v in state[part].items() if isinstance(v, torch.Tensor)}
-                                  for part in ("model", "optim")}}}
+        """Where a heal lands: the tensors of the sender's state (RunState.state_dict under torchft's own keys)
+        that this group already holds, by path (get_state_dict makes a fresh optimizer's state); the trainer
+        state is new."""
+        return {"user": {"kiln": self.state.model.local_tensors()}}
 
     def _load(self, sent: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
+        """A peer's whole state, into the run's: tensors received in place are loaded already."""
         t0 = time.monotonic()
-        state, keys = collect_state(self.model_parts, self.optimizers)
-        # get_state_dict's tensors are the model's and optimizer's own (STATE_OPTIONS: no full state dict, no CPU
-        # offload), so a value received or copied into them is loaded; set_state_dict is for what is not
-        complete = True  # every value is in this group's own state already: nothing left to set
-        with torch.no_grad():
-            for part in ("model", "optim"):
-                mine = state[part]
-                for key, value in sent[part].items():
-                    have = mine.get(key)
-                    if isinstance(have, torch.Tensor):
-                        target = _local(have)
-                        if target.data_ptr() != value.data_ptr():  # not received in place
-                            target.copy_(value)
-                    elif isinstance(value, torch.Tensor) or (have != value and not key.endswith(_SET_EACH_STEP)):
-                        mine[key], complete = value, False
-        if not complete:  # a tensor it lacks, a setting that differs
-            for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
-                set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
-                               optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
+        self.state.load_state_dict(sent, unless=_SET_EACH_STEP)
         self._healed = sent["trainer"]
         self.load_s = time.monotonic() - t0
 
@@ -255,14 +223,14 @@ class ReplicaGroups:
     def average_gradients(self, model_parts) -> None:
         """Average every local gradient (shard) with the same shard of every live group, in one collective."""
         grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
-        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-        if not local:
+        shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        if not shards:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in local])
+        flat = torch.cat([t.reshape(-1).float() for t in shards])
         self._allreduce_mean(flat)
         offset = 0
         with torch.no_grad():
-            for t in local:
+            for t in shards:
                 n = t.numel()
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
@@ -288,11 +256,11 @@ class ReplicaGroups:
         """sha256 of each rank's parameter shards (bit-exact), in the group's rank order, comma-separated (one
         digest for a one-rank group): equal across groups rank by rank. Every rank of the group calls it."""
         digest = hashlib.sha256()
-        for part in self.model_parts:
+        for part in self.state.model.parts:
             for name, p in part.named_parameters():
-                local = _local(p).contiguous().cpu()
+                mine = local(p).contiguous().cpu()
                 digest.update(name.encode())
-                digest.update(local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+                digest.update(mine.reshape(-1).view(torch.uint8).numpy().tobytes() if mine.numel() else b"")
         mine = digest.hexdigest()[:16]
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return mine
