@@ -35,13 +35,13 @@ from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.membership.hang_watch import HangWatch
 from kiln.trainer.observe import hang_report, tracking
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
+from kiln.trainer.membership.strategy import open_membership
 from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.state import ModelState, Named, Progress, RngState, RunState
 from kiln.trainer.observe.startup import process_start_time
@@ -96,11 +96,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def ft_enabled(spec) -> bool:
-    ft = spec.elastic.fault_tolerance
-    return ft is not None and ft.mode == "replicaGroups"
-
-
 class Run:
     """Everything one process trains with, and where it is: `state` (kiln.trainer.state: every part a
     checkpoint, a rollback and a heal carry; `last_step` and `tokens_seen` are its progress), the loss of every
@@ -134,17 +129,14 @@ class Run:
         state.add("goodput", self.reporter, rolls_back=False)  # counted from the run's start, across restarts
         for name, part in state_parts.items():
             state.add(name, part)
-        self.ft = None
-        if ft_enabled(self.spec):  # replica groups: a group that joins live peers heals from one, not from a commit
-            from kiln.trainer.membership.replica_groups import ReplicaGroups
-
-            self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, state=state,
-                                    on_membership_change=self.hooks.membership_changed)
-            self._initial_weights()  # before the join, which live groups wait on; a peer's or a commit's replace them
+        # who takes part in a step: solo, or one replica group of several (kiln.trainer.membership.strategy)
+        self.members = open_membership(self.spec, rank=rank, world=world, device=device, state=state,
+                                       on_membership_change=self.hooks.membership_changed)
         exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
-        if self.ft is not None:  # from its join on, the live groups wait for this one: do before it what can be
+        if self.members.waits_for_peers:  # from its join on, the live groups wait for this one: do before it what can be
             from kiln.trainer.observe.metrics import preload
 
+            self._initial_weights()  # a peer's or a commit's replace them
             preload(output_dir, rank=rank)
             self.warm_up()
             self.startup["joining"] = time.time()
@@ -161,14 +153,9 @@ class Run:
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
         # From the first step on, a loop that stops moving is caught by its hang watch (the operator's rule): a
-        # replica group takes itself out (kiln.trainer.membership.hang_watch); any run leaves every rank's stacks
+        # replica group takes itself out (kiln.trainer.membership.hang_watch); a solo run leaves every rank's stacks
         # in the store and names the rank the others wait for (kiln.trainer.observe.hang_report).
-        if self.ft is not None:
-            self.watch = self.ft.watch
-            self.ft.watch_hangs()
-        else:
-            self.watch = HangWatch(floor=hang_report.floor_s())
-            self.watch.start(self._hung)
+        self.watch = self.members.watch_hangs(self._hung)
 
     # ---- setup, in order --------------------------------------------------------------------------------------
 
@@ -236,9 +223,8 @@ class Run:
     def _restore(self) -> None:
         """Where the state comes from: a live peer's (replica groups, when one is ahead), else the newest
         commit, else model.from (a new run) or the seed."""
-        healed = self.ft.join() if self.ft is not None else None  # a heal has loaded the whole state
         from_commit = False
-        if healed is not None:
+        if self.members.join():  # a heal has loaded the whole state
             self._heal(at_start=True)
         else:
             state = self.checkpointer.restore(self.model_parts, self.optimizers)
@@ -247,12 +233,11 @@ class Run:
                 self._restart(state)
                 if self.rank == 0:
                     print(self.checkpointer.resume_line(), flush=True)
-            elif self.ft is None:  # a new run (replica groups set them before their join)
+            elif not self.members.waits_for_peers:  # a new run (replica groups set them before their join)
                 self._initial_weights()
         self.start_step = self.last_step
         self.reporter.resumed_at(self.last_step)
-        if self.ft is not None:
-            self.ft.restored(self.last_step, from_checkpoint=from_commit)
+        self.members.restored(self.last_step, from_checkpoint=from_commit)
 
     def _initial_weights(self) -> None:
         """A new run's weights: model.from's, else initialised from training.seed. A resumed run skips it (the
@@ -269,7 +254,7 @@ class Run:
         not in the first real step, which live replica groups wait for in their allreduce. It changes no state:
         the gradients are dropped, the optimizer is not stepped, the data cursor is not read and the RNG
         stream is put back (every rank of the group runs it, so the group's own collectives match)."""
-        rows = (self.ft.per_group if self.ft is not None else self.tr.global_batch_size) // self.dp_size
+        rows = self.members.rows_per_step // self.dp_size
         dummy = torch.zeros((rows, self.dims.seq_len), dtype=torch.long, device=self.device)
         rng = rng_state(self.device)
         self._forward_backward(dummy, dummy, None, torch.zeros_like(dummy) if self.loader.packed else None)
@@ -342,17 +327,14 @@ class Run:
         """One optimizer step: data, forward/backward, (replica groups: average, vote), clip, hooks, optimizer,
         metrics and status, a checkpoint when due. Replica groups: a step the groups did not commit is not
         taken (`last_step` stays; the next call redoes it), and a group that fell behind heals first."""
-        tr, ft, layout, device, timer = self.tr, self.ft, self.layout, self.device, self.timer
-        if ft is not None and ft.begin_step(self.last_step) is not None:  # fell behind: took a peer's state
+        tr, members, layout, device, timer = self.tr, self.members, self.layout, self.device, self.timer
+        if members.begin_step(self.last_step):  # fell behind: took a peer's state
             self._heal(at_start=False)
             if self.done:
                 return
         step = self.last_step + 1
         timer.start()
-        if ft is not None:  # this group's slot in the quorum's share of the batch
-            batch = ft.next_batch(self.loader, self.dp_rank, self.dp_size)
-        else:
-            batch = self.loader.next_batch(tr.global_batch_size)
+        batch = members.next_batch(self.loader, self.dp_rank, self.dp_size)
         inputs, targets, *doc_ids = (t.to(device) for t in batch)  # doc_ids: packed rows (data.packing)
         timer.mark("data_s")
         lr = lr_at(step, tr)
@@ -361,25 +343,20 @@ class Run:
         denominator = global_count(targets, layout) if self.loader.masked else None
         local_loss = self._forward_backward(inputs, targets, denominator, *doc_ids)
         timer.mark("fwd_bwd_s")
-        if ft is not None:  # average with the live groups before clipping: every group clips alike
-            ft.average_gradients(self.model_parts)
+        members.reduce_gradients(self.model_parts)  # before clipping: every replica group clips alike
         grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group, optimizer=self.optimizer)
-        loss = global_loss(local_loss if self.reports_loss else None, layout, device)
-        if ft is not None:
-            loss = ft.average_loss(loss)
-            if not ft.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
-                self.optimizer.zero_grad(set_to_none=True)
-                ft.watch.stepped()  # a redone step: the loop moved
-                return
+        loss = members.reduce_loss(global_loss(local_loss if self.reports_loss else None, layout, device))
+        if not members.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.last_step = step
-        self.tokens_seen += self.global_tokens if ft is None else ft.step_tokens(self.dims.seq_len)
+        self.tokens_seen += members.step_tokens(self.dims.seq_len)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
         if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all, padding too)
             record["assistant_tokens" if self.spec.data.format == "chat" else "loss_tokens"] = int(denominator)
-        if ft is not None:
-            record.update(ft.metrics())
+        record.update(members.metrics())
         ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record,
-                          batch_share=1.0 if ft is None else ft.batch_share)
+                          batch_share=members.batch_share)
         if all(hook(ctx) for hook in self.hooks.before_update):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -389,8 +366,8 @@ class Run:
             step = record["rolled_back_to"] = self._roll_back(step)
         timer.mark("optim_s")
         self.losses.append(loss)
-        if ft is not None and step == tr.steps:  # every group must end with the same weights
-            record["ft_weights_digest"] = ft.weights_digest()
+        if step == tr.steps:
+            record.update(members.final_metrics())
         self._finish_step(step, record)
 
     def _finish_step(self, step: int, record: dict) -> None:
@@ -419,7 +396,7 @@ class Run:
         # a rollback's step is the commit just restored: not written again (other groups may be reading it)
         restored = record.get("rolled_back_to", record["step"]) != record["step"]
         if (final or step in self.plan_steps or checkpointer.should_save(step)) and not restored \
-                and (self.ft is None or self.ft.writes_checkpoints):
+                and self.members.writes_checkpoints:
             with self._waiting():
                 checkpointer.save(step, self.model_parts, self.optimizers, self.state.trainer_state(), final=final)
             record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
@@ -499,8 +476,7 @@ class Run:
             if self.tracking is not None:
                 self.tracking.close(ok=self._finished)
         finally:
-            if self.ft is not None:
-                self.ft.close()
+            self.members.close()
 
 
 class _NoCheckpoints:

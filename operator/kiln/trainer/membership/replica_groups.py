@@ -71,7 +71,8 @@ _SET_EACH_STEP = (".lr",)
 
 
 class ReplicaGroups:
-    """One replica group's side of the job: its torchft Manager and the few calls the run makes (kiln.trainer.run).
+    """One replica group's side of the job: its torchft Manager, and the membership strategy the run calls
+    (kiln.trainer.membership.strategy.Membership; the other one is Solo).
 
     `state` is the run's (kiln.trainer.state): what a healing peer receives and loads, all of it;
     `on_membership_change` is called with each new quorum after the first (kiln.trainer.hooks)."""
@@ -95,7 +96,7 @@ class ReplicaGroups:
         if not 0 <= self.group < self.groups:
             raise KilnError(f"{contract.FT_GROUP}={self.group}: replica groups are numbered 0..{self.groups - 1} "
                             f"(elastic.faultTolerance.groups)")
-        self.per_group = spec.training.global_batch_size // self.groups
+        self.per_group = self.rows_per_step = spec.training.global_batch_size // self.groups
         self.rank, self.device = rank, device
         self.state = state
         self.on_membership_change = on_membership_change
@@ -167,10 +168,12 @@ class ReplicaGroups:
                       f"(no checkpoint read)", flush=True)
         return self._healed
 
-    def join(self) -> dict | None:
-        """The first quorum, before any restore: the trainer state of a live peer when this group healed from
-        one (its weights and optimizer state are loaded already), else None: nobody has stepped, restore the
-        newest commit (every group does, so all start from the same step)."""
+    waits_for_peers = True  # from its join on, the live groups wait for this one
+
+    def join(self) -> bool:
+        """The first quorum, before any restore: True when this group healed from a live peer (the run's whole
+        state is loaded already), else False: nobody has stepped, restore the newest commit (every group does,
+        so all start from the same step)."""
         self._joined = True
         healed = self._quorum()
         deadline = time.monotonic() + float(os.environ.get(START_WAIT_ENV, "120"))
@@ -178,7 +181,7 @@ class ReplicaGroups:
                 and rank0_decides(time.monotonic() < deadline):  # nobody has stepped: wait for the groups starting
             time.sleep(0.05)  # a new quorum request, not a wait for an event: the lighthouse answers at once
             healed = self._quorum()
-        return healed
+        return healed is not None
 
     def restored(self, step: int, from_checkpoint: bool) -> None:
         """After the restore that join() left to the caller: the Manager counts steps from there."""
@@ -190,17 +193,18 @@ class ReplicaGroups:
         if self.manager.current_step() != step:  # a restore from a commit (start, guard rollback) moved it
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def begin_step(self, step: int) -> dict | None:
-        """Before each step: this step's quorum (the first one is join's). Returns a peer's trainer state when
-        this group healed (the loop resumes from it), else None."""
+    def begin_step(self, step: int) -> bool:
+        """Before each step: this step's quorum (the first one is join's). True when this group healed (the
+        run's whole state is a peer's now: the loop resumes from it)."""
         self._sync_step(step)
         if self._joined:
             self._joined = False
-            return None
-        return self._quorum()
+            return False
+        return self._quorum() is not None
 
-    def next_batch(self, loader, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of this group's share of the step: its slot is its replica rank in the quorum."""
+    def next_batch(self, loader, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of this group's share of the step (inputs, targets[, doc_ids]): its slot is its
+        replica rank in the quorum."""
         per_rank = self.per_group // dp_size
         first = loader.samples_seen + self.replica_rank * self.per_group + dp_rank * per_rank
         return loader.rows(first, per_rank)
@@ -220,7 +224,7 @@ class ReplicaGroups:
         except Exception as err:  # noqa: BLE001  the vote below turns it into a redone step
             self.manager.report_error(err)
 
-    def average_gradients(self, model_parts) -> None:
+    def reduce_gradients(self, model_parts) -> None:
         """Average every local gradient (shard) with the same shard of every live group, in one collective."""
         grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
         shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
@@ -235,7 +239,7 @@ class ReplicaGroups:
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
 
-    def average_loss(self, loss: float) -> float:
+    def reduce_loss(self, loss: float) -> float:
         value = torch.tensor([loss], dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
                              device=self.device)
         self._allreduce_mean(value)
@@ -250,6 +254,7 @@ class ReplicaGroups:
             loader.samples_seen += self.participants * self.per_group
             return True
         self.redone += 1
+        self.watch.stepped()  # a redone step: the loop moved
         return False
 
     def weights_digest(self) -> str:
@@ -279,9 +284,16 @@ class ReplicaGroups:
                 "ft_redone_steps": self.redone, "ft_restore": self.restore_source,
                 "ft_quorum_s": self.quorum_s, "ft_heal_load_s": self.load_s}
 
-    def watch_hangs(self) -> None:
-        """From the first step on: a loop with no progress takes this group out (kiln.trainer.membership.hang_watch)."""
+    def final_metrics(self) -> dict:
+        """After the last step: every group must end with the same weights."""
+        return {"ft_weights_digest": self.weights_digest()}
+
+    def watch_hangs(self, on_hang: Callable[[str], None]) -> HangWatch:
+        """From the first step on: a loop with no progress takes this group out of the quorum (not `on_hang`: the
+        group's restart heals from a live peer; kiln.trainer.membership.hang_watch). The watch that torchft's
+        waits above pause."""
         self.watch.start(lambda why: leave(self.group, why, lambda: self.manager.shutdown(wait=False)))
+        return self.watch
 
     def close(self) -> None:
         self.watch.stop()
