@@ -116,11 +116,6 @@ def retention_plan(seen: set[int], committed: set[int], keep: int, current: int 
     )
 
 
-def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """Young/Daly optimal time between checkpoints: sqrt(2 x cost x MTBF), in seconds."""
-    return (2.0 * max(save_cost_s, 0.0) * max(mtbf_s, 0.0)) ** 0.5
-
-
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -41,6 +41,7 @@ from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
+from kiln.trainer.checkpoint.stats import CheckpointStats
 from kiln.trainer.membership.strategy import open_membership
 from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.state import ModelState, Named, Progress, RngState, RunState
@@ -399,7 +400,7 @@ class Run:
                 and self.members.writes_checkpoints:
             with self._waiting():
                 checkpointer.save(step, self.model_parts, self.optimizers, self.state.trainer_state(), final=final)
-            record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+            record["checkpoint_stall_s"] = checkpointer.stats.last_blocking_s + checkpointer.stats.last_wait_s
             self.reporter.stalled(record["checkpoint_stall_s"])
         if step == tr.steps and self.val_loader is not None:
             with self._waiting():
@@ -482,7 +483,7 @@ class Run:
 class _NoCheckpoints:
     """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
 
-    last_blocking_s = last_wait_s = 0.0
+    stats = CheckpointStats()
 
     def restore(self, model_parts, optimizers):
         return None
