@@ -12,6 +12,8 @@ Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a r
 `Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.membership.replica_groups (it calls
 `StepHooks.membership_changed` itself: the run has nothing to update for it), the checkpoint store in
 `Run._build_checkpointer`; a guard's rollback in `Run._roll_back`.
+
+Over 400 lines on purpose: set-up and the step read in their order, in one place (TorchTitan's train.py too).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
-from kiln.trainer.checkpoint.stats import CheckpointStats
 from kiln.trainer.membership.strategy import open_membership
 from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.state import ModelState, Named, Progress, RngState, RunState
@@ -211,13 +212,13 @@ class Run:
         ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
 
     def _build_checkpointer(self, checkpoint_uri: str | None, output_dir: Path | None, checkpointing: bool) -> None:
-        from kiln.trainer.checkpoint.checkpointer import Checkpointer, install_sigterm_handler
+        from kiln.trainer.checkpoint.checkpointer import Checkpointer, NoCheckpoints, install_sigterm_handler
 
         if threading.current_thread() is threading.main_thread():
             install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
         default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
         self.checkpointer = Checkpointer(self.spec.checkpoint, default_uri=default_uri, rank=self.rank,
-                                         world_size=self.world) if checkpointing else _NoCheckpoints()
+                                         world_size=self.world) if checkpointing else NoCheckpoints()
         if checkpointing:
             self.hooks.record_incidents(self.checkpointer.store)  # e.g. SDC mismatches outlive the process
 
@@ -478,33 +479,6 @@ class Run:
                 self.tracking.close(ok=self._finished)
         finally:
             self.members.close()
-
-
-class _NoCheckpoints:
-    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
-
-    stats = CheckpointStats()
-
-    def restore(self, model_parts, optimizers):
-        return None
-
-    def should_save(self, step: int) -> bool:
-        return False
-
-    def status(self) -> dict:
-        return {}
-
-    def stop_requested(self, step: int) -> bool:
-        return False
-
-    def save(self, *args, **kwargs) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _exporter(run: str):

@@ -128,3 +128,30 @@ class Checkpointer:
                 "time": st.last_commit_time,
             }
         return out
+
+
+class NoCheckpoints:
+    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
+
+    stats = CheckpointStats()
+
+    def restore(self, model_parts, optimizers):
+        return None
+
+    def should_save(self, step: int) -> bool:
+        return False
+
+    def status(self) -> dict:
+        return {}
+
+    def stop_requested(self, step: int) -> bool:
+        return False
+
+    def save(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
