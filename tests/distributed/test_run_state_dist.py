@@ -10,23 +10,11 @@ import pytest
 from tests.distributed.ft_helpers import lighthouse_server
 from tests.distributed.ranks import run_ranks
 from tests.distributed.trainer_helpers import write_spec
+from tests.state_parts import Counter  # the new part: how many optimizer steps this state has seen
 
 pytestmark = pytest.mark.distributed
 
 STEPS, INTERVAL, ROLL_BACK_AT = 8, 4, 6
-
-
-class Counter:
-    """A new part: how many optimizer steps this state has seen."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        self.n = 0 if state is None else int(state["n"])
 
 
 def _train(rank: int, world: int, spec_path: str, out: str) -> dict:

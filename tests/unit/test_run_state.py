@@ -15,19 +15,7 @@ from kiln.storage.commit import read_commit, write_commit
 from kiln.trainer.checkpoint.checkpointer import Checkpointer
 from kiln.trainer.observe.status_report import StatusReporter
 from kiln.trainer.state import ModelState, Named, Progress, RngState, RunState
-
-
-class Counter:
-    """A part the trainer does not know: state {"n": int}."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        self.n = 0 if state is None else int(state["n"])
+from tests.state_parts import Counter
 
 
 class Cursor(Counter):
