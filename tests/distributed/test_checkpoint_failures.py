@@ -36,7 +36,7 @@ def _worker(rank, world, root):
     for step in (1, 2, 3):  # async: 1 and 2 fail in the background on every rank, 3 commits
         ck.save(step, [model], [opt], {"step": step})
     ck.wait()
-    result = {"failures": ck.save_failures, "committed": ck.last_committed_step}
+    result = {"failures": ck.stats.save_failures, "committed": ck.stats.last_committed_step}
     ck.close()
     return result
 

@@ -313,13 +313,13 @@ def test_s3_outage_mid_save_is_retried_and_nothing_committed_is_lost(private_s3,
         # committed (the store comes back only below), so the loop did not wait for the upload
         for i in range(3, 6):
             _step(model, opt, i)
-        assert ck.last_committed_step == 1
+        assert ck.stats.last_committed_step == 1
         retries = lambda: [r.message for r in caplog.records  # noqa: E731
                            if r.name == "kiln.storage" and "retry" in r.message]
         wait_until("an upload retried while the store is down", retries)
         private_s3.start()
         ck.wait()
-    assert ck.save_failures == 0 and ck.last_committed_step == 2
+    assert ck.stats.save_failures == 0 and ck.stats.last_committed_step == 2
     assert private_s3.endpoint in retries()[0]
 
     assert committed_steps(store) == [2, 1]

@@ -197,7 +197,7 @@ def test_failed_background_save_is_logged_and_training_continues(tmp_path, caplo
     with caplog.at_level(logging.ERROR, logger="kiln.checkpoint"):
         ck.save(2, [model], [opt], {"step": 2})
         ck.wait()
-    assert ck.save_failures == 1
+    assert ck.stats.save_failures == 1
     assert any("step 2" in r.message and "last committed step (1)" in r.message for r in caplog.records)
     model2, opt2 = make(seed=3)
     assert checkpointer(tmp_path).restore([model2], [opt2])["step"] == 1
@@ -221,21 +221,22 @@ def test_interval_fixed_and_auto(tmp_path):
     assert [s for s in range(0, 21) if ck.should_save(s)] == [5, 10, 15, 20]
 
     auto = checkpointer(tmp_path / "auto", interval_steps="auto")
-    assert auto.interval_steps == AUTO_FIRST_STEPS  # nothing measured yet: save early to measure
+    assert auto.schedule.interval_steps == AUTO_FIRST_STEPS  # nothing measured yet: save early to measure
     for s in range(1, 4):
         auto.should_save(s)
-    auto.last_saved_step = 3
-    auto._step_time_s, auto.last_save_s = 0.1, 1.0
-    auto.last_blocking_s, auto._run_seconds, auto._failures = 0.5, 0.0, 0
-    auto._started -= 3600
-    relaxed = auto.interval_steps
-    auto._failures = 20  # many restarts → shorter MTBF → save more often
-    frequent = auto.interval_steps
+    stats, schedule = auto.stats, auto.schedule
+    stats.last_saved_step = 3
+    schedule.step_time_s, stats.last_save_s = 0.1, 1.0
+    stats.last_blocking_s, stats.run_seconds, stats.failures = 0.5, 0.0, 0
+    stats.started -= 3600
+    relaxed = schedule.interval_steps
+    stats.failures = 20  # many restarts → shorter MTBF → save more often
+    frequent = schedule.interval_steps
     assert AUTO_MIN_STEPS <= frequent < relaxed <= AUTO_MAX_STEPS
-    auto.last_save_s = 50.0  # a background save takes 500 steps: never save faster than that
-    assert auto.interval_steps >= 500
-    auto.last_blocking_s = 1e6
-    assert auto.interval_steps == AUTO_MAX_STEPS
+    stats.last_save_s = 50.0  # a background save takes 500 steps: never save faster than that
+    assert schedule.interval_steps >= 500
+    stats.last_blocking_s = 1e6
+    assert schedule.interval_steps == AUTO_MAX_STEPS
     assert auto.status()["intervalSteps"] == AUTO_MAX_STEPS
 
 
@@ -258,11 +259,11 @@ def test_restart_from_a_non_final_checkpoint_counts_as_a_failure(tmp_path):
     model, opt = make()
     ck = checkpointer(tmp_path, interval_steps="auto")
     ck.restore([model], [opt])
-    assert ck._failures == 1
+    assert ck.stats.failures == 1
     ck.save(3, [model], [opt], {"step": 3}, final=True)
     ck2 = checkpointer(tmp_path)
     ck2.restore([model], [opt])
-    assert ck2._failures == 1  # a clean, final save is not a failure
+    assert ck2.stats.failures == 1  # a clean, final save is not a failure
 
 
 def test_ranged_reader_reads_like_a_file(tmp_path):

@@ -13,8 +13,8 @@ from kiln.storage.commit import (
     retention_plan,
     step_dir,
     steps_from_listing,
-    young_daly_interval,
 )
+from kiln.trainer.checkpoint.interval import young_daly_interval
 
 
 def test_step_names_round_trip():

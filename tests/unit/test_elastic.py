@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kiln.api.spec import TrainingSpecSpec
+from kiln.api import hang as hang_rule
 from kiln.control import elastic as el
 from kiln.control.elastic import NodeView, PodView
 
@@ -105,14 +106,14 @@ def test_force_delete_only_after_grace_on_notready_or_missing_nodes():
 
 def test_hang_uses_p99_times_factor_with_floor():
     times = [1.0] * 98 + [2.0, 3.0]
-    assert el.p99(times) == 2.0
-    assert el.hang(times, last_progress=0, now=59, factor=10, floor_s=60) is None
-    assert el.hang(times, last_progress=0, now=61, factor=10, floor_s=10) is not None
+    assert hang_rule.p99(times) == 2.0
+    assert hang_rule.hang(times, last_progress=0, now=59, factor=10, floor_s=60) is None
+    assert hang_rule.hang(times, last_progress=0, now=61, factor=10, floor_s=10) is not None
     slow = [30.0] * 10
-    assert el.hang(slow, last_progress=0, now=200, factor=10) is None
-    reason = el.hang(slow, last_progress=0, now=301, factor=10)
+    assert hang_rule.hang(slow, last_progress=0, now=200, factor=10) is None
+    reason = hang_rule.hang(slow, last_progress=0, now=301, factor=10)
     assert "no training step completed for 301s" in reason and "limit 300s" in reason
-    assert el.hang([1.0] * 3, last_progress=0, now=10_000) is None  # no baseline yet
+    assert hang_rule.hang([1.0] * 3, last_progress=0, now=10_000) is None  # no baseline yet
 
 
 def test_restart_budget_with_backoff():

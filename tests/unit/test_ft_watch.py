@@ -1,5 +1,5 @@
 """kiln.trainer.membership.hang_watch.HangWatch: what counts as a replica group's progress, on a clock the test moves (the rule
-itself, kiln.control.elastic.hang, is the operator's, tested in tests/unit/test_elastic.py)."""
+itself, kiln.api.hang, is the operator's, tested in tests/unit/test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kiln.errors import KilnError
-from kiln.control.elastic import HANG_MIN_SAMPLES as MIN_SAMPLES
+from kiln.api.hang import HANG_MIN_SAMPLES as MIN_SAMPLES
 from kiln.trainer.membership.hang_watch import HANG_FLOOR_ENV, HangWatch, floor_s
 
 
@@ -95,7 +95,7 @@ def test_time_the_process_was_stopped_is_not_the_loops():
 
 def test_the_floor_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv(HANG_FLOOR_ENV, raising=False)
-    assert floor_s() == 60.0  # the operator's floor (kiln.control.elastic.hang's default)
+    assert floor_s() == 60.0  # the operator's floor (kiln.api.hang's default)
     monkeypatch.setenv(HANG_FLOOR_ENV, "2.5")
     assert floor_s() == 2.5
     for bad in ("0", "-1", "soon", "nan"):

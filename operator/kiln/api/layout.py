@@ -22,7 +22,7 @@ from kiln.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.api.presets import ModelDims
-    from kiln.api.spec import TrainingSpecSpec
+    from kiln.api.spec import FaultToleranceSpec, TrainingSpecSpec
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,20 @@ def data_parallel(spec: "TrainingSpecSpec", world: int) -> int | None:
     return world // mp if world % mp == 0 else None
 
 
+def fault_tolerance_groups(ft: "FaultToleranceSpec | None") -> int | None:
+    """The one place the fault-tolerance mode is decided: elastic.faultTolerance's replica groups when its mode
+    is replicaGroups, else None (off). The trainer's membership, the CLI and the operator's plan ask here."""
+    return ft.groups if ft is not None and ft.mode == "replicaGroups" else None
+
+
+def replica_groups_on(spec: "TrainingSpecSpec") -> bool:
+    """elastic.faultTolerance mode replicaGroups (even of one group: a job of its own torchft quorum)."""
+    return fault_tolerance_groups(spec.elastic.fault_tolerance) is not None
+
+
 def replica_groups(spec: "TrainingSpecSpec") -> int:
     """elastic.faultTolerance: how many replica groups the data-parallel dimension splits into (1: mode off)."""
-    ft = spec.elastic.fault_tolerance
-    return ft.groups if ft is not None and ft.mode == "replicaGroups" else 1
+    return fault_tolerance_groups(spec.elastic.fault_tolerance) or 1
 
 
 def replica_group_spec(spec: "TrainingSpecSpec") -> "TrainingSpecSpec":

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from kiln.api import TrainingSpec, contract
-from kiln.api.layout import fit_local, replica_group_spec, replica_groups
+from kiln.api.layout import fit_local, replica_group_spec, replica_groups, replica_groups_on
 from kiln.api.load import load_file, parse
 from kiln.errors import KilnError
 
@@ -200,7 +200,7 @@ def local_spec(doc: TrainingSpec, *, nproc: int, steps: int | None, output: Path
         spec[section] = {k: v for k, v in {**spec.get(section, {}), **values}.items() if v is not None}
     # elastic node counts are the operator's; replica groups (elastic.faultTolerance) run here too
     ft = data["spec"].get("elastic", {}).get("faultTolerance")
-    spec["elastic"] = {"faultTolerance": ft} if ft_mode(doc) else {}
+    spec["elastic"] = {"faultTolerance": ft} if replica_groups_on(doc.spec) else {}
     if steps is not None:
         note = shorten(spec["training"], steps)
         notes += [note] if note else []
@@ -217,7 +217,7 @@ def check_layout(doc: TrainingSpec, world: int) -> None:
 
     dims = hf.resolve_dims(doc.spec)
     hf.training_tokenizer(doc.spec, dims)
-    if ft_mode(doc):  # each replica group is its own world of world / groups processes
+    if replica_groups_on(doc.spec):  # each replica group is its own world of world / groups processes
         groups = replica_groups(doc.spec)
         if world % groups:
             raise KilnError(f"--nproc {world}: elastic.faultTolerance.groups = {groups} must divide it (each replica "
@@ -225,11 +225,6 @@ def check_layout(doc: TrainingSpec, world: int) -> None:
         plan_layout(replica_group_spec(doc.spec), dims, world // groups, processes_per_node=world // groups)
         return
     plan_layout(doc.spec, dims, world, processes_per_node=world)
-
-
-def ft_mode(doc: TrainingSpec) -> bool:
-    ft = doc.spec.elastic.fault_tolerance
-    return ft is not None and ft.mode == "replicaGroups"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -248,7 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec_path = output / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(run_doc.model_dump(by_alias=True, exclude_none=True, mode="json"),
                                         sort_keys=False))
-    if ft_mode(run_doc):
+    if replica_groups_on(run_doc.spec):
         return run_replica_groups(run_doc, spec_path, nproc, output, args.debug)
     cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kiln.cli.main", "train", "--config", str(spec_path), "--output", str(output)]

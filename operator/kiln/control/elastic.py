@@ -8,14 +8,13 @@ call these functions with the time `now` (seconds), and apply what they return:
   Kueue queue starts at `start_nodes` and keeps the count Kueue admitted.
 - `pods_to_force_delete`: pods stuck on NotReady/unreachable nodes past a grace period.
 - `record_node_failures` / `nodes_to_avoid` / `avoid_affinity`: a node that failed a job twice is avoided.
-- `hang`: no step progress for N x the recent p99 step time.
+- the hang rule (no step progress for N x the recent p99 step time) is kiln.api.hang's, shared with the trainer.
 - `restart_decision`: the restart budget (elastic.maxRestarts) with exponential backoff.
 - `suspend_phase`: where a suspend/resume handshake stands.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -231,37 +230,6 @@ def with_avoided_nodes(affinity: Mapping | None, avoid: Iterable[str]) -> dict |
 
 
 # ---- hang detection ------------------------------------------------------------------------------------------------
-
-
-def p99(values: Iterable[float]) -> float:
-    """Nearest-rank 99th percentile."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("p99 of no values")
-    return xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
-
-
-HANG_FACTOR = 10.0  # no step for this many x p99 step time is a hang ...
-HANG_FLOOR_S = 60.0  # ... but never under this: a save or a GC pause of very fast steps is not one
-HANG_MIN_SAMPLES = 5  # step times before any verdict
-
-
-def hang(recent_step_s: Iterable[float], last_progress: float, now: float, *, factor: float = HANG_FACTOR,
-         floor_s: float = HANG_FLOOR_S, min_samples: int = HANG_MIN_SAMPLES) -> str | None:
-    """A reason to restart when no step completed for factor x p99(recent step times), else None.
-
-    Before `min_samples` step times exist (start-up, compile, restore) there is no baseline: no verdict.
-    The floor keeps very fast steps from turning a checkpoint save or a GC pause into a "hang".
-    """
-    xs = list(recent_step_s)
-    if len(xs) < min_samples:
-        return None
-    limit = max(factor * p99(xs), floor_s)
-    idle = now - last_progress
-    if idle > limit:
-        return (f"no training step completed for {idle:.0f}s (limit {limit:.0f}s = max({factor:g} x p99 step time "
-                f"{p99(xs):.2f}s, {floor_s:.0f}s)); restarting from the last checkpoint")
-    return None
 
 
 # ---- restart budget ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kiln.api.layout import replica_groups
 from kiln.api.spec import TrainingSpec
+from kiln.api import hang as hang_rule
 from kiln.control import elastic, failover, goodput, kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_state import ANNOTATION, avoided, encode, state_of  # noqa: F401 (state_of: for tests)
@@ -30,8 +31,8 @@ from kiln.control.status import Event, job_condition, set_condition
 class Tuning:
     grace_s: float = 120.0  # NotReady this long → force-delete the job's pods there
     grow_cooldown_s: float = 300.0  # between a change and the next growth
-    hang_factor: float = elastic.HANG_FACTOR  # no step for this many x p99 step time → restart
-    hang_floor_s: float = elastic.HANG_FLOOR_S
+    hang_factor: float = hang_rule.HANG_FACTOR  # no step for this many x p99 step time → restart
+    hang_floor_s: float = hang_rule.HANG_FLOOR_S
 
 
 def _time(ts: str | None) -> float | None:
@@ -231,7 +232,7 @@ def _hang_check(kube: Kube, body: dict, doc: TrainingSpec, state: dict, pods: li
         if prog.get("step") is not None and step > prog["step"]:
             recent = (recent + [(now_s - prog["time"]) / (step - prog["step"])])[-20:]
         return {"progress": {"step": step, "time": now_s, "recent": recent}}
-    why = elastic.hang(prog.get("recent") or [], prog["time"], now_s, factor=tuning.hang_factor,
+    why = hang_rule.hang(prog.get("recent") or [], prog["time"], now_s, factor=tuning.hang_factor,
                        floor_s=tuning.hang_floor_s, min_samples=2)
     if why is None:
         return {}

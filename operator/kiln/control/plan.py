@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from kiln.api.presets import resolve_model
 from kiln.api import contract
 from kiln.api.contract import SPEC_FILE, SPEC_MOUNT, SPEC_PATH
-from kiln.api.layout import node_bounds, processes_per_node, replica_groups
+from kiln.api.layout import fault_tolerance_groups, node_bounds, processes_per_node, replica_groups
 from kiln.api.rules import check
-from kiln.api.spec import API_VERSION, KIND, MAX_REPLICA_GROUPS, TrainingSpec, TrainingSpecSpec
+from kiln.api.spec import API_VERSION, KIND, FaultToleranceSpec, TrainingSpec, TrainingSpecSpec
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.k8s import K8S_MODELS, SERIALIZER
@@ -186,9 +187,12 @@ def group_job_name(run: str, group: int) -> str:
 
 def job_names_of(body: dict) -> list[str]:
     """job_names for a TrainingSpec as stored (not validated yet: a malformed faultTolerance counts as off)."""
-    ft = (((body.get("spec") or {}).get("elastic") or {}).get("faultTolerance") or {})
-    groups = ft.get("groups", 2) if ft.get("mode") == "replicaGroups" else 1
-    return job_names(body["metadata"]["name"], groups if isinstance(groups, int) and 1 <= groups <= MAX_REPLICA_GROUPS else 1)
+    raw = ((body.get("spec") or {}).get("elastic") or {}).get("faultTolerance")
+    try:  # the section's own validation bounds groups (MAX_REPLICA_GROUPS)
+        groups = fault_tolerance_groups(FaultToleranceSpec.model_validate(raw)) if raw else None
+    except ValidationError:
+        groups = None
+    return job_names(body["metadata"]["name"], groups or 1)
 
 
 def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:

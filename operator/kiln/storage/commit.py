@@ -1,7 +1,7 @@
 """The checkpoint commit protocol (DESIGN.md §4): what a committed step is, and how it is written and checked.
 
     <root>/step-00001000/*.distcp, .metadata   DCP shards, written by every rank
-    <root>/step-00001000/trainer.json          step, data cursor, RNG, scheduler, layout (rank 0)
+    <root>/step-00001000/trainer.json          step, data cursor, RNG, hook state, goodput (rank 0)
     <root>/step-00001000/COMMIT                size and sha256 of every file above; written last
     <root>/latest                              "step-00001000", rewritten after COMMIT
 
@@ -114,11 +114,6 @@ def retention_plan(seen: set[int], committed: set[int], keep: int, current: int 
         for s in seen | committed
         if s not in kept and (s in committed or s < newest or s > newest and current is not None)
     )
-
-
-def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """Young/Daly optimal time between checkpoints: sqrt(2 x cost x MTBF), in seconds."""
-    return (2.0 * max(save_cost_s, 0.0) * max(mtbf_s, 0.0)) ** 0.5
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -12,6 +12,8 @@ Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a r
 `Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.membership.replica_groups (it calls
 `StepHooks.membership_changed` itself: the run has nothing to update for it), the checkpoint store in
 `Run._build_checkpointer`; a guard's rollback in `Run._roll_back`.
+
+Over 400 lines on purpose: set-up and the step read in their order, in one place (TorchTitan's train.py too).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from kiln.api import TrainingSpec, contract
 from kiln.api.layout import replica_group_spec
@@ -36,24 +39,28 @@ from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.model.lora import check_base, init_adapters
 from kiln.trainer.model.peft_folder import adapter_record
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.membership.hang_watch import HangWatch
 from kiln.trainer.observe import hang_report, tracking
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
 from kiln.trainer.parallel.microbatches import pipeline_step
+from kiln.trainer.membership.strategy import open_membership
 from kiln.trainer.rng import rng_state, set_rng_state
+from kiln.trainer.state import Fixed, ModelState, Named, Progress, RngState, RunState
 from kiln.trainer.observe.startup import process_start_time
 from kiln.trainer.observe.status_report import StatusReporter
 
 
 def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
-          checkpoint_uri: str | None = None, checkpointing: bool = True) -> Run:
+          checkpoint_uri: str | None = None, checkpointing: bool = True,
+          state_parts: dict[str, Stateful] | None = None) -> Run:
     """Build (or resume) the run described by `spec_doc`; metrics go to output_dir/metrics.jsonl on rank 0.
 
     hooks: None installs the training-health guards (kiln.trainer.guards), as do hooks with no step hooks.
     checkpointing=False neither restores nor saves (throughput benchmarks of models too big to save often).
+    state_parts: more parts of the run's state (kiln.trainer.state), saved, restored, rolled back and healed
+    with the rest (JSON state dicts, under their names in trainer.json).
     """
     hooks = hooks or StepHooks()
     if not hooks.before_update and not hooks.after_update:  # default: the training-health guards
@@ -66,7 +73,8 @@ def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
     startup["rendezvous_done"] = time.time()
     try:
         return Run(spec_doc, output_dir=output_dir, hooks=hooks, checkpoint_uri=checkpoint_uri,
-                   checkpointing=checkpointing, rank=rank, world=world, device=device, startup=startup)
+                   checkpointing=checkpointing, rank=rank, world=world, device=device, startup=startup,
+                   state_parts=state_parts or {})
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -92,23 +100,20 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def ft_enabled(spec) -> bool:
-    ft = spec.elastic.fault_tolerance
-    return ft is not None and ft.mode == "replicaGroups"
-
-
 class Run:
-    """Everything one process trains with, and where it is: `last_step` (restored or taken), `tokens_seen`,
-    the loss of every step taken (`losses`). Built by `setup()`."""
+    """Everything one process trains with, and where it is: `state` (kiln.trainer.state: every part a
+    checkpoint, a rollback and a heal carry; `last_step` and `tokens_seen` are its progress), the loss of every
+    step taken (`losses`). Built by `setup()`."""
 
     def __init__(self, spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks,
                  checkpoint_uri: str | None, checkpointing: bool, rank: int, world: int, device: torch.device,
-                 startup: dict):
+                 startup: dict, state_parts: dict[str, Stateful]):
         self.spec_doc, self.spec = spec_doc, spec_doc.spec
         self.tr = self.spec.training
         self.hooks, self.rank, self.world, self.device = hooks, rank, world, device
         self.startup: dict | None = startup  # None once the first step has logged it
-        self.last_step = self.start_step = self.tokens_seen = 0
+        self.progress = Progress()
+        self.start_step = 0
         self.losses: list[float] = []
         self.stopped = False  # a stop was requested (SIGTERM) and saved
         self._closed = False
@@ -119,23 +124,29 @@ class Run:
         self._build_model()
         self._build_data()
         self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
-        self.ft = None
-        if ft_enabled(self.spec):  # replica groups: a group that joins live peers heals from one, not from a commit
-            from kiln.trainer.membership.replica_groups import ReplicaGroups
-
-            self.ft = ReplicaGroups(self.spec, rank=rank, world=world, device=device, model_parts=self.model_parts,
-                                    optimizers=self.optimizers, snapshot=self.trainer_state,
-                                    on_membership_change=self.hooks.membership_changed)
-            self._initial_weights()  # before the join, which live groups wait on; a peer's or a commit's replace them
+        # the run's state, one registry: a commit, a rollback and a heal carry these parts and nothing else
+        self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank)  # rank 0 → status; its time counters
+        self.state = state = RunState(ModelState(self.model_parts, self.optimizers), self.progress)
+        state.add("data", self.loader, rolls_back=False)  # a rollback skips the data that spiked
+        state.add("rng", RngState(device))
+        state.add("hooks", Named(hooks.state), rolls_back=False)  # the guards' baseline and counters
+        state.add("goodput", self.reporter, rolls_back=False)  # counted from the run's start, across restarts
+        if self.adapter is not None:  # LoRA: the base's identity, which a resume checks first (_check_commit)
+            state.add("adapter", Fixed(self.adapter), rolls_back=False)
+        for name, part in state_parts.items():
+            state.add(name, part)
+        # who takes part in a step: solo, or one replica group of several (kiln.trainer.membership.strategy)
+        self.members = open_membership(self.spec, rank=rank, world=world, device=device, state=state,
+                                       on_membership_change=self.hooks.membership_changed)
         exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
-        if self.ft is not None:  # from its join on, the live groups wait for this one: do before it what can be
+        if self.members.waits_for_peers:  # from its join on, the live groups wait for this one: do before it what can be
             from kiln.trainer.observe.metrics import preload
 
+            self._initial_weights()  # a peer's or a commit's replace them
             preload(output_dir, rank=rank)
             self.warm_up()
             self.startup["joining"] = time.time()
-        restored = self._restore()
-        self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank, restored=restored)  # rank 0 → status
+        self._restore()
         self.startup["restored"] = time.time()
 
         self.global_tokens = self.tr.global_batch_size * self.dims.seq_len
@@ -148,14 +159,9 @@ class Run:
         self.timer = StepTimer(device)
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
         # From the first step on, a loop that stops moving is caught by its hang watch (the operator's rule): a
-        # replica group takes itself out (kiln.trainer.membership.hang_watch); any run leaves every rank's stacks
+        # replica group takes itself out (kiln.trainer.membership.hang_watch); a solo run leaves every rank's stacks
         # in the store and names the rank the others wait for (kiln.trainer.observe.hang_report).
-        if self.ft is not None:
-            self.watch = self.ft.watch
-            self.ft.watch_hangs()
-        else:
-            self.watch = HangWatch(floor=hang_report.floor_s())
-            self.watch.start(self._hung)
+        self.watch = self.members.watch_hangs(self._hung)
 
     # ---- setup, in order --------------------------------------------------------------------------------------
 
@@ -211,26 +217,25 @@ class Run:
         ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
 
     def _build_checkpointer(self, checkpoint_uri: str | None, output_dir: Path | None, checkpointing: bool) -> None:
-        from kiln.trainer.checkpoint.checkpointer import Checkpointer, install_sigterm_handler
+        from kiln.trainer.checkpoint.checkpointer import Checkpointer, NoCheckpoints, install_sigterm_handler
 
         if threading.current_thread() is threading.main_thread():
             install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
         default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
         self.checkpointer = Checkpointer(self.spec.checkpoint, default_uri=default_uri, rank=self.rank,
-                                         world_size=self.world) if checkpointing else _NoCheckpoints()
+                                         world_size=self.world) if checkpointing else NoCheckpoints()
         if checkpointing:
             self.hooks.record_incidents(self.checkpointer.store)  # e.g. SDC mismatches outlive the process
 
-    def _restore(self) -> dict | None:
-        """Where the weights come from: a live peer's (replica groups, when one is ahead), else the newest
-        commit, else model.from (a new run) or the seed. The trainer state restored, or None."""
-        state = self.ft.join() if self.ft is not None else None
+    def _restore(self) -> None:
+        """Where the state comes from: a live peer's (replica groups, when one is ahead), else the newest
+        commit, else model.from (a new run) or the seed."""
         from_commit = False
-        if state is not None:
-            self._heal(state, at_start=True)
+        if self.members.join():  # a heal has loaded the whole state
+            self._heal(at_start=True)
         else:
             lora = self.adapter is not None
-            if lora and self.ft is None:  # a LoRA commit holds the adapters only: the frozen base comes first
+            if lora and not self.members.waits_for_peers:  # a LoRA commit holds the adapters only: the base first
                 self._initial_weights()
             state = self.checkpointer.restore(self.model_parts, self.optimizers, check=self._check_commit)
             from_commit = state is not None
@@ -238,12 +243,11 @@ class Run:
                 self._restart(state)
                 if self.rank == 0:
                     print(self.checkpointer.resume_line(), flush=True)
-            elif self.ft is None and not lora:  # a new run (replica groups set them before their join)
+            elif not self.members.waits_for_peers and not lora:  # a new run (replica groups: before their join)
                 self._initial_weights()
         self.start_step = self.last_step
-        if self.ft is not None:
-            self.ft.restored(self.last_step, from_checkpoint=from_commit)
-        return state
+        self.reporter.resumed_at(self.last_step)
+        self.members.restored(self.last_step, from_checkpoint=from_commit)
 
     def _initial_weights(self) -> None:
         """A new run's weights: model.from's, else initialised from training.seed. A resumed run skips it (the
@@ -266,7 +270,7 @@ class Run:
         not in the first real step, which live replica groups wait for in their allreduce. It changes no state:
         the gradients are dropped, the optimizer is not stepped, the data cursor is not read and the RNG
         stream is put back (every rank of the group runs it, so the group's own collectives match)."""
-        rows = (self.ft.per_group if self.ft is not None else self.tr.global_batch_size) // self.dp_size
+        rows = self.members.rows_per_step // self.dp_size
         dummy = torch.zeros((rows, self.dims.seq_len), dtype=torch.long, device=self.device)
         rng = rng_state(self.device)
         self._forward_backward(dummy, dummy, None, torch.zeros_like(dummy) if self.loader.packed else None)
@@ -286,12 +290,11 @@ class Run:
 
     def _restart(self, state: dict) -> None:
         """Resumed from a commit (not a guard's rollback, which keeps the data cursor: see step)."""
-        self._load_trainer_state(state)
+        self.state.load_trainer_state(state)
         self.hooks.restarted(Restart(self.last_step, self.tokens_seen))
 
-    def _heal(self, state: dict, *, at_start: bool) -> None:
-        """A live peer's state (its weights and optimizer state are loaded already, by kiln.trainer.membership.replica_groups)."""
-        self._load_trainer_state(state)
+    def _heal(self, *, at_start: bool) -> None:
+        """Took a live peer's state (all of it loaded already, by kiln.trainer.membership.replica_groups)."""
         self.hooks.healed(Heal(self.last_step, self.tokens_seen, at_start=at_start))
 
     def _roll_back(self, step: int) -> int:
@@ -309,26 +312,26 @@ class Run:
             state = self.checkpointer.restore(self.model_parts, self.optimizers)
         if state is None:
             return step
-        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        set_rng_state(state["rng"], self.device)
+        self.state.load_trainer_state(state, rollback=True)
         return self.last_step
 
-    # ---- trainer state: what a commit carries and a healing peer receives -------------------------------------
+    # ---- where the run is: the registry's progress --------------------------------------------------------------
 
-    def trainer_state(self) -> dict:
-        return {"step": self.last_step, "tokens_seen": self.tokens_seen, "data": self.loader.state_dict(),
-                "rng": rng_state(self.device), "lr": lr_at(self.last_step, self.tr), "layout": self.layout.as_dict(),
-                "model": self.dims.model_dump(), "adapter": self.adapter, "goodput": self.reporter.state_dict(),
-                "hooks": {name: obj.state_dict() for name, obj in self.hooks.state.items()}}
+    @property
+    def last_step(self) -> int:
+        return self.progress.step
 
-    def _load_trainer_state(self, state: dict) -> None:
-        """Continue from a trainer state (a commit's, or a live peer's): data cursor, RNG, hook state."""
-        self.last_step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"], self.device)
-        saved_hooks = state.get("hooks", {})
-        for name, obj in self.hooks.state.items():
-            obj.load_state_dict(saved_hooks.get(name))
+    @last_step.setter
+    def last_step(self, step: int) -> None:
+        self.progress.step = step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, tokens: int) -> None:
+        self.progress.tokens_seen = tokens
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
@@ -340,17 +343,14 @@ class Run:
         """One optimizer step: data, forward/backward, (replica groups: average, vote), clip, hooks, optimizer,
         metrics and status, a checkpoint when due. Replica groups: a step the groups did not commit is not
         taken (`last_step` stays; the next call redoes it), and a group that fell behind heals first."""
-        tr, ft, layout, device, timer = self.tr, self.ft, self.layout, self.device, self.timer
-        if ft is not None and (healed := ft.begin_step(self.last_step)) is not None:  # fell behind: a peer's state
-            self._heal(healed, at_start=False)
+        tr, members, layout, device, timer = self.tr, self.members, self.layout, self.device, self.timer
+        if members.begin_step(self.last_step):  # fell behind: took a peer's state
+            self._heal(at_start=False)
             if self.done:
                 return
         step = self.last_step + 1
         timer.start()
-        if ft is not None:  # this group's slot in the quorum's share of the batch
-            batch = ft.next_batch(self.loader, self.dp_rank, self.dp_size)
-        else:
-            batch = self.loader.next_batch(tr.global_batch_size)
+        batch = members.next_batch(self.loader, self.dp_rank, self.dp_size)
         inputs, targets, *doc_ids = (t.to(device) for t in batch)  # doc_ids: packed rows (data.packing)
         timer.mark("data_s")
         lr = lr_at(step, tr)
@@ -359,25 +359,20 @@ class Run:
         denominator = global_count(targets, layout) if self.loader.masked else None
         local_loss = self._forward_backward(inputs, targets, denominator, *doc_ids)
         timer.mark("fwd_bwd_s")
-        if ft is not None:  # average with the live groups before clipping: every group clips alike
-            ft.average_gradients(self.model_parts)
+        members.reduce_gradients(self.model_parts)  # before clipping: every replica group clips alike
         grad_norm = clip_grad_norm_(self.params, tr.grad_clip, pp_group=self.pp_group, optimizer=self.optimizer)
-        loss = global_loss(local_loss if self.reports_loss else None, layout, device)
-        if ft is not None:
-            loss = ft.average_loss(loss)
-            if not ft.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
-                self.optimizer.zero_grad(set_to_none=True)
-                ft.watch.stepped()  # a redone step: the loop moved
-                return
+        loss = members.reduce_loss(global_loss(local_loss if self.reports_loss else None, layout, device))
+        if not members.commit(self.loader):  # a group failed mid-step: nobody steps, redo it with the next quorum
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.last_step = step
-        self.tokens_seen += self.global_tokens if ft is None else ft.step_tokens(self.dims.seq_len)
+        self.tokens_seen += members.step_tokens(self.dims.seq_len)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
         if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all, padding too)
             record["assistant_tokens" if self.spec.data.format == "chat" else "loss_tokens"] = int(denominator)
-        if ft is not None:
-            record.update(ft.metrics())
+        record.update(members.metrics())
         ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record,
-                          batch_share=1.0 if ft is None else ft.batch_share)
+                          batch_share=members.batch_share)
         if all(hook(ctx) for hook in self.hooks.before_update):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -387,8 +382,8 @@ class Run:
             step = record["rolled_back_to"] = self._roll_back(step)
         timer.mark("optim_s")
         self.losses.append(loss)
-        if ft is not None and step == tr.steps:  # every group must end with the same weights
-            record["ft_weights_digest"] = ft.weights_digest()
+        if step == tr.steps:
+            record.update(members.final_metrics())
         self._finish_step(step, record)
 
     def _finish_step(self, step: int, record: dict) -> None:
@@ -417,10 +412,10 @@ class Run:
         # a rollback's step is the commit just restored: not written again (other groups may be reading it)
         restored = record.get("rolled_back_to", record["step"]) != record["step"]
         if (final or step in self.plan_steps or checkpointer.should_save(step)) and not restored \
-                and (self.ft is None or self.ft.writes_checkpoints):
+                and self.members.writes_checkpoints:
             with self._waiting():
-                checkpointer.save(step, self.model_parts, self.optimizers, self.trainer_state(), final=final)
-            record["checkpoint_stall_s"] = checkpointer.last_blocking_s + checkpointer.last_wait_s
+                checkpointer.save(step, self.model_parts, self.optimizers, self.state.trainer_state(), final=final)
+            record["checkpoint_stall_s"] = checkpointer.stats.last_blocking_s + checkpointer.stats.last_wait_s
             self.reporter.stalled(record["checkpoint_stall_s"])
         if step == tr.steps and self.val_loader is not None:
             with self._waiting():
@@ -497,35 +492,7 @@ class Run:
             if self.tracking is not None:
                 self.tracking.close(ok=self._finished)
         finally:
-            if self.ft is not None:
-                self.ft.close()
-
-
-class _NoCheckpoints:
-    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
-
-    last_blocking_s = last_wait_s = 0.0
-
-    def restore(self, model_parts, optimizers):
-        return None
-
-    def should_save(self, step: int) -> bool:
-        return False
-
-    def status(self) -> dict:
-        return {}
-
-    def stop_requested(self, step: int) -> bool:
-        return False
-
-    def save(self, *args, **kwargs) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+            self.members.close()
 
 
 def _exporter(run: str):

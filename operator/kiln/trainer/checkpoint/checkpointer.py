@@ -16,33 +16,29 @@ is in flight; the next one waits for it and says how long it waited.
 Preemption: call `install_sigterm_handler()` once, and in the loop `if ckpt.stop_requested(step):
 ckpt.save(step, ..., final=True); break` — every rank agrees on the same step before saving.
 
-The parts, one module each, which the Checkpointer class combines: checkpoint_interval (when to save,
-intervalSteps auto), checkpoint_save, checkpoint_restore, checkpoint_preemption (SIGTERM, the agreed
-stop) and checkpoint_state (the state dicts of several model parts).
+The parts, one module each, which the Checkpointer composes (it owns them; they share nothing but what it
+hands them): interval.CheckpointSchedule (when to save, intervalSteps auto), save.CheckpointSave,
+restore.CheckpointRestore, preemption.Preemption (SIGTERM, the agreed stop), around one explicit
+stats.CheckpointStats (what the saves measured, what the restore set) and stats.Ranks (the world and the gloo
+group of the checkpoint collectives); state.py holds the state dicts of several model parts.
 """
 
 from __future__ import annotations
-
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from kiln.api.spec import CheckpointSpec
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.commit import step_dir
+from kiln.trainer.checkpoint.host_copy import shm_dir
 from kiln.trainer.checkpoint.interval import (  # noqa: F401  (imported from here by tests and the CLI)
     AUTO_FIRST_STEPS,
     AUTO_MAX_STEPS,
     AUTO_MIN_STEPS,
     MTBF_PRIOR_S,
-    CheckpointInterval,
+    CheckpointSchedule,
 )
 from kiln.trainer.checkpoint.preemption import (  # noqa: F401
-    CheckpointPreemption,
+    Preemption,
     _sigterm,
     install_sigterm_handler,
     sigterm_received,
@@ -50,14 +46,15 @@ from kiln.trainer.checkpoint.preemption import (  # noqa: F401
 from kiln.trainer.checkpoint.restore import CheckpointRestore, memory_available  # noqa: F401
 from kiln.trainer.checkpoint.save import CheckpointSave
 from kiln.trainer.checkpoint.state import STATE_OPTIONS, _pairs, collect_state  # noqa: F401
-from kiln.trainer.checkpoint.host_copy import shm_dir
+from kiln.trainer.checkpoint.stats import CheckpointStats, Ranks
 
 
 # -- the checkpointer ------------------------------------------------------------------------------------------
 
 
-class Checkpointer(CheckpointInterval, CheckpointPreemption, CheckpointSave, CheckpointRestore):
-    """Save/restore model, optimizer and trainer state under `spec.uri` (or `default_uri`)."""
+class Checkpointer:
+    """Save/restore model, optimizer and trainer state under `spec.uri` (or `default_uri`): the parts above,
+    composed. `stats` is what they measured (for the status, metrics and intervalSteps: auto)."""
 
     def __init__(
         self,
@@ -76,51 +73,86 @@ class Checkpointer(CheckpointInterval, CheckpointPreemption, CheckpointSave, Che
             raise KilnError(
                 "checkpoint.uri is not set and there is no default; set it to s3://bucket/prefix/ or file:///path/"
             )
-        self.rank, self.world_size = rank, world_size
         self.store = store or open_store(self.uri, endpoint=spec.endpoint)
-        self.thread_count = thread_count
-        self.stop_check_every = max(1, stop_check_every)
-        self._distributed = dist.is_available() and dist.is_initialized() and world_size > 1
-        # DCP's collectives run in the background thread: give them their own gloo group, so they never
-        # interleave with the training loop's collectives on the default group (and work under NCCL too).
-        self._pg = dist.new_group(backend="gloo") if self._distributed else None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
-        self._shm = shm_dir(self.uri, rank)
-        self.last_restore_source: str | None = None  # "memory" or the store's URI, after restore()
-        self._future: Future | None = None
-        self._cache: dict | None = None
-        self._cache_sig: Any = None
-        self._pin = torch.cuda.is_available()
-        self.last_saved_step: int | None = None
-        self.last_committed_step: int | None = None
-        self.last_commit_time: float | None = None
-        # measurements for intervalSteps: auto and for metrics
-        self.last_blocking_s = 0.0
-        self.last_wait_s = 0.0
-        self.last_save_s = 0.0  # staging to COMMIT, wall time
-        self.save_failures = 0
-        self._step_time_s: float | None = None
-        self._last_step_seen: tuple[int, float] | None = None
-        self._run_seconds = 0.0  # training wall time over the whole run, carried in trainer.json
-        self._failures = 0  # restarts that did not end in a final save, carried in trainer.json
-        self._started = time.monotonic()
+        self.stats = CheckpointStats()
+        ranks = Ranks.join(rank, world_size)
+        shm = shm_dir(self.uri, rank)
+        self.schedule = CheckpointSchedule(spec, self.stats)
+        self.saver = CheckpointSave(spec, self.store, ranks, self.stats, shm=shm, thread_count=thread_count)
+        self.restorer = CheckpointRestore(self.store, ranks, self.stats, shm=shm)
+        self.preemption = Preemption(ranks, stop_check_every)
 
+    # -- what the run calls ----------------------------------------------------------------------------------
 
-    # -- status ------------------------------------------------------------------------------------------------
+    def restore(self, model_parts, optimizers, check=None) -> dict | None:
+        """The newest verified commit into the model parts and optimizers; its trainer state, or None. `check`
+        may refuse a commit before any tensor loads (CheckpointRestore.restore)."""
+        self.saver.wait()  # a save in flight commits first: it may be the newest
+        return self.restorer.restore(model_parts, optimizers, check)
+
+    def save(self, step: int, model_parts, optimizers, trainer_state: dict, *, final: bool = False) -> None:
+        self.saver.save(step, model_parts, optimizers, trainer_state, final=final)
+
+    def should_save(self, step: int) -> bool:
+        return self.schedule.should_save(step)
+
+    def stop_requested(self, step: int) -> bool:
+        return self.preemption.stop_requested(step)
+
+    def wait(self) -> None:
+        self.saver.wait()
+
+    def close(self) -> None:
+        self.saver.close()
+
+    @property
+    def last_restore_source(self) -> str | None:
+        return self.restorer.last_restore_source
+
+    def resume_line(self, now: float | None = None) -> str:
+        return self.restorer.resume_line(now)
 
     def status(self) -> dict:
         """For metrics and the TrainingSpec status (lastCheckpoint)."""
+        st = self.stats
         out = {
-            "intervalSteps": self.interval_steps,
-            "blockingSeconds": self.last_blocking_s,
-            "waitSeconds": self.last_wait_s,
-            "saveSeconds": self.last_save_s,
-            "saveFailures": self.save_failures,
+            "intervalSteps": self.schedule.interval_steps,
+            "blockingSeconds": st.last_blocking_s,
+            "waitSeconds": st.last_wait_s,
+            "saveSeconds": st.last_save_s,
+            "saveFailures": st.save_failures,
         }
-        if self.last_committed_step is not None:
+        if st.last_committed_step is not None:
             out["lastCheckpoint"] = {
-                "step": self.last_committed_step,
-                "uri": self.store.url(step_dir(self.last_committed_step)) + "/",
-                "time": self.last_commit_time,
+                "step": st.last_committed_step,
+                "uri": self.store.url(step_dir(st.last_committed_step)) + "/",
+                "time": st.last_commit_time,
             }
         return out
+
+
+class NoCheckpoints:
+    """The Checkpointer interface when checkpointing is off: nothing to restore, nothing saved."""
+
+    stats = CheckpointStats()
+
+    def restore(self, model_parts, optimizers, check=None):
+        return None
+
+    def should_save(self, step: int) -> bool:
+        return False
+
+    def status(self) -> dict:
+        return {}
+
+    def stop_requested(self, step: int) -> bool:
+        return False
+
+    def save(self, *args, **kwargs) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

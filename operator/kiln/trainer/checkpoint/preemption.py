@@ -10,6 +10,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from kiln.trainer.checkpoint.stats import Ranks
+
 log = logging.getLogger("kiln.checkpoint")
 
 _sigterm = threading.Event()
@@ -36,14 +38,17 @@ def install_sigterm_handler() -> threading.Event:
     return _sigterm
 
 
-class CheckpointPreemption:
-    """Checkpointer's side of preemption: every rank agrees on the step to stop at."""
+class Preemption:
+    """The Checkpointer's side of preemption: every rank agrees on the step to stop at."""
+
+    def __init__(self, ranks: Ranks, check_every: int):
+        self.ranks, self.check_every = ranks, max(1, check_every)
 
     def stop_requested(self, step: int) -> bool:
-        """True on every rank at the same step once any rank got SIGTERM (checked every stop_check_every steps)."""
-        if not self._distributed:
+        """True on every rank at the same step once any rank got SIGTERM (checked every `check_every` steps)."""
+        if not self.ranks.distributed:
             return _sigterm.is_set()
-        if step % self.stop_check_every:
+        if step % self.check_every:
             return False
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

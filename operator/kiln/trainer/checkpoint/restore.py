@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from kiln.errors import KilnError
 from kiln.text import duration
+from kiln.storage import ObjectStore
 from kiln.storage.commit import (
     committed_steps,
     fetch_verified,
@@ -23,9 +23,10 @@ from kiln.storage.commit import (
     step_dir,
     verify_files,
 )
-from kiln.trainer.checkpoint.state import STATE_OPTIONS, _pairs, collect_state
 from kiln.trainer.checkpoint.dcp_store import SafeLoadPlanner, StoreFS, StoreReader, UnsafeCheckpoint
 from kiln.trainer.checkpoint.host_copy import read_shm_copy
+from kiln.trainer.checkpoint.stats import CheckpointStats, Ranks
+from kiln.trainer.state import ModelState
 
 log = logging.getLogger("kiln.checkpoint")
 
@@ -67,14 +68,13 @@ def _first_line(err: BaseException) -> str:
 
 
 class CheckpointRestore:
-    """Checkpointer's restores: the newest verified commit, from host memory or the store."""
+    """The Checkpointer's restores: the newest verified commit, from host memory or the store. A restore sets
+    `stats` to the commit it loaded (`CheckpointStats.restored`)."""
 
-    def _bcast(self, obj):
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
-        return box[0]
+    def __init__(self, store: ObjectStore, ranks: Ranks, stats: CheckpointStats, *, shm: Path | None):
+        self.store, self.ranks, self.stats, self.shm = store, ranks, stats, shm
+        self.last_restore_source: str | None = None  # "memory" or the store's URI, after restore()
+        self.resumed_from: tuple[int, float, bool] | None = None  # (step, commit time, from host memory)
 
     def restore(self, model_parts, optimizers, check=None) -> dict | None:
         """Load the newest committed step whose files all match its COMMIT; older commits are the fallback.
@@ -82,18 +82,18 @@ class CheckpointRestore:
         commit is damaged, a KilnError naming the newest one's damage: starting over would let the first save's
         retention delete them, and they may be repaired (a copy that is still uploading, a restored backup).
         check(trainer_state, where) may refuse a commit before any tensor is loaded: it returns why (a KilnError
-        then), else None."""
-        self.wait()
+        then), else None. The caller waits for its save in flight first."""
+        ranks = self.ranks
         listing = None
-        if self.rank == 0:
+        if ranks.rank == 0:
             try:
                 listing = committed_steps(self.store)
             except (KilnError, OSError) as err:  # every rank raises it, none waits for rank 0
                 listing = f"cannot list checkpoints at {self.store.uri}: {err}"
-        candidates = self._bcast(listing)
+        candidates = ranks.bcast(listing)
         if isinstance(candidates, str):
             raise KilnError(candidates)
-        if self.rank == 0:
+        if ranks.rank == 0:
             latest = read_latest(self.store)
             if candidates and latest is not None and latest != candidates[0]:
                 log.warning(
@@ -116,7 +116,7 @@ class CheckpointRestore:
                     problems = [str(err)]
             if problems:
                 damage.setdefault(step, problems)
-                if self.rank == 0:
+                if ranks.rank == 0:
                     log.warning(
                         "checkpoint step %d at %s is damaged (%s); falling back to the previous commit",
                         step,
@@ -144,34 +144,23 @@ class CheckpointRestore:
         return None
 
     def _load(self, step: int, model_parts, optimizers, fs: StoreFS) -> None:
-        state, keys = collect_state(model_parts, optimizers)
+        model = ModelState(model_parts, optimizers)
+        state = model.state_dict()  # DCP loads into its tensors, in place
         reader = StoreReader(fs, step_dir(step))  # and its planner: nothing in the files runs as code
         try:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=self._pg,
-                     no_dist=not self._distributed)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=self.ranks.pg,
+                     no_dist=not self.ranks.distributed)
         except (Exception, CheckpointException):
             if reader.refused is not None:  # what this rank refused, in its own words (DCP may fold it into text)
                 raise reader.refused from None
             raise
-        for (model, opts), (mkeys, okeys) in zip(_pairs(model_parts, optimizers), keys):
-            set_state_dict(
-                model,
-                opts,
-                model_state_dict={k: state["model"][k] for k in mkeys},
-                optim_state_dict={k: state["optim"][k] for k in okeys},
-                options=STATE_OPTIONS,
-            )
+        model.load_state_dict(state)
 
     def _restored(self, step: int, trainer_state: dict, source: str, t0: float, committed_at: float) -> dict:
-        meta = trainer_state.get("kiln", {})
-        book = meta.get("checkpoint", {})
-        self._run_seconds = float(book.get("run_seconds", 0.0))
-        # a restart from a non-final checkpoint means the previous process died: count it for the MTBF
-        self._failures = int(book.get("failures", 0)) + (0 if meta.get("final") else 1)
-        self.last_saved_step = self.last_committed_step = step
+        self.stats.restored(step, trainer_state.get("kiln", {}))
         self.last_restore_source = "memory" if source == "memory" else self.store.url("")
         self.resumed_from = (step, committed_at, source == "memory")
-        if self.rank == 0:
+        if self.ranks.rank == 0:
             log.info("checkpoint: restored step %d from %s in %.2fs", step, source, time.perf_counter() - t0)
         return trainer_state
 
@@ -187,25 +176,23 @@ class CheckpointRestore:
         step and world size (all ranks agree, so all take the same path); else None and the store is used.
         Only the small files (COMMIT, .metadata, trainer.json) and shards no rank on this node holds are read
         from the store, each checked against COMMIT first."""
-        if self._shm is None and not self._distributed:
+        ranks = self.ranks
+        if self.shm is None and not ranks.distributed:
             return None
         t0 = time.perf_counter()
-        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        commit = ranks.bcast(self._read_commit_or_none(step) if ranks.rank == 0 else None)
         if isinstance(commit, str):
             return None  # the store path reports it
-        mine = read_shm_copy(self._shm, step, self.world_size, commit) if self._shm is not None else "off"
-        reasons = [mine if isinstance(mine, str) else None]
-        if self._distributed:
-            reasons = [None] * self.world_size
-            dist.all_gather_object(reasons, mine if isinstance(mine, str) else None, group=self._pg)
+        mine = read_shm_copy(self.shm, step, ranks.world_size, commit) if self.shm is not None else "off"
+        reasons = ranks.gather(mine if isinstance(mine, str) else None)
         if any(reasons):
             why = [f"rank {r}: {w}" for r, w in enumerate(reasons) if w and w != "off"]
-            if self.rank == 0 and why:
+            if ranks.rank == 0 and why:
                 log.warning("checkpoint step %d: not restoring from host memory (%s); reading the store", step, "; ".join(why))
             return None
         local = dict(mine)
-        for other in sorted(self._shm.parent.glob("rank-*")):  # the other ranks on this node checked theirs
-            copy = read_shm_copy(other, step, self.world_size, commit, hash=False) if other != self._shm else {}
+        for other in sorted(self.shm.parent.glob("rank-*")):  # the other ranks on this node checked theirs
+            copy = read_shm_copy(other, step, ranks.world_size, commit, hash=False) if other != self.shm else {}
             if not isinstance(copy, str):
                 local = {**copy, **local}
         checked: set[str] = set()
@@ -227,7 +214,7 @@ class CheckpointRestore:
                 self._load(step, model_parts, optimizers, fs)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP fails on every rank alike
             self._refuse_if_unsafe(step, err)
-            if self.rank == 0:
+            if ranks.rank == 0:
                 log.warning("checkpoint step %d: host-memory restore failed (%s); reading the store", step, _first_line(err))
             return None
         if refused:
@@ -247,10 +234,11 @@ class CheckpointRestore:
         (`__<rank>_<n>.distcp`, what it loads again at the same world size), the rest goes to rank 0.
         Returns the problems of all ranks (gathered, so all ranks agree), this rank's verified bytes and the
         time the commit was written."""
-        commit = self._bcast(self._read_commit_or_none(step) if self.rank == 0 else None)
+        ranks = self.ranks
+        commit = ranks.bcast(self._read_commit_or_none(step) if ranks.rank == 0 else None)
         if isinstance(commit, str):
             return [commit], {}, 0.0
-        names = [n for n in sorted(commit.files) if _reader_rank(n, self.world_size) == self.rank]
+        names = [n for n in sorted(commit.files) if _reader_rank(n, ranks.world_size) == ranks.rank]
         share = sum(commit.files[n].size for n in names)
         # The checked bytes wait in host memory until DCP has loaded them; a share too big for that is checked
         # here and read from the store a second time by the loader instead.
@@ -260,15 +248,11 @@ class CheckpointRestore:
                 "checkpoint step %d: rank %d's %d MiB do not fit in half the available host memory; checking "
                 "them, then downloading them again to load",
                 step,
-                self.rank,
+                ranks.rank,
                 share >> 20,
             )
         mine, fetched = fetch_verified(self.store, step, commit, names, keep=keep)
-        if not self._distributed:
-            return mine, fetched, commit.time
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._pg)
-        return [p for part in everyone for p in part], fetched, commit.time
+        return [p for part in ranks.gather(mine) for p in part], fetched, commit.time
 
     def _read_commit_or_none(self, step: int):
         try:

@@ -6,7 +6,7 @@ thread, so a group whose training loop hangs (a stuck data read, a wedged kernel
 and the lighthouse's split-brain rule (a quorum needs more than half of the heartbeating groups) keeps the
 others from stepping until their quorum times out (KILN_FT_LIGHTHOUSE_WAIT_SECONDS) and fails: one hung group
 would cost the whole job. The operator's hang watch skips replica-group runs (a run-wide restart is what
-replica groups avoid), so each group watches itself, with the operator's rule (kiln.control.elastic.hang): no
+replica groups avoid), so each group watches itself, with the operator's rule (kiln.api.hang): no
 verdict before 5 step times, then a hang when nothing progressed for max(10 x p99 step time, floor).
 
 What counts: the watch is armed only while the group runs its own code (data, forward/backward, clipping,
@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 # one place for the rule; imports only kiln.api (no Kubernetes, no kopf)
-from kiln.control.elastic import HANG_FLOOR_S, hang
+from kiln.api.hang import HANG_FLOOR_S, hang
 
 HANG_FLOOR_ENV = "KILN_FT_HANG_FLOOR_SECONDS"  # default: the rule's own floor (60 s)
 RECENT = 20  # step times the p99 is taken over, as the operator's (kiln.control.elastic_sync)

@@ -30,7 +30,7 @@ import hashlib
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor
 from kiln.api import contract
 from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
-from kiln.trainer.checkpoint.checkpointer import STATE_OPTIONS, _pairs, collect_state
 from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
 from kiln.trainer.hooks import MembershipChange
+from kiln.trainer.state import RunState, local
 
 TIMEOUT_ENV = "KILN_FT_TIMEOUT_SECONDS"  # collectives, commit votes and peer transfers (default 60)
 # At a fresh start (or a whole-job restart) wait this long for every group before stepping with fewer: a group
@@ -70,20 +70,15 @@ def rank0_decides(value: bool) -> bool:
 _SET_EACH_STEP = (".lr",)
 
 
-def _local(t: Any) -> Any:
-    if isinstance(t, DTensor):
-        return t.to_local().detach()
-    return t.detach() if isinstance(t, torch.Tensor) else t
-
-
 class ReplicaGroups:
-    """One replica group's side of the job: its torchft Manager and the few calls the run makes (kiln.trainer.run).
+    """One replica group's side of the job: its torchft Manager, and the membership strategy the run calls
+    (kiln.trainer.membership.strategy.Membership; the other one is Solo).
 
-    `snapshot()` returns the trainer state a healing peer receives (the run's, as in a checkpoint);
+    `state` is the run's (kiln.trainer.state): what a healing peer receives and loads, all of it;
     `on_membership_change` is called with each new quorum after the first (kiln.trainer.hooks)."""
 
-    def __init__(self, spec, *, rank: int, world: int, device: torch.device, model_parts, optimizers,
-                 snapshot: Callable[[], dict], on_membership_change: Callable[[MembershipChange], None]):
+    def __init__(self, spec, *, rank: int, world: int, device: torch.device, state: RunState,
+                 on_membership_change: Callable[[MembershipChange], None]):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -101,9 +96,9 @@ class ReplicaGroups:
         if not 0 <= self.group < self.groups:
             raise KilnError(f"{contract.FT_GROUP}={self.group}: replica groups are numbered 0..{self.groups - 1} "
                             f"(elastic.faultTolerance.groups)")
-        self.per_group = spec.training.global_batch_size // self.groups
+        self.per_group = self.rows_per_step = spec.training.global_batch_size // self.groups
         self.rank, self.device = rank, device
-        self.model_parts, self.optimizers, self.snapshot = model_parts, optimizers, snapshot
+        self.state = state
         self.on_membership_change = on_membership_change
         self.watch = HangWatch(floor=floor_s())  # this group's loop; torchft's waits below are paused in it
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
@@ -122,7 +117,7 @@ class ReplicaGroups:
             timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
             quorum_retries=int(quorum_timeout.total_seconds() / QUORUM_RETRY_S),
         )
-        self.manager.register_state_dict_fn("kiln", self._load, self._state)
+        self.manager.register_state_dict_fn("kiln", self._load, state.state_dict)
         self._healed: dict | None = None
         self._joined = False
         self.replica_rank, self.participants, self.quorum_id = 0, 1, -1
@@ -132,42 +127,16 @@ class ReplicaGroups:
 
     # ---- state a healing peer receives --------------------------------------------------------------------
 
-    def _state(self) -> dict:
-        state, _ = collect_state(self.model_parts, self.optimizers)
-        return {"model": {k: _local(v) for k, v in state["model"].items()},
-                "optim": {k: _local(v) for k, v in state["optim"].items()},
-                "trainer": self.snapshot()}
-
     def _receive_into(self) -> dict:
-        """Where a heal lands: the tensors of the sender's state (`_state` under torchft's own keys) that this
-        group already holds, by path (get_state_dict makes a fresh optimizer's state); the trainer state is new."""
-        state, _ = collect_state(self.model_parts, self.optimizers)
-        return {"user": {"kiln": {part: {k: _local(v) for k, v in state[part].items() if isinstance(v, torch.Tensor)}
-                                  for part in ("model", "optim")}}}
+        """Where a heal lands: the tensors of the sender's state (RunState.state_dict under torchft's own keys)
+        that this group already holds, by path (get_state_dict makes a fresh optimizer's state); the trainer
+        state is new."""
+        return {"user": {"kiln": self.state.model.local_tensors()}}
 
     def _load(self, sent: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
+        """A peer's whole state, into the run's: tensors received in place are loaded already."""
         t0 = time.monotonic()
-        state, keys = collect_state(self.model_parts, self.optimizers)
-        # get_state_dict's tensors are the model's and optimizer's own (STATE_OPTIONS: no full state dict, no CPU
-        # offload), so a value received or copied into them is loaded; set_state_dict is for what is not
-        complete = True  # every value is in this group's own state already: nothing left to set
-        with torch.no_grad():
-            for part in ("model", "optim"):
-                mine = state[part]
-                for key, value in sent[part].items():
-                    have = mine.get(key)
-                    if isinstance(have, torch.Tensor):
-                        target = _local(have)
-                        if target.data_ptr() != value.data_ptr():  # not received in place
-                            target.copy_(value)
-                    elif isinstance(value, torch.Tensor) or (have != value and not key.endswith(_SET_EACH_STEP)):
-                        mine[key], complete = value, False
-        if not complete:  # a tensor it lacks, a setting that differs
-            for (model, opts), (mkeys, okeys) in zip(_pairs(self.model_parts, self.optimizers), keys):
-                set_state_dict(model, opts, model_state_dict={k: state["model"][k] for k in mkeys},
-                               optim_state_dict={k: state["optim"][k] for k in okeys}, options=STATE_OPTIONS)
+        self.state.load_state_dict(sent, unless=_SET_EACH_STEP)
         self._healed = sent["trainer"]
         self.load_s = time.monotonic() - t0
 
@@ -199,10 +168,12 @@ class ReplicaGroups:
                       f"(no checkpoint read)", flush=True)
         return self._healed
 
-    def join(self) -> dict | None:
-        """The first quorum, before any restore: the trainer state of a live peer when this group healed from
-        one (its weights and optimizer state are loaded already), else None: nobody has stepped, restore the
-        newest commit (every group does, so all start from the same step)."""
+    waits_for_peers = True  # from its join on, the live groups wait for this one
+
+    def join(self) -> bool:
+        """The first quorum, before any restore: True when this group healed from a live peer (the run's whole
+        state is loaded already), else False: nobody has stepped, restore the newest commit (every group does,
+        so all start from the same step)."""
         self._joined = True
         healed = self._quorum()
         deadline = time.monotonic() + float(os.environ.get(START_WAIT_ENV, "120"))
@@ -210,7 +181,7 @@ class ReplicaGroups:
                 and rank0_decides(time.monotonic() < deadline):  # nobody has stepped: wait for the groups starting
             time.sleep(0.05)  # a new quorum request, not a wait for an event: the lighthouse answers at once
             healed = self._quorum()
-        return healed
+        return healed is not None
 
     def restored(self, step: int, from_checkpoint: bool) -> None:
         """After the restore that join() left to the caller: the Manager counts steps from there."""
@@ -222,17 +193,18 @@ class ReplicaGroups:
         if self.manager.current_step() != step:  # a restore from a commit (start, guard rollback) moved it
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def begin_step(self, step: int) -> dict | None:
-        """Before each step: this step's quorum (the first one is join's). Returns a peer's trainer state when
-        this group healed (the loop resumes from it), else None."""
+    def begin_step(self, step: int) -> bool:
+        """Before each step: this step's quorum (the first one is join's). True when this group healed (the
+        run's whole state is a peer's now: the loop resumes from it)."""
         self._sync_step(step)
         if self._joined:
             self._joined = False
-            return None
-        return self._quorum()
+            return False
+        return self._quorum() is not None
 
-    def next_batch(self, loader, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of this group's share of the step: its slot is its replica rank in the quorum."""
+    def next_batch(self, loader, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of this group's share of the step (inputs, targets[, doc_ids]): its slot is its
+        replica rank in the quorum."""
         per_rank = self.per_group // dp_size
         first = loader.samples_seen + self.replica_rank * self.per_group + dp_rank * per_rank
         return loader.rows(first, per_rank)
@@ -252,22 +224,22 @@ class ReplicaGroups:
         except Exception as err:  # noqa: BLE001  the vote below turns it into a redone step
             self.manager.report_error(err)
 
-    def average_gradients(self, model_parts) -> None:
+    def reduce_gradients(self, model_parts) -> None:
         """Average every local gradient (shard) with the same shard of every live group, in one collective."""
         grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
-        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-        if not local:
+        shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        if not shards:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in local])
+        flat = torch.cat([t.reshape(-1).float() for t in shards])
         self._allreduce_mean(flat)
         offset = 0
         with torch.no_grad():
-            for t in local:
+            for t in shards:
                 n = t.numel()
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
 
-    def average_loss(self, loss: float) -> float:
+    def reduce_loss(self, loss: float) -> float:
         value = torch.tensor([loss], dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
                              device=self.device)
         self._allreduce_mean(value)
@@ -282,17 +254,18 @@ class ReplicaGroups:
             loader.samples_seen += self.participants * self.per_group
             return True
         self.redone += 1
+        self.watch.stepped()  # a redone step: the loop moved
         return False
 
     def weights_digest(self) -> str:
         """sha256 of each rank's parameter shards (bit-exact), in the group's rank order, comma-separated (one
         digest for a one-rank group): equal across groups rank by rank. Every rank of the group calls it."""
         digest = hashlib.sha256()
-        for part in self.model_parts:
+        for part in self.state.model.parts:
             for name, p in part.named_parameters():
-                local = _local(p).contiguous().cpu()
+                mine = local(p).contiguous().cpu()
                 digest.update(name.encode())
-                digest.update(local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+                digest.update(mine.reshape(-1).view(torch.uint8).numpy().tobytes() if mine.numel() else b"")
         mine = digest.hexdigest()[:16]
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return mine
@@ -311,9 +284,16 @@ class ReplicaGroups:
                 "ft_redone_steps": self.redone, "ft_restore": self.restore_source,
                 "ft_quorum_s": self.quorum_s, "ft_heal_load_s": self.load_s}
 
-    def watch_hangs(self) -> None:
-        """From the first step on: a loop with no progress takes this group out (kiln.trainer.membership.hang_watch)."""
+    def final_metrics(self) -> dict:
+        """After the last step: every group must end with the same weights."""
+        return {"ft_weights_digest": self.weights_digest()}
+
+    def watch_hangs(self, on_hang: Callable[[str], None]) -> HangWatch:
+        """From the first step on: a loop with no progress takes this group out of the quorum (not `on_hang`: the
+        group's restart heals from a live peer; kiln.trainer.membership.hang_watch). The watch that torchft's
+        waits above pause."""
         self.watch.start(lambda why: leave(self.group, why, lambda: self.manager.shutdown(wait=False)))
+        return self.watch
 
     def close(self) -> None:
         self.watch.stop()

@@ -82,11 +82,8 @@ class StatusReporter:
         self.total_steps = total_steps
         self.every_s = every_s
         self._clock = clock
-        carried = (restored or {}).get("goodput") or {}
-        self._time = {key: float(carried.get(key, 0.0)) for key, _ in TRAINER_TIME}
-        if DEGRADED[0] in carried:
-            self._time[DEGRADED[0]] = float(carried[DEGRADED[0]])
-        self._max_step = int((restored or {}).get("step", 0))
+        self.load_state_dict((restored or {}).get("goodput"))
+        self.resumed_at(int((restored or {}).get("step", 0)))
         self._seconds_per_step: float | None = None
         self._last_update: tuple[int, float] | None = None
         self._last_sent = -math.inf
@@ -97,14 +94,25 @@ class StatusReporter:
         self._sender = sender  # None: account only, send nothing
 
     @classmethod
-    def from_env(cls, total_steps: int, *, rank: int, restored: dict | None = None) -> StatusReporter:
+    def from_env(cls, total_steps: int, *, rank: int) -> StatusReporter:
         """Reports only on rank 0 and only when the pod's KILN_RUN_NAME and KILN_NAMESPACE are set."""
         run, namespace = os.environ.get(contract.RUN_NAME), os.environ.get(contract.NAMESPACE)
         sender = StatusSender(run, namespace) if rank == 0 and run and namespace else None
-        return cls(total_steps, sender=sender, restored=restored)
+        return cls(total_steps, sender=sender)
 
     def state_dict(self) -> dict:
         return dict(self._time)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """The time counters a commit or a peer carried (None: a new run, or a commit saved before them)."""
+        carried = state or {}
+        self._time = {key: float(carried.get(key, 0.0)) for key, _ in TRAINER_TIME}
+        if DEGRADED[0] in carried:
+            self._time[DEGRADED[0]] = float(carried[DEGRADED[0]])
+
+    def resumed_at(self, step: int) -> None:
+        """The run goes on from `step`: a later step is progress, one at or before it is done again."""
+        self._max_step = step
 
     def stalled(self, seconds: float) -> None:
         """Training was blocked this long by a checkpoint (staging, or a synchronous save)."""
