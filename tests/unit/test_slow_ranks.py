@@ -68,3 +68,20 @@ def test_the_exporter_shows_each_ranks_split_and_a_series_per_straggler_until_it
     assert get("kiln_train_rank_wait_seconds", {"run": "r", "rank": "0", "node": "a"}) == 0.2
     exporter.observe({**record, "stragglers": []})
     assert get("kiln_train_straggler", {"run": "r", "rank": "1", "node": "b"}) is None
+
+
+def test_the_operator_moves_a_run_off_a_node_the_preflight_check_named_only_where_it_can_start_elsewhere():
+    from kiln.api.spec import TrainingSpecSpec
+    from kiln.control import elastic, failover
+
+    spec = TrainingSpecSpec.model_validate({"resources": {"nodes": 1, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"}})
+    views = [elastic.NodeView(n, labels={elastic.GPU_PRODUCT_LABEL: "NVIDIA-H200"}, gpus_free=8) for n in "ab"]
+    pods = [{"metadata": {"name": "w-a"}, "spec": {"nodeName": "a"}}]
+    status = {"step": 0, "preflight": {"slow": [{"rank": 3, "node": "a", "relative": 0.41, "value": 200.0},
+                                                {"rank": 5, "node": "a", "relative": 0.6, "value": 300.0}]}}
+    moves = failover.step(spec, status, {}, pods, views)
+    assert moves.move == {"a": "Degrading: pre-flight: rank 3's matmul at 0.41 of the other ranks' median"}
+    assert moves.state["gpuAvoid"] == moves.move and moves.events[0][1] == "GPUFailover"  # new pods avoid it
+    stays = failover.step(spec, status, {}, pods, views[:1])  # nowhere else to start: stays, says why once
+    assert not stays.move and stays.events[0][1] == "GPUDegraded" and "pre-flight" in stays.events[0][2]
+    assert failover.step(spec, {"step": 0, "preflight": {"slow": []}}, {}, pods, views).move == {}
