@@ -64,14 +64,11 @@ def allreduce_bandwidth(device: torch.device, *, nbytes: int = BANDWIDTH_BYTES, 
 def judge(rates: list[float], nodes: list[str], min_relative: float) -> tuple[float, list[dict]]:
     """The ranks' median rate and the slow ranks ({rank, node, relative, value}): below `min_relative` x the
     median of the other ranks' rates. Pure."""
-    median = statistics.median(rates)
-    slow = []
-    for rank, rate in enumerate(rates):
-        others = rates[:rank] + rates[rank + 1:]
-        relative = rate / statistics.median(others) if others and statistics.median(others) > 0 else 1.0
-        if relative < min_relative:
-            slow.append({"rank": rank, "node": nodes[rank], "relative": round(relative, 3), "value": round(rate, 2)})
-    return median, slow
+    from kiln.trainer.observe.stragglers import relative_to_others
+
+    slow = [{"rank": rank, "node": nodes[rank], "relative": round(rel, 3), "value": round(rates[rank], 2)}
+            for rank, rel in enumerate(relative_to_others(rates)) if rel is not None and rel < min_relative]
+    return statistics.median(rates), slow
 
 
 def check(device: torch.device, *, min_relative: float, node: str, matmul: Matmul | None = None) -> dict:

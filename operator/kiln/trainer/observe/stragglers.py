@@ -26,15 +26,20 @@ import torch
 import torch.distributed as dist
 
 
+def relative_to_others(values: list[float]) -> list[float | None]:
+    """Each rank's value / the median of the other ranks' (the yardstick a slow rank cannot lower; with two
+    ranks, the other's value); None where there is none (a world of one, a median of 0). Pure."""
+    out: list[float | None] = []
+    for rank, mine in enumerate(values):
+        others = values[:rank] + values[rank + 1:]
+        ref = statistics.median(others) if others else 0.0
+        out.append(mine / ref if ref > 0 else None)
+    return out
+
+
 def slow_ranks(own: list[float], factor: float) -> dict[int, float]:
     """rank → own / the median of the other ranks' own time, for each rank above `factor`. Pure."""
-    out = {}
-    for rank, mine in enumerate(own):
-        others = own[:rank] + own[rank + 1:]
-        ref = statistics.median(others) if others else 0.0
-        if ref > 0 and mine / ref > factor:
-            out[rank] = mine / ref
-    return out
+    return {rank: rel for rank, rel in enumerate(relative_to_others(own)) if rel is not None and rel > factor}
 
 
 class Streaks:
