@@ -37,7 +37,9 @@ def test_the_trainer_patches_only_its_own_status_fields():
     info = {"lastCheckpoint": {"step": 5, "uri": "s3://ckpt/c/step-00000005/", "time": 0.0}}
     body = status_patch(record, info, 100, seconds_per_step=1.0,
                         trainer_time={"productive_s": 1.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0},
-                        gpu_health=[{"node": "n1", "state": "Healthy", "gpus": [{"index": 0, "state": "Healthy"}]}])
+                        gpu_health=[{"node": "n1", "state": "Healthy", "gpus": [{"index": 0, "state": "Healthy"}]}],
+                        preflight={"checkedAt": "2026-01-01T00:00:00Z", "step": 0, "seconds": 0.1, "ranks": 1,
+                                   "medianGflops": 1.0, "slow": []}, stragglers=[])
     # the step's patch carries every trainer field but the hang report, which its own patch carries
     # (kiln.trainer.observe.hang_report, from the hang watch's thread)
     sent = []

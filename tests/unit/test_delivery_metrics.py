@@ -156,7 +156,9 @@ def exported_names() -> set[str]:
     trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0,
                                                     "data_mix": {"s3://d/web/": 0.7, "s3://d/code/": 0.3},
                                                     "gpu_health": [{"node": "n1", "gpus": [{"index": 0,
-                                                                                            "state": "Healthy"}]}]})
+                                                                                            "state": "Healthy"}]}],
+                                                    "rank_own_s": [0.1], "rank_wait_s": [0.0], "rank_nodes": ["n1"],
+                                                    "stragglers": [{"rank": 0, "node": "n1"}]})
     with op.reconcile("t-dash"):
         op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1,
                                           "cost": {"gpuHoursByCause": {"productive": 1.0},

@@ -10,7 +10,8 @@ from kiln.control.goodput import CAUSES, PREEMPTED, Ledger, counters, held, obse
 
 
 def trainer(productive: float = 0.0, stall: float = 0.0, rollback: float = 0.0) -> dict:
-    return {"productiveSeconds": productive, "checkpointStallSeconds": stall, "rollbackSeconds": rollback}
+    return {"productiveSeconds": productive, "checkpointStallSeconds": stall, "rollbackSeconds": rollback,
+            "preflightSeconds": 0.0}
 
 
 def test_a_run_split_by_phase_and_trainer_counters():
@@ -26,7 +27,7 @@ def test_a_run_split_by_phase_and_trainer_counters():
     assert g.wall_s == 370.0
     assert g.productive_s == pytest.approx(60.0 + 70.0)
     assert g.lost_s == {"pending": 50.0, "restart": 20.0 + 20.0, "checkpointStall": 5.0, "rollback": 10.0,
-                        "suspended": 100.0, "preempted": 0.0, "gpuFailover": 0.0}
+                        "suspended": 100.0, "preempted": 0.0, "gpuFailover": 0.0, "preflight": 0.0}
     assert g.goodput == pytest.approx(130.0 / 370.0)
 
 
@@ -134,7 +135,8 @@ def test_gpu_seconds_follow_what_held_and_the_gpus_it_held():
     g = observe(g, 1190.0, "Running", trainer(60.0, stall=5.0), gpus=8)  # resumed at 1 node: 20 s redone
     assert g.gpu_s == pytest.approx({"productive": 60.0 * 16, "pending": 0.0, "restart": 20 * 16 + 20 * 16,
                                      "checkpointStall": 5.0 * 16, "rollback": 0.0, "suspended": 0.0,
-                                     "preempted": 0.0, "gpuFailover": 0.0, "other": 15 * 16 + 20 * 8})
+                                     "preempted": 0.0, "gpuFailover": 0.0, "preflight": 0.0,
+                                     "other": 15 * 16 + 20 * 8})
 
 
 @given(st.lists(st.tuples(st.floats(0, 1e5), st.sampled_from(["Pending", "Running", "Restarting", "Suspended"]),

@@ -112,12 +112,13 @@ def test_time_counters_count_redone_steps_as_rollback_and_continue_after_a_resta
     rep.stalled(0.25)
     rep.stalled(float("nan"))  # a broken measurement adds nothing
     saved = rep.state_dict()
-    assert saved == {"productive_s": 2.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0}
+    assert saved == {"productive_s": 2.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0, "preflight_s": 0.0}
     # a new process resumes from a checkpoint holding that account and counts on from it
     again = StatusReporter(100, clock=clock, restored={"step": 4, "goodput": saved})
     clock.t += 1.0
     again.update(record(5, step_s=1.0), None)
-    assert again.state_dict() == {"productive_s": 3.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0}
+    assert again.state_dict() == {"productive_s": 3.0, "checkpoint_stall_s": 0.25, "rollback_s": 1.0,
+                                  "preflight_s": 0.0}
 
 
 def test_without_the_pod_environment_nothing_is_sent(monkeypatch):

@@ -211,6 +211,32 @@ class Toleration(ApiModel):
     toleration_seconds: int | None = Field(None, ge=JSON_INT_MIN, le=JSON_INT_MAX, description="For NoExecute: how long the pod stays bound after the taint.")
 
 
+class PreflightSpec(ApiModel):
+    """A check of every rank before step 1 (kiln.trainer.observe.preflight, docs/preflight.md)."""
+
+    enabled: bool = Field(True, description="Run the check before the first step of every (re)start; false starts "
+                          "training at once.")
+    min_relative_speed: float = Field(
+        0.8, gt=0, le=1,
+        description="A rank whose matmul rate is below this fraction of the ranks' median is named, with its node, "
+        "in status.preflight.",
+    )
+
+
+class StragglerSpec(ApiModel):
+    """Per-rank step time, own work against waiting, gathered to rank 0 (kiln.trainer.observe.stragglers)."""
+
+    enabled: bool = Field(True, description="Gather each rank's step-time split every everySteps steps.")
+    every_steps: int = Field(10, ge=1, le=1_000_000, description="Steps averaged per report (one small collective).")
+    factor: float = Field(
+        1.5, gt=1, le=100,
+        description="A rank whose own time (data and compute, not waiting in collectives) is above factor x the "
+        "ranks' median is slow in that report.",
+    )
+    window: int = Field(3, ge=1, le=1000, description="Consecutive slow reports before a rank is named a straggler "
+                        "in status.stragglers.")
+
+
 class ResourcesSpec(ApiModel):
     """What each node (one PyTorchJob worker pod) gets."""
 
@@ -246,6 +272,10 @@ class ResourcesSpec(ApiModel):
     affinity: dict[str, Any] | None = Field(
         None, description="A core/v1 Affinity, passed through to every pod unchanged (not validated by kiln)."
     )
+    preflight: PreflightSpec = Field(default_factory=PreflightSpec, description="The check of every rank before "
+                                     "step 1: a matmul rate and the world's collective bandwidth.")
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec, description="Naming a rank slower than the "
+                                      "others, step after step.")
 
 
 class PhasePlanEntry(ApiModel):
@@ -493,6 +523,7 @@ class TrainerTime(ApiModel):
     degraded_seconds: float = Field(
         0.0, ge=0, description="Replica groups: of productiveSeconds, the steps taken with fewer than all groups live."
     )
+    preflight_seconds: float = Field(0.0, ge=0, description="The pre-flight checks before step 1 of each start.")
 
 
 GpuHealthState = Literal["Healthy", "Degrading", "Failing", "Unknown", "NotApplicable"]  # contract.GPU_HEALTH_STATES
@@ -534,6 +565,35 @@ class LostSeconds(ApiModel):
     rollback: float = Field(0.0, ge=0, description="Steps undone or redone after a guard rollback.")
     suspended: float = Field(0.0, ge=0, description="spec.suspend was true.")
     preempted: float = Field(0.0, ge=0, description="Queued after Kueue preempted the run, until it is admitted again.")
+    preflight: float = Field(0.0, ge=0, description="The pre-flight check before step 1 of each start "
+                             "(trainerTime.preflightSeconds).")
+
+
+class SlowRank(ApiModel):
+    """One rank below the others (pre-flight) or persistently slower than them (stragglers)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    rank: int = Field(..., ge=0, le=INT32_MAX, description="The trainer rank.")
+    node: str = Field(..., max_length=253, description="Its node (the pod's spec.nodeName).")
+    relative: float = Field(..., ge=0, description="Pre-flight: its matmul rate / the median's; stragglers: its own "
+                            "step time / the median's.")
+    value: float = Field(..., ge=0, description="Pre-flight: its matmul GFLOP/s; stragglers: its own seconds per step.")
+    step: int | None = Field(None, ge=0, le=JSON_INT_MAX, description="Stragglers: the step of the report that named it.")
+
+
+class PreflightStatus(ApiModel):
+    """The last pre-flight check (kiln.trainer.observe.preflight), trainer rank 0."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    checked_at: str = Field(..., max_length=64, description="When it ended (RFC 3339).")
+    step: int = Field(..., ge=0, le=JSON_INT_MAX, description="The step training started from after it.")
+    seconds: float = Field(..., ge=0, description="How long it took on rank 0.")
+    ranks: int = Field(..., ge=1, le=INT32_MAX, description="Ranks measured.")
+    median_gflops: float = Field(..., ge=0, description="The ranks' median matmul GFLOP/s.")
+    bandwidth_gbps: float | None = Field(None, ge=0, description="All-reduce bus bandwidth of the job's world "
+                                         "group, GB/s (none in a world of one).")
+    slow: list[SlowRank] = Field(default_factory=list, max_length=4096, description="Ranks below "
+                                 "resources.preflight.minRelativeSpeed x the median.")
 
 
 class HangStatus(ApiModel):
@@ -562,6 +622,7 @@ class GpuHours(ApiModel):
     suspended: float = Field(0.0, ge=0, description="Always 0: a Suspended run holds no GPU.")
     preempted: float = Field(0.0, ge=0, description="Always 0: a preempted run waits Queued, holding no GPU.")
     gpu_failover: float = Field(0.0, ge=0, description="Held while moving off a node whose GPUs degrade or fail.")
+    preflight: float = Field(0.0, ge=0, description="Held while the pre-flight check ran before step 1.")
     other: float = Field(0.0, ge=0, description="Held while running but not stepping: start-up, restore, data waits.")
 
 
@@ -718,6 +779,11 @@ class TrainingSpecStatus(ApiModel):
     goodput_detail: GoodputDetail | None = Field(None, description="Wall, productive and lost seconds by cause.")
     cost: CostStatus | None = Field(None, description="GPU-hours held by cause, and their price where the platform "
                                     "set one for the run's gpuType.")
+    preflight: PreflightStatus | None = Field(None, description="The last pre-flight check: each rank's matmul "
+                                              "rate against the median, the world's bandwidth, the slow ranks.")
+    stragglers: list[SlowRank] | None = Field(
+        None, max_length=4096, description="Ranks whose own step time stayed above resources.stragglers.factor x the "
+        "median for resources.stragglers.window reports (trainer); empty when none is.")
     hang: HangStatus | None = Field(None, description="The last hang the trainer caught: its stacks and the "
                                     "rank the others waited for.")
     scaling: ScalingStatus | None = Field(None, description="Tokens/s per worker at each node count, relative to the "

@@ -9,6 +9,11 @@ so the trainers commit on SIGTERM (the suspend handshake: every rank agrees on a
 training-operator recreates them elsewhere; they resume from that commit. `moved_off` says when the trainer
 reports from the new nodes; until then the GPUHealthy condition's reason is MOVING, which the goodput ledger
 prices as `gpuFailover` (kiln.control.goodput).
+
+The pre-flight check before step 1 (kiln.trainer.observe.preflight) takes the same path: a node with a rank
+below resources.preflight.minRelativeSpeed in status.preflight.slow is read as a Degrading node
+(`preflight_entries`), so the run leaves it when it can start elsewhere (elastic bounds and free capacity) and
+otherwise stays there with a GPUDegraded Event saying why.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kiln.api.contract import GPU_FAILING, GPU_HEALTHY, GPU_MOVE_STATES, GPU_NOT_APPLICABLE, GPU_UNKNOWN
+from kiln.api.contract import GPU_DEGRADING, GPU_FAILING, GPU_HEALTHY, GPU_MOVE_STATES, GPU_NOT_APPLICABLE, GPU_UNKNOWN
 from kiln.api.spec import TrainingSpecSpec
 from kiln.control import elastic
 from kiln.control.elastic_state import avoided
@@ -115,7 +120,7 @@ def step(spec: TrainingSpecSpec, status: dict, state: dict, pods: Iterable[dict]
     """One tick's GPU-health decision for a running run, from its status (gpuHealth, step), the elastic state
     (gpuAvoid: nodes left for their GPUs; gpuFailover: a move under way; gpuMoved: the last one finished),
     its pods and the nodes (free GPUs as the elastic loop counts them)."""
-    reported = list(status.get("gpuHealth") or [])
+    reported = list(status.get("gpuHealth") or []) + preflight_entries(status)
     moving = state.get("gpuFailover")
     pods = list(pods)
     live = {(p.get("metadata") or {}).get("name"): (p.get("spec") or {}).get("nodeName") for p in pods
@@ -148,6 +153,17 @@ def step(spec: TrainingSpecSpec, status: dict, state: dict, pods: Iterable[dict]
         return Step(state={"gpuStaying": verdict.reason}, events=[("Warning", "GPUDegraded", verdict.reason)],
                     condition=condition(reported, moved=moved))
     return Step(condition=condition(reported, moved=moved))
+
+
+def preflight_entries(status: dict) -> list[dict]:
+    """status.preflight's slow ranks as Degrading gpuHealth-like entries, one per node (its slowest rank)."""
+    slow: dict[str, dict] = {}
+    for s in (status.get("preflight") or {}).get("slow") or []:
+        if s.get("node") and (s["node"] not in slow or s["relative"] < slow[s["node"]]["relative"]):
+            slow[s["node"]] = s
+    return [{"node": node, "state": GPU_DEGRADING,
+             "message": f"pre-flight: rank {s['rank']}'s matmul at {s['relative']} of the other ranks' median"}
+            for node, s in sorted(slow.items())]
 
 
 def _why(entry: dict) -> str:

@@ -8,7 +8,7 @@ in the checkpoint across restarts). The ledger lives in `status.goodputDetail` (
 
 Attribution of the wall time between two observations:
 - the growth of the trainer's counters (what was not credited yet) is productive, `checkpointStall`,
-  `rollback` — each at most the time left in the interval, so no time is ever invented; the rest carries
+  `rollback`, `preflight` (the pre-flight check before step 1: kiln.trainer.observe.preflight) — each at most the time left in the interval, so no time is ever invented; the rest carries
   over to the next interval;
 - with replica groups, the part of the productive time the job stepped with fewer than all groups live
   (trainerTime.degradedSeconds: degraded, still stepping) is `degradedSeconds`, inside the productive time
@@ -36,9 +36,9 @@ from datetime import datetime, timezone
 
 from kiln.control.failover import MOVING
 
-CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted", "gpuFailover")
+CAUSES = ("pending", "restart", "checkpointStall", "rollback", "suspended", "preempted", "gpuFailover", "preflight")
 PREEMPTED = "Preempted"  # Kueue's eviction reason, kiln's condition Queued reason (kiln.control.kueue)
-COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds")  # status.trainerTime keys
+COUNTERS = ("productiveSeconds", "checkpointStallSeconds", "rollbackSeconds", "preflightSeconds")  # trainerTime
 DEGRADED = "degradedSeconds"  # status.trainerTime: productive seconds stepped with fewer than all replica groups
 REMAINDER = {"Pending": "pending", "Queued": "pending", "Scaling": "pending", "Restarting": "restart",
              "Suspended": "suspended", PREEMPTED: "preempted", MOVING: "gpuFailover"}
@@ -127,10 +127,11 @@ def observe(ledger: Ledger, now: float, phase: str | None, reported: dict[str, f
         productive -= redone
         lost["restart"] += redone
     left, degraded, stepped = elapsed, ledger.degraded_s, 0.0
-    for counter, cause in zip(COUNTERS, (None, "checkpointStall", "rollback")):
-        if reported[counter] < credited[counter]:
-            credited[counter] = reported[counter]  # a new trainer process: its counters are the new baseline
-        take = min(reported[counter] - credited[counter], left)
+    for counter, cause in zip(COUNTERS, (None, "checkpointStall", "rollback", "preflight")):
+        value = reported.get(counter, 0.0)  # preflightSeconds: absent from older trainers' reports
+        if value < credited[counter]:
+            credited[counter] = value  # a new trainer process: its counters are the new baseline
+        take = min(value - credited[counter], left)
         credited[counter] += take
         left -= take
         gpu_s[cause or "productive"] += take * gpus

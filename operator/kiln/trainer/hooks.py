@@ -87,6 +87,9 @@ class StepHooks:
     on_restart: list[Callable[[Restart], None]] = field(default_factory=list)
     on_heal: list[Callable[[Heal], None]] = field(default_factory=list)
     on_membership_change: list[Callable[[MembershipChange], None]] = field(default_factory=list)
+    # the pre-flight check's matmul (kiln.trainer.observe.preflight), None for torch.matmul: a test slows one
+    # rank's probe by giving it more work
+    preflight_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def record_incidents(self, store) -> None:
         """The run's checkpoint store (a kiln ObjectStore), once, before the restore; not with checkpointing off."""

@@ -39,7 +39,8 @@ from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.model.lora import check_base, init_adapters
 from kiln.trainer.model.peft_folder import adapter_record
 from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.observe import hang_report, tracking
+from kiln.trainer.observe import hang_report, preflight, tracking
+from kiln.trainer.observe.gpu_health import node_name
 from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
 from kiln.trainer.model.transformer import build_model, cross_entropy
 from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -50,6 +51,7 @@ from kiln.trainer.rng import rng_state, set_rng_state
 from kiln.trainer.state import Fixed, ModelState, Named, Progress, RngState, RunState
 from kiln.trainer.observe.startup import process_start_time
 from kiln.trainer.observe.status_report import StatusReporter
+from kiln.trainer.observe.stragglers import StragglerWatch
 
 
 def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
@@ -124,6 +126,7 @@ class Run:
         self._build_model()
         self._build_data()
         self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
+        self._preflight()  # before anything waits on this process: every rank's speed, the world's bandwidth
         # the run's state, one registry: a commit, a rollback and a heal carry these parts and nothing else
         self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank)  # rank 0 → status; its time counters
         self.state = state = RunState(ModelState(self.model_parts, self.optimizers), self.progress)
@@ -147,6 +150,8 @@ class Run:
             self.warm_up()
             self.startup["joining"] = time.time()
         self._restore()
+        if self.preflight is not None:  # after the restore: the carried counters, then this start's check
+            self.reporter.preflight(self.preflight, step=self.last_step)
         self.startup["restored"] = time.time()
 
         self.global_tokens = self.tr.global_batch_size * self.dims.seq_len
@@ -157,6 +162,9 @@ class Run:
         self.tracking = tracking.start(spec_doc, store=getattr(self.checkpointer, "store", None),
                                        output_dir=output_dir) if rank == 0 else None
         self.timer = StepTimer(device)
+        lag = self.spec.resources.stragglers
+        self.stragglers = StragglerWatch(every=lag.every_steps, factor=lag.factor, window=lag.window,
+                                         node=node_name(), device=device) if lag.enabled else None
         self.plan_steps = {p.until_step for p in self.spec.elastic.plan if p.until_step is not None}
         # From the first step on, a loop that stops moving is caught by its hang watch (the operator's rule): a
         # replica group takes itself out (kiln.trainer.membership.hang_watch); a solo run leaves every rank's stacks
@@ -201,6 +209,15 @@ class Run:
         self.pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
         # Exactly one rank per data-parallel replica reports the loss: the last stage, tensor rank 0.
         self.reports_loss = self.is_last and mesh["tp"].get_local_rank() == 0
+
+    def _preflight(self) -> None:
+        """resources.preflight: every rank's matmul rate and the world's bandwidth, before anything trains
+        (kiln.trainer.observe.preflight); `self.preflight` is the result, None when the check is off."""
+        check = self.spec.resources.preflight
+        self.preflight = preflight.check(self.device, min_relative=check.min_relative_speed, node=node_name(),
+                                         matmul=self.hooks.preflight_matmul) if check.enabled else None
+        if self.preflight is not None and self.rank == 0:
+            preflight.say(self.preflight)
 
     def _build_data(self) -> None:
         spec, tr, dims = self.spec, self.tr, self.dims
@@ -350,6 +367,8 @@ class Run:
                 return
         step = self.last_step + 1
         timer.start()
+        if self.stragglers is not None:
+            self.stragglers.begin()
         batch = members.next_batch(self.loader, self.dp_rank, self.dp_size)
         inputs, targets, *doc_ids = (t.to(device) for t in batch)  # doc_ids: packed rows (data.packing)
         timer.mark("data_s")
@@ -384,6 +403,8 @@ class Run:
         self.losses.append(loss)
         if step == tr.steps:
             record.update(members.final_metrics())
+        if self.stragglers is not None:  # every N steps one all-gather of each rank's own and waiting time
+            self.stragglers.end(step, record)
         self._finish_step(step, record)
 
     def _finish_step(self, step: int, record: dict) -> None:
@@ -399,6 +420,8 @@ class Run:
             record["data_mix"] = mix
         if self.startup is not None:  # the first step of this process (compile, if any, happens in it)
             record["startup"], self.startup = {**self.startup, "first_step_done": time.time()}, None
+            if self.preflight is not None:
+                record["preflight"] = self.preflight
         checkpointer = self.checkpointer
         ckpt = checkpointer.status()  # before the save: it carries the time counters
         if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
@@ -428,7 +451,7 @@ class Run:
             if self.tracking is not None:
                 self.tracking.offer(record)  # never waits; notes drops and a tracker's failure in the record
             self.logger.log(record)
-        elif "gpu_health" in record:  # the gauge follows every health reading, logged or not
+        elif "gpu_health" in record or "stragglers" in record:  # gauges follow every reading, logged or not
             self.logger.export(record)
         if stop:
             self.stopped = True

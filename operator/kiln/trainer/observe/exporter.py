@@ -12,6 +12,9 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     gpu_health   every node's GPU states (kiln.trainer.observe.gpu_health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
                  0 Healthy, 1 Degrading, 2 Failing, -1 Unknown (kiln.api.contract.GPU_HEALTH_GAUGE); a
                  node where the run uses no GPU (NotApplicable) has no series
+    rank_own_s, rank_wait_s, rank_nodes, stragglers   each rank's step-time split every resources.stragglers.everySteps
+                 (kiln.trainer.observe.stragglers) → kiln_train_rank_own_seconds / kiln_train_rank_wait_seconds
+                 {rank,node}, and kiln_train_straggler{rank,node} = 1 for each rank named (no series otherwise)
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ class TrainerExporter:
                                  "2 failing, -1 unknown (a GPU node whose NVML cannot be read).",
                                  ["run", "node", "gpu"], registry=self.registry)
         self._gpu_series: set[tuple[str, str, str]] = set()
+        self._split = {key: Gauge(name, doc, ["run", "rank", "node"], registry=self.registry) for key, name, doc in (
+            ("rank_own_s", "kiln_train_rank_own_seconds", "A rank's own seconds per step (data and compute, not "
+             "waiting in collectives), averaged over the last report's steps."),
+            ("rank_wait_s", "kiln_train_rank_wait_seconds", "A rank's seconds per step waiting (in collectives), "
+             "averaged over the last report's steps."))}
+        self._straggler = Gauge("kiln_train_straggler", "1 for a rank named a straggler: its own step time above "
+                                "resources.stragglers.factor x the others' median for window reports.",
+                                ["run", "rank", "node"], registry=self.registry)
+        self._straggler_series: set[tuple[str, str, str]] = set()
         self._server = None
 
     def observe(self, record: dict) -> None:
@@ -86,6 +98,8 @@ class TrainerExporter:
                 self._mix.labels(self._run, str(source)).set(share)
         if record.get("gpu_health") is not None:
             self._observe_gpu_health(record["gpu_health"])
+        if record.get("stragglers") is not None:
+            self._observe_split(record)
         stall = _number(record.get("checkpoint_stall_s"))
         if stall is not None and math.isfinite(stall) and stall > 0:
             self._stall.inc(stall)
@@ -103,6 +117,20 @@ class TrainerExporter:
         for labels, code in series.items():
             self._gpu_health.labels(*labels).set(code)
         self._gpu_series = set(series)
+
+    def _observe_split(self, record: dict) -> None:
+        """Each rank's own and waiting seconds; a straggler series for each rank named, removed once it is not."""
+        nodes = record.get("rank_nodes") or []
+        for key, gauge in self._split.items():
+            for rank, value in enumerate(record.get(key) or []):
+                if _number(value) is not None and rank < len(nodes):
+                    gauge.labels(self._run, str(rank), str(nodes[rank])).set(value)
+        named = {(self._run, str(e["rank"]), str(e["node"])) for e in record["stragglers"]}
+        for gone in self._straggler_series - named:
+            self._straggler.remove(*gone)
+        for labels in named:
+            self._straggler.labels(*labels).set(1)
+        self._straggler_series = named
 
     def start(self, port: int | None = None, addr: str = "0.0.0.0") -> int:
         """Serve /metrics from a daemon thread; port 0 picks a free one. Returns the port served."""

@@ -32,7 +32,7 @@ log = logging.getLogger("kiln.status")
 REPORT_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
 TRAINER_TIME = (("productive_s", "productiveSeconds"), ("checkpoint_stall_s", "checkpointStallSeconds"),
-                ("rollback_s", "rollbackSeconds"))
+                ("rollback_s", "rollbackSeconds"), ("preflight_s", "preflightSeconds"))
 DEGRADED = ("degraded_s", "degradedSeconds")  # replica groups only: productive steps with groups missing
 
 
@@ -42,13 +42,18 @@ def rfc3339(epoch_s: float) -> str:
 
 def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, *,
                  seconds_per_step: float | None = None, trainer_time: dict | None = None,
-                 gpu_health: list[dict] | None = None) -> dict:
+                 gpu_health: list[dict] | None = None, preflight: dict | None = None,
+                 stragglers: list[dict] | None = None) -> dict:
     """The merge-patch body for the status subresource, from one step's metrics record (kiln.trainer.observe.metrics),
     the Checkpointer's `status()` and the run length. Only trainer-owned keys, camelCase as in the CRD."""
     step = int(metrics.get("rolled_back_to", metrics["step"]))
     status: dict = {"step": step, "progress": f"{100.0 * min(step, total_steps) / total_steps:.1f}%"}
     if gpu_health is not None:
         status["gpuHealth"] = gpu_health
+    if preflight is not None:  # kiln.trainer.observe.preflight: this start's check
+        status["preflight"] = preflight
+    if stragglers is not None:  # kiln.trainer.observe.stragglers: a list, replaced whole by the merge patch
+        status["stragglers"] = stragglers
     if seconds_per_step is not None and math.isfinite(seconds_per_step):
         status["etaSeconds"] = max(0, round((total_steps - step) * seconds_per_step))
     for key, field in (("tokens_per_second", "tokensPerSecond"), ("mfu", "mfu")):
@@ -91,6 +96,9 @@ class StatusReporter:
         self._record: dict | None = None
         self._gpu_health: list[dict] | None = None  # the newest gathered record["gpu_health"]
         self._sent_health: list[dict] | None = None
+        self._preflight: dict | None = None  # status.preflight of this start's check
+        self._stragglers: list[dict] | None = None  # the newest record["stragglers"]
+        self._sent_stragglers: list | None = None
         self._sender = sender  # None: account only, send nothing
 
     @classmethod
@@ -119,6 +127,14 @@ class StatusReporter:
         if math.isfinite(seconds) and seconds > 0:
             self._time["checkpoint_stall_s"] += seconds
 
+    def preflight(self, result: dict, *, step: int) -> None:
+        """The pre-flight check's result (kiln.trainer.observe.preflight): its seconds are `preflightSeconds`,
+        the entry goes out with the first step's report."""
+        from kiln.trainer.observe.preflight import status_entry
+
+        self._time["preflight_s"] += max(0.0, float(result["seconds"]))
+        self._preflight = status_entry(result, step=step, checked_at=rfc3339(time.time()))
+
     def update(self, record: dict, checkpoint_info: dict | None) -> None:
         """Account one finished step; hand a patch to the sender when it is due."""
         now, step = self._clock(), int(record["step"])
@@ -142,10 +158,13 @@ class StatusReporter:
         self._record = record
         if record.get("gpu_health") is not None:
             self._gpu_health = record["gpu_health"]
+        if record.get("stragglers") is not None:
+            self._stragglers = record["stragglers"]
         commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
         # a node's GPUs changing state goes out at once: the operator moves the run off a failing one
         if self._reports() and (now - self._last_sent >= self.every_s or commit != self._sent_commit
-                                or _states(self._gpu_health) != _states(self._sent_health)):
+                                or _states(self._gpu_health) != _states(self._sent_health)
+                                or _ranks(self._stragglers) != _ranks(self._sent_stragglers)):
             self._send(checkpoint_info)
 
     def close(self, checkpoint_info: dict | None = None) -> None:
@@ -170,9 +189,11 @@ class StatusReporter:
     def _send(self, checkpoint_info: dict | None) -> None:
         self._sender.submit(status_patch(self._record, checkpoint_info, self.total_steps,
                                          seconds_per_step=self._seconds_per_step, trainer_time=self._time,
-                                         gpu_health=self._gpu_health))
+                                         gpu_health=self._gpu_health, preflight=self._preflight,
+                                         stragglers=self._stragglers))
         self._last_sent = self._clock()
         self._sent_health = self._gpu_health
+        self._sent_stragglers = self._stragglers
         self._sent_commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
 
 
@@ -180,6 +201,11 @@ def _states(entries: list[dict] | None) -> list | None:
     """What a change of GPU health is judged by: each node's and GPU's state (not the step it was read at)."""
     return None if entries is None else [(e["node"], e["state"], [g["state"] for g in e.get("gpus") or []])
                                          for e in entries]
+
+
+def _ranks(entries: list[dict] | None) -> list | None:
+    """What a change of stragglers is judged by: the ranks named and their nodes."""
+    return None if entries is None else [(e["rank"], e["node"]) for e in entries]
 
 
 class StatusSender:
