@@ -196,7 +196,7 @@ def reserved_env(name: str) -> bool:
     return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
 
 
-_RESERVED_ENV_CEL = (f"self.env.all(e, !({_cel_list(RESERVED_ENV)}.exists(n, n == e.name)) && "
+_RESERVED_ENV_CEL = (f"!has(self.env) || self.env.all(e, !({_cel_list(RESERVED_ENV)}.exists(n, n == e.name)) && "
                      f"!({_cel_list(RESERVED_ENV_PREFIXES)}.exists(p, e.name.startsWith(p))))")
 RESERVED_ENV_MESSAGE = ("pod.env may not set a variable kiln sets itself (" + ", ".join(RESERVED_ENV) + ", or any "
                         + "*, ".join(RESERVED_ENV_PREFIXES) + "*): for keys use checkpoint.credentialsSecret, "
@@ -208,11 +208,14 @@ class PodSettings(ApiModel):
 
     model_config = with_cel(
         (_RESERVED_ENV_CEL, RESERVED_ENV_MESSAGE),
-        ("self.env.all(a, self.env.exists_one(b, b.name == a.name))", "pod.env names each variable once"),
-        ("self.volumes.all(a, self.volumes.exists_one(b, b.name == a.name))", "pod.volumes names each volume once"),
-        ("self.volumes.all(a, self.volumes.exists_one(b, b.mountPath == a.mountPath))",
+        # every rule guards with has(): the apiserver evaluates them on the schema's default ({}) too
+        ("!has(self.env) || self.env.all(a, self.env.exists_one(b, b.name == a.name))",
+         "pod.env names each variable once"),
+        ("!has(self.volumes) || self.volumes.all(a, self.volumes.exists_one(b, b.name == a.name))",
+         "pod.volumes names each volume once"),
+        ("!has(self.volumes) || self.volumes.all(a, self.volumes.exists_one(b, b.mountPath == a.mountPath))",
          "pod.volumes mounts one volume per mountPath"),
-        ("self.extraResources.all(a, self.extraResources.exists_one(b, b.name == a.name))",
+        ("!has(self.extraResources) || self.extraResources.all(a, self.extraResources.exists_one(b, b.name == a.name))",
          "pod.extraResources names each resource once"),
     )
     env: list[EnvVar] = Field(
