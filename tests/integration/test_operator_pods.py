@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -59,7 +60,9 @@ def spec(pod: dict | None = None, network: dict | None = None) -> dict:
 
 def rendered_pod(raw: dict, namespace: str) -> dict:
     doc = parse({**raw, "metadata": {"name": "pss", "namespace": namespace}})
-    result = plan(doc, None, OperatorConfig(image="registry.test/trainer:1", policy=OPEN))
+    # CHOWN: a capability Pod Security baseline allows (the baseline case below); the open policy lists IPC_LOCK
+    policy = replace(OPEN, allowed_capabilities=(*OPEN.allowed_capabilities, "CHOWN"))
+    result = plan(doc, None, OperatorConfig(image="registry.test/trainer:1", policy=policy))
     assert result.refused is None, result.refused
     job = next(o for o in result.objects if o["kind"] == "PyTorchJob")
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
