@@ -50,7 +50,8 @@ def team(rig, kueue, ns):
 
 def node_run(name: str, nodes: int = 1, **spec) -> dict:
     """A run of `nodes` nodes × GPUS GPUs in the LocalQueue `team`."""
-    return small_run(name, resources={"nodes": nodes, "gpusPerNode": GPUS}, elastic={"minNodes": nodes, "maxNodes": nodes},
+    return small_run(name, resources={"nodes": nodes, "gpusPerNode": GPUS, **spec.pop("resources", {})},
+                     elastic={"minNodes": nodes, "maxNodes": nodes},
                      scheduling={"queue": "team", **spec.pop("scheduling", {})}, **spec)
 
 
