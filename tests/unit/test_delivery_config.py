@@ -37,6 +37,12 @@ POLICY_SETTINGS = {
     "KILN_POLICY_MAX_NODES": ("max_nodes", "64", 64),
     "KILN_POLICY_MAX_GPUS": ("max_gpus", "512", 512),
     "KILN_POLICY_MAX_GROUPS": ("max_groups", "16", 16),
+    "KILN_POLICY_HOST_PATH_PREFIXES": ("allowed_host_path_prefixes", "/mnt/data", ("/mnt/data",)),
+    "KILN_POLICY_CAPABILITIES": ("allowed_capabilities", "IPC_LOCK", ("IPC_LOCK",)),
+    "KILN_POLICY_EXTRA_RESOURCES": ("allowed_extra_resources", "rdma/ib", ("rdma/ib",)),
+    "KILN_POLICY_SERVICE_ACCOUNTS": ("allowed_service_accounts", "trainer", ("trainer",)),
+    "KILN_POLICY_ALLOW_HOST_NETWORK": ("allow_host_network", "true", True),
+    "KILN_POLICY_ALLOW_HOST_IPC": ("allow_host_ipc", "true", True),
 }
 
 
@@ -49,12 +55,16 @@ def deployment_env() -> dict[str, str]:
 
 # The prices for status.cost (kiln.control.config.Pricing): one structured setting from two variables
 PRICING_SETTINGS = ("KILN_GPU_PRICES", "KILN_CURRENCY")
+# Kueue's excludeResourcePrefixes, mirrored (kiln.control.config): a comma-separated list
+QUEUE_SETTING = "KILN_KUEUE_EXCLUDED_RESOURCE_PREFIXES"
 
 
 def test_every_deployment_variable_is_an_operator_setting():
     env = deployment_env()
-    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS) | set(PRICING_SETTINGS), \
+    assert set(env) == set(SETTINGS) | set(POLICY_SETTINGS) | set(PRICING_SETTINGS) | {QUEUE_SETTING}, \
         "a variable the operator does not read, or a setting the chart lacks"
+    assert OperatorConfig.from_env({QUEUE_SETTING: "example.com/, corp/"}).kueue_excluded_resource_prefixes == \
+        ("example.com/", "corp/")
     assert OperatorConfig.from_env({k: env[k] for k in PRICING_SETTINGS}).pricing == OperatorConfig().pricing
     policy = OperatorConfig.from_env({name: raw for name, (_, raw, _) in POLICY_SETTINGS.items()}).policy
     for name, (field, _, expected) in POLICY_SETTINGS.items():
