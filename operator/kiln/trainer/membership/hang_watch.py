@@ -50,8 +50,9 @@ HANG_EXIT_CODE = 124  # "timed out", as GNU timeout; torchrun reports it as the 
 SHUTDOWN_WAIT_S = 5.0  # the manager's shutdown may not block the exit behind the stuck main thread
 
 
-def floor_s() -> float:
-    value = os.environ.get(HANG_FLOOR_ENV, str(HANG_FLOOR_S))
+def floor_s(var: str = HANG_FLOOR_ENV, what: str = "a replica group takes itself out") -> float:
+    """The rule's floor from `var` (default: the rule's own), seconds without progress before `what`."""
+    value = os.environ.get(var, str(HANG_FLOOR_S))
     try:
         floor = float(value)
     except ValueError:
@@ -59,8 +60,7 @@ def floor_s() -> float:
     if not floor > 0:
         from kiln.errors import KilnError
 
-        raise KilnError(f"{HANG_FLOOR_ENV}={value!r}: seconds without progress before a replica group takes "
-                        f"itself out, a number > 0")
+        raise KilnError(f"{var}={value!r}: seconds without progress before {what}, a number > 0")
     return floor
 
 

@@ -33,19 +33,10 @@ _IN_COLLECTIVE = re.compile(r"torch/distributed/")  # c10d, FSDP's and DTensor's
 
 
 def floor_s() -> float:
-    """Seconds without progress before a verdict at the least (the rule's floor)."""
-    from kiln.trainer.membership.hang_watch import HANG_FLOOR_S
+    """Seconds without progress before a run's hang is reported at the least (the rule's floor)."""
+    from kiln.trainer.membership.hang_watch import floor_s as rule_floor
 
-    value = os.environ.get(HANG_FLOOR_ENV, str(HANG_FLOOR_S))
-    try:
-        floor = float(value)
-    except ValueError:
-        floor = -1.0
-    if not floor > 0:
-        from kiln.errors import KilnError
-
-        raise KilnError(f"{HANG_FLOOR_ENV}={value!r}: seconds without progress before a hang is reported, a number > 0")
-    return floor
+    return rule_floor(HANG_FLOOR_ENV, "a hang is reported")
 
 
 def attempt() -> str:
