@@ -21,6 +21,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def fill_wheelhouse() -> bool:
     extras = project["project"]["optional-dependencies"]
     torch = arg_default(IMAGES / "trainer" / "Dockerfile", "TORCH_VERSION")
     reqs = [*project["build-system"]["requires"], *project["project"]["dependencies"],
-            *extras["train"], *extras["gpu"], f"torch=={torch}"]
+            *(r for extra in image_extras() for r in extras[extra]), f"torch=={torch}"]
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(build_home() / "wheelhouse"),
            "--only-binary=:all:", "--python-version", IMAGE_PYTHON, *reqs]
@@ -314,6 +315,19 @@ def fill_wheelhouse() -> bool:
         return False
     log(f"wheelhouse ready ({time.monotonic() - start:.0f}s)")
     return True
+
+
+def image_extras() -> list[str]:
+    """The extras the trainer image installs kiln with (`kiln-….whl[train,gpu,tracking]` in its Dockerfile).
+
+    Read from the Dockerfile so the wheelhouse cannot miss one: with no-index, a missing package sends pip in
+    the build backtracking through every nvidia-* version for hours instead of failing.
+    """
+    found = re.search(r"kiln-\$\{KILN_VERSION\}-py3-none-any\.whl\[([a-z,]+)\]",
+                      (IMAGES / "trainer" / "Dockerfile").read_text())
+    if not found:
+        raise ValueError("images/trainer/Dockerfile installs no kiln-${KILN_VERSION}-py3-none-any.whl[extras]")
+    return found.group(1).split(",")
 
 
 def arg_default(dockerfile: Path, name: str) -> str:
@@ -373,6 +387,10 @@ def ensure_images(names: tuple[str, ...] = ("operator", "trainer")) -> dict[str,
         if todo:
             install_tools()
             b = Buildah.default()
+            # A build killed part-way (a stopped session, a CI timeout) leaves its working containers in this
+            # private store, and they pin layers that `rmi --prune` then refuses to drop. We hold the lock, so
+            # no build of ours is running: any container here is such a leftover.
+            b.run("rm", "--all")
             ensure_base(b)
             complete = fill_wheelhouse()
             for name in todo:
