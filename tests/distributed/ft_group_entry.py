@@ -35,7 +35,7 @@ import torchft  # noqa: F401
 
 import kiln.trainer.membership.replica_groups  # noqa: F401
 from kiln.cli.main import build_parser, run_command
-from kiln.cli.train_cmds import cmd_train
+from kiln.cli.rank_cmds import cmd_train
 from kiln.trainer.loop import StepHooks
 
 

@@ -11,7 +11,7 @@ import sys
 import threading
 
 from kiln.cli.main import build_parser, run_command
-from kiln.cli.train_cmds import cmd_train
+from kiln.cli.rank_cmds import cmd_train
 from kiln.trainer.guards.hooks import GuardHooks
 from kiln.trainer.loop import StepHooks
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from kiln.api.load import load_file
+from kiln.cli.checkpoint_cmds import eval_checkpoint_uri
+from kiln.cli.local_run import local_spec
 from kiln.cli.main import main
-from kiln.cli.train_cmds import eval_checkpoint_uri, local_spec
 from kiln.errors import KilnError
 from kiln.trainer.optim import lr_at
 

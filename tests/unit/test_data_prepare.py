@@ -251,7 +251,7 @@ def test_memory_stays_bounded_on_inputs_much_larger_than_the_bound(tmp_path, tok
 def test_progress_bar_reports_documents_and_shards_on_a_terminal_only(tmp_path, tokenizer_file):
     from rich.console import Console
 
-    from kiln.cli.train_cmds import prepare_progress
+    from kiln.cli.data_cmds import prepare_progress
 
     src = tmp_path / "src"
     src.mkdir()

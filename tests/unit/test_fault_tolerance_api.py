@@ -98,7 +98,7 @@ def test_the_operator_renders_replica_groups_and_mode_off_as_before():
 
 
 def test_kiln_run_keeps_replica_groups_and_checks_each_group_s_world(tmp_path):
-    from kiln.cli.train_cmds import check_layout, local_spec
+    from kiln.cli.local_run import check_layout, local_spec
 
     d = doc({"mode": "replicaGroups", "groups": 2})
     d["spec"]["model"] = {"preset": "tiny"}

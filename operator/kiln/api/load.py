@@ -207,3 +207,11 @@ def dump_for_apply(doc: TrainingSpec) -> dict:
             meta[key] = doc.metadata.model_extra[key]
     body["metadata"] = meta
     return body
+
+
+def load_one(path: str) -> TrainingSpec:
+    """The one TrainingSpec of the file at `path` (a file of several is refused: a command runs one spec)."""
+    docs = load_file(path)
+    if len(docs) != 1:
+        raise KilnError(f"{path}: holds {len(docs)} TrainingSpecs; give a file with exactly one")
+    return docs[0]

@@ -11,7 +11,7 @@ from kiln.errors import KilnError
 
 # Each module defines register(subparsers) and sets `func` on its parsers; func(args) -> exit code.
 COMMAND_MODULES = [
-    "kiln.cli.train_cmds",  # run, train, eval
+    "kiln.cli.train_cmds",  # run, torchrun, train, eval, export, data prepare
     "kiln.cli.spec_cmds",  # validate, render, crd
     "kiln.cli.cluster_cmds",  # submit, status, wait, logs, operator
 ]

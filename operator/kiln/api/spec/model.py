@@ -1,0 +1,68 @@
+"""spec.model: the model to train (a preset, explicit dimensions or a Hugging Face folder) and its LoRA adapter."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kiln.api.base import ApiModel
+from kiln.api.presets import PRESETS
+from kiln.api.spec.limits import INT32_MAX, JSON_INT_MAX
+
+
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in kiln.api.presets, one source
+
+
+# LoRA's target modules, by their transformers / peft names (q_proj, ...; what `target_modules` says in a peft
+# adapter_config.json): the attention and MLP projections every block has.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LoraTarget = Literal[LORA_TARGETS]  # type: ignore[valid-type]
+
+
+class AdapterSpec(ApiModel):
+    """Train low-rank adapters instead of every weight (LoRA, Hu et al. 2021): each target projection W gets
+    y = W x + (alpha / rank) · B A x with A (rank × in) and B (out × rank) trained and W frozen. Checkpoints hold
+    the adapters and their optimizer state only (plus the base model's identity); `kiln export --format peft`
+    writes them as a peft adapter folder, `--format hf --merge` the merged model."""
+
+    type: Literal["lora"] = Field("lora", description="The adapter kind: lora.")
+    rank: int = Field(16, ge=1, le=INT32_MAX, description="Rank r of each adapter: A is r × in, B is out × r.")
+    alpha: float = Field(32.0, gt=0, le=1e6, description="Scale numerator: the update B A is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0: none).")
+    targets: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1, max_length=len(LORA_TARGETS),
+        description="The projections of every block that get an adapter, by their transformers names: q_proj, "
+        "k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLP). Default: all seven.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """Which model to train: a named preset, optionally with explicit dimensions overriding it, or a model
+    folder in Hugging Face layout (model.from) whose weights training starts from."""
+
+    preset: PresetName | None = Field(
+        None,
+        description="Named model size: tiny (CPU tests), small, llama-1b, llama-8b. Explicit fields override it; "
+        "without a preset or from, set all of dim, layers, heads, vocabSize, seqLen.",
+    )
+    from_: str | None = Field(
+        None, alias="from", max_length=1024,
+        description="A Llama-family model folder in Hugging Face layout to start from (config.json, model.safetensors "
+        "or sharded with model.safetensors.index.json, tokenizer files): file:///path/ or s3://bucket/prefix/. Its "
+        "config.json sets the dimensions (explicit fields must agree with it; seqLen is free up to "
+        "max_position_embeddings, default min(2048, it)). A resumed run loads its own checkpoints, not this.",
+    )
+    dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size (model width).")
+    layers: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Number of transformer blocks.")
+    heads: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Attention heads.")
+    kv_heads: int | None = Field(None, ge=1, le=JSON_INT_MAX, description="Key/value heads for grouped-query attention; divides heads.")
+    vocab_size: int | None = Field(None, ge=2, le=JSON_INT_MAX, description="Vocabulary size (256 for the built-in byte tokenizer).")
+    seq_len: int | None = Field(None, ge=2, le=JSON_INT_MAX, description="Tokens per training sequence.")
+    ffn_dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
+    norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
+    adapter: AdapterSpec | None = Field(
+        None, description="Fine-tune with LoRA adapters: the model's own weights (model.from's, else the seed's) "
+        "stay frozen, in training.precision; only the adapters and their optimizer state are trained and saved.",
+    )
