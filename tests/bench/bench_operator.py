@@ -492,7 +492,7 @@ class TreeOperator:
 
 def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_ticks: int, log: Path) -> dict:
     """Start the tree's operator; once every run has its job and the first tick ran, count a window of ticks."""
-    from kiln.control.handlers import TICK_S
+    from kiln.control.ticks import TICK_S
 
     proxy = CountingProxy(rig.kubeconfig)
     start = time.monotonic()
