@@ -57,7 +57,7 @@ from kubernetes.client.exceptions import ApiException
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client, object_path
 from kiln.control.plan import plan
-from kiln.control.status import job_condition
+from kiln.control.job_state import job_condition
 from tests.bench.report import write_report
 from tests.distributed.ranks import wait_until
 

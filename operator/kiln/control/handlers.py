@@ -14,7 +14,7 @@ import kopf
 from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.control import dispatch, elastic_sync, indexes, kopf_fix, kopf_settings, ticks
 from kiln.control.indexes import Indexes
-from kiln.control.plan import RUN_LABEL
+from kiln.control.names import RUN_LABEL
 from kiln.control.process import PROCESS, WORKERS
 
 kopf_fix.apply()  # kopf's startup with indexes is O(pods^2) without it

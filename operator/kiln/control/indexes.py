@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import kopf
 
-from kiln.control.plan import GROUP_LABEL
+from kiln.control.names import GROUP_LABEL
 
 Key = tuple[str, str]  # (namespace, TrainingSpec name)
 

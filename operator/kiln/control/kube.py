@@ -17,7 +17,9 @@ from kubernetes import client, config as kconfig
 from kubernetes.client.exceptions import ApiException
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control.plan import RUN_LABEL, S3_KEYS, SPEC_FILE, names
+from kiln.api.contract import SPEC_FILE
+from kiln.control.names import RUN_LABEL, names
+from kiln.control.pytorchjob import S3_KEYS
 from kiln.control.runs import Runs
 from kiln.errors import KilnError
 
