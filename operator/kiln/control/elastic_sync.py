@@ -1,6 +1,6 @@
 """The elastic loop's I/O: nodes and pods as watched → kiln.control.elastic (pure) → apply, patch, post Events.
 
-Called by the operator's periodic tick (kiln.control.handlers) every 15 s per TrainingSpec, with the nodes and
+Called by the operator's periodic tick (kiln.control.ticks) every 15 s per TrainingSpec, with the nodes and
 pods its watches hold (kopf indexes of `node_summary` and `gpu_holding`), and by tests directly (`listed`).
 The operator's own elastic state (the node count it chose, when, and which nodes failed the job) lives in
 the annotation `kiln.dev/elastic-state` of the TrainingSpec (kiln.control.elastic_state), so an operator
@@ -43,7 +43,7 @@ def _time(ts: str | None) -> float | None:
 
 
 # What the elastic loop needs of the cluster, kept small: the operator's watches (kopf indexes,
-# kiln.control.handlers) hold one of these per node and per GPU-holding pod, so a tick asks the apiserver
+# kiln.control.indexes) hold one of these per node and per GPU-holding pod, so a tick asks the apiserver
 # nothing about nodes or pods and its cost does not grow with the cluster.
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.plan.lighthouse)
+    ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.replica_groups.lighthouse)
     ("apps/v1", "Deployment"): "deployments",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
     (f"{GROUP}/{VERSION}", "TrainingSpec"): PLURAL,
@@ -88,7 +88,7 @@ class Kube:
         self.field_manager = field_manager
         # What this client remembers per run (kiln.control.runs): the TrainingSpec as last read or patched,
         # and the digest of each body it applied. An unchanged body is sent again after resync_seconds, so an
-        # edit or deletion by someone else is repaired then (the periodic resync, kiln.control.handlers).
+        # edit or deletion by someone else is repaired then (the periodic resync, kiln.control.ticks).
         self.runs = runs if runs is not None else Runs()
         self.resync_seconds = resync_seconds
 
@@ -208,7 +208,7 @@ class Kube:
         return json.loads(data)["items"]
 
     def job(self, namespace: str, name: str, job_name: str | None = None) -> dict | None:
-        """The run's PyTorchJob, or the one named job_name (a replica group's, kiln.control.plan.job_names)."""
+        """The run's PyTorchJob, or the one named job_name (a replica group's, kiln.control.names.job_names)."""
         return self._get(self.custom.get_namespaced_custom_object, "kubeflow.org", "v1", namespace,
                          "pytorchjobs", job_name or names(name)["job"])
 

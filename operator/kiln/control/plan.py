@@ -6,7 +6,8 @@ One TrainingSpec becomes, all owned by it (deleting it deletes them):
                                                     monitoring namespace's pods)
   ConfigMap `<name>-spec`                           the resolved spec (every default filled), read by the pods
   PyTorchJob `<name>`                               kubeflow.org/v1, elastic, one Worker pod per node
-With elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups), instead of that one PyTorchJob:
+The PyTorchJobs come from the run's layout part (kiln.control.parts): SingleJob renders the one above; with
+elastic.faultTolerance replicaGroups (kiln.control.replica_groups), instead of that one PyTorchJob:
   PyTorchJob `<name>-g<i>`, i < groups               one per replica group, nodes / groups Worker pods each:
                                                     a group restarts alone, the others step on
   Deployment + Service `<name>-lighthouse`          torchft's lighthouse (the trainer image has it), which

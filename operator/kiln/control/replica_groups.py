@@ -12,7 +12,7 @@ into the run's place in the queue (`groups_state`: it runs while any group is ad
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.api import contract
 from kiln.api.spec import GROUP_QUEUE_MESSAGE_MAX, TrainingSpec
@@ -134,10 +134,21 @@ class ReplicaGroups:
         return {"group_jobs": group_jobs, "group_queues": observe_groups(kube, group_jobs, old_status)}
 
 
-def fold(group_jobs: list[dict | None], group_queues: list[kueue.QueueState | None] | None, pods: list[dict],
-         old: dict) -> tuple[kueue.QueueState | None, list[dict], list[tuple[str, str, str]]]:
-    """(the run's place in Kueue from its groups', None: not read; status.replicaGroups; the groups' Events as
-    (type, reason, message)) for kiln.control.status.derive."""
+@dataclass(frozen=True)
+class Fold:
+    """What the replica groups add to a run's status (kiln.control.status.derive)."""
+    queue: kueue.QueueState | None = None  # the run's place in Kueue from its groups' (None: no queue) ...
+    queue_read: bool = False  # ... when their Workloads were read this time
+    fields: dict = field(default_factory=dict)  # {"replicaGroups": [...]}, none without groups
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message)
+
+
+def fold(group_jobs: list[dict | None] | None, group_queues: list[kueue.QueueState | None] | None,
+         pods: list[dict], old: dict) -> Fold:
+    """The groups' part of the status: their place in Kueue, status.replicaGroups and the Events of a group
+    lost or back (nothing for a run without groups: group_jobs None)."""
+    if group_jobs is None:
+        return Fold()
     queue = None
     if group_queues is not None:
         queue = groups_state(group_queues, [((j or {}).get("metadata") or {}).get("name") or f"group {i}"
@@ -154,7 +165,7 @@ def fold(group_jobs: list[dict | None], group_queues: list[kueue.QueueState | No
         elif was in ("Restarting", "Pending") and g["phase"] == "Running" and g["restarts"]:
             events.append(("Normal", "ReplicaGroupBack", f"replica group {g['group']} ({g['job']}) "
                            f"runs again (restart {g['restarts']}); it heals from a live group"))
-    return queue, groups, events
+    return Fold(queue, group_queues is not None, {"replicaGroups": groups}, tuple(events))
 
 
 # With replica groups, the run is in the state of its liveliest group: one group running is a running run
@@ -165,7 +176,7 @@ def combined_job(jobs: list[dict | None]) -> dict | None:
     """The run's replica-group PyTorchJobs (in group order, None: not there) as the one job the rest of this
     module reads: Running while any group runs (the others restart alone, see group_status), Succeeded or
     Failed once every group has ended (Succeeded if any did: its weights are the run's). Under Kueue it is held
-    (suspended) only while every group's job is; each group's Workload is read on its own (kueue.observe_groups).
+    (suspended) only while every group's job is; each group's Workload is read on its own (observe_groups).
     Labels and uid are group 0's; it has no replica count, so no group's restart reads as Scaling."""
     present = [j for j in jobs if j]
     if not present:

@@ -172,9 +172,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     phase = phase_of(spec, job, pods)
     conditions = list(old.get("conditions") or [])
     events: list[Event] = []
-    groups = replica_groups.fold(group_jobs, group_queues, pods, old) if group_jobs is not None else None
-    if groups is not None and group_queues is not None:
-        queue = groups[0]
+    groups = replica_groups.fold(group_jobs, group_queues, pods, old)  # the layout part's own status
+    queue = groups.queue if groups.queue_read else queue
 
     if accepted is not None:
         if accepted[0] == "False" and not _same(old, "SpecAccepted", *accepted):
@@ -230,9 +229,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         status.pop("observedGeneration")
     if queue is not None:
         status["queue"] = queue.as_status()
-    if groups is not None:
-        status["replicaGroups"] = groups[1]
-        events += [Event(*event) for event in groups[2]]
+    status.update(groups.fields)
+    events += [Event(*event) for event in groups.events]
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)
@@ -261,7 +259,7 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
 
 GOODPUT_FIELDS = ("goodput", "goodputDetail", "cost", "scaling")  # they move with the clock and the reports
 # The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
-# one is this old (the operator's 15 s tick, kiln.control.handlers, refreshes every run); with any other
+# one is this old (the operator's 15 s tick, kiln.control.ticks, refreshes every run); with any other
 # change (phase, conditions, nodes, restarts) it goes along at once. Skipping a write loses nothing: the next
 # one attributes the whole interval. Each write of a TrainingSpec costs the apiserver 12-15 ms of CPU (its
 # schema and CEL rules), so the ledger alone is written once a minute, not every tick.

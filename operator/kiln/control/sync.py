@@ -252,7 +252,7 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
                   group_jobs: list[dict | None] | None = None, pricing: Pricing = Pricing(),
                   layout: Layout | None = None) -> None:
     """Derive and patch the status from the job (as just read or applied; with replica groups the combined
-    one, kiln.control.status.combined_job, and each group's) and its pods."""
+    one, kiln.control.replica_groups.combined_job, and each group's) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     known = kube.last_spec(namespace, name)
     if known is not None and known is not body and known["metadata"].get("uid") == body["metadata"].get("uid"):
