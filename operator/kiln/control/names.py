@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 RUN_LABEL = "kiln.dev/trainingspec"
-
-
 GROUP_LABEL = "kiln.dev/replica-group"  # replicaGroups: the group a trainer pod (and its PyTorchJob) belongs to
-
-
 # The lighthouse pod is labelled apart from the trainer pods (not RUN_LABEL): it is no node of the run, so the
 # status, the elastic loop and the pod watch, which all count the run's pods by RUN_LABEL, never see it.
 LIGHTHOUSE_LABEL = "kiln.dev/lighthouse"
-
-
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln"}
 
 
