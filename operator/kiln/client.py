@@ -142,7 +142,7 @@ STEP_LINE = re.compile(r"^step \d+/\d+", re.MULTILINE)  # kiln.trainer.observe.m
 def job_of(kube, namespace: str, run: str, group: int | None) -> str:
     """The PyTorchJob whose pods hold the run's log: the run's, or with replica groups `<run>-g<group>` (group 0
     unless asked; each group's rank 0 logs its steps)."""
-    from kiln.control.plan import GROUP_LABEL, group_job_name
+    from kiln.control.names import GROUP_LABEL, group_job_name
 
     if group is None and not any(GROUP_LABEL in (p["metadata"].get("labels") or {}) for p in kube.pods(namespace, run)):
         return run

@@ -57,7 +57,7 @@ from kubernetes.client.exceptions import ApiException
 from kiln.api.load import dump_for_apply, parse
 from kiln.control.kube import Kube, api_client, object_path
 from kiln.control.plan import plan
-from kiln.control.status import job_condition
+from kiln.control.job_state import job_condition
 from tests.bench.report import write_report
 from tests.distributed.ranks import wait_until
 
@@ -492,7 +492,7 @@ class TreeOperator:
 
 def measure_tree(rig, kube: Kube, tree: Path, namespace: str, runs: int, window_ticks: int, log: Path) -> dict:
     """Start the tree's operator; once every run has its job and the first tick ran, count a window of ticks."""
-    from kiln.control.handlers import TICK_S
+    from kiln.control.ticks import TICK_S
 
     proxy = CountingProxy(rig.kubeconfig)
     start = time.monotonic()

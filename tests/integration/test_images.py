@@ -36,7 +36,7 @@ def test_operator_image_runs_kiln_operator_as_non_root(built):
     ref, _, _, _, config = built["operator"]
     assert config["config"]["User"] == "65532:65532"
     assert config["config"]["Entrypoint"] == ["kiln", "operator"]
-    code = ("import sys, kiln.control.handlers, kiln.control.metrics\n"
+    code = ("import sys, kiln.control.serve, kiln.control.metrics\n"
             "assert 'torch' not in sys.modules\n"
             "import os, getpass; print(os.getuid(), os.access('/opt/kiln', os.W_OK), getpass.getuser())\n")
     proc = images.run_in_image(ref, "python", "-c", code)

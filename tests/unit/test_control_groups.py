@@ -16,8 +16,9 @@ from kiln.control.config import OperatorConfig
 from kiln.control.plan import (GROUP_LABEL, IMMUTABLE_WHILE_RUNNING, LIGHTHOUSE_LABEL, LIGHTHOUSE_PORT, RUN_LABEL,
                                Observed, dump, job_names, job_names_of, plan, resolve)
 from kiln.api.spec import TrainingSpecStatus
-from kiln.control import kueue
-from kiln.control.status import combined_job, derive
+from kiln.control import kueue, replica_groups
+from kiln.control.replica_groups import combined_job
+from kiln.control.status import derive
 
 UID = "5b1c8e0c-0000-4000-8000-000000000002"
 GROUPS = {
@@ -397,7 +398,7 @@ class FakeWorkloadKube:
 def queue_refresh(status: dict, jobs: list[dict], pods: list[dict], workloads: dict[str, dict], now: str):
     """One status refresh as kiln.control.sync._write_status makes it: the Workload reads due, then derive."""
     kube = FakeWorkloadKube(workloads)
-    queues = kueue.observe_groups(kube, jobs, status)
+    queues = replica_groups.observe_groups(kube, jobs, status)
     ts = {**TS, "spec": {**GROUPS["spec"], "scheduling": {"queue": "team"}}, "status": status}
     return derive(ts, combined_job(jobs), pods, now, group_jobs=jobs, group_queues=queues), kube.custom.reads
 
@@ -429,7 +430,7 @@ def test_under_kueue_the_run_runs_once_one_group_is_admitted_and_says_which_grou
     d, reads = queue_refresh(d.status, part, [pod(0)], {"uid-g0": admitted(T1), "uid-g1": waiting()}, T2)
     assert d.status["phase"] == "Running" and reads == ["uid-g0", "uid-g1"]
     cond = queued_condition(d.status)
-    assert (cond["status"], cond["reason"]) == ("False", kueue.PARTLY_ADMITTED)
+    assert (cond["status"], cond["reason"]) == ("False", replica_groups.PARTLY_ADMITTED)
     assert "group(s) 1 of 2 wait" in cond["message"] and "ft-g1" in cond["message"] and QUOTA in cond["message"]
     assert [e.reason for e in d.events if e.reason == "Queued"] == ["Queued"]
     g0, g1 = d.status["replicaGroups"]
@@ -470,7 +471,7 @@ def test_a_preempted_group_waits_again_while_the_others_train_on():
     g1 = d.status["replicaGroups"][1]
     assert (g1["phase"], g1["queued"], g1["queueReason"], g1["admittedAt"]) == ("Pending", True, "Preempted", T1)
     cond = queued_condition(d.status)
-    assert cond["reason"] == kueue.PARTLY_ADMITTED and "Preempted" in cond["message"]
+    assert cond["reason"] == replica_groups.PARTLY_ADMITTED and "Preempted" in cond["message"]
     assert {e.reason for e in d.events} == {"Queued", "ReplicaGroupLost"}
     # every group held: the run as a whole is Queued again
     both = [queued_job(0, "Running", True), queued_job(1, "Running", True)]
@@ -480,10 +481,10 @@ def test_a_preempted_group_waits_again_while_the_others_train_on():
 
 def test_a_group_whose_job_is_not_there_counts_as_waiting():
     running = kueue.queue_state(queued_job(0, "Running", False), admitted(T1))
-    state = kueue.groups_state([running, None], ["ft-g0", "ft-g1"], None)
-    assert state.admitted and state.waiting_groups == (1,) and state.reason == kueue.PARTLY_ADMITTED
+    state = replica_groups.groups_state([running, None], ["ft-g0", "ft-g1"], None)
+    assert state.admitted and state.waiting_groups == (1,) and state.reason == replica_groups.PARTLY_ADMITTED
     assert "group 1 (ft-g1): its PyTorchJob is not made yet" in state.message
-    assert kueue.groups_state([None, None], ["ft-g0", "ft-g1"], None) is None  # no queue: nothing of Kueue's
+    assert replica_groups.groups_state([None, None], ["ft-g0", "ft-g1"], None) is None  # no queue: nothing of Kueue's
 
 
 def test_groups_past_the_cap_are_refused_by_validate_and_the_crd_says_the_same():
@@ -502,11 +503,11 @@ def test_groups_past_the_cap_are_refused_by_validate_and_the_crd_says_the_same()
 def test_a_plan_names_each_groups_job_once(monkeypatch):
     """plan() is linear in groups: before, each job rebuilt the list of every job's name (O(groups²) names;
     16,000 groups took 45 s of CPU). Counted, not timed: 64 groups build 64 names."""
-    from kiln.control import plan as plan_module
+    from kiln.control import names as names_module
 
     built = []
-    real = plan_module.group_job_name
-    monkeypatch.setattr(plan_module, "group_job_name", lambda run, group: built.append(group) or real(run, group))
+    real = names_module.group_job_name
+    monkeypatch.setattr(names_module, "group_job_name", lambda run, group: built.append(group) or real(run, group))
     raw = copy.deepcopy(GROUPS)
     raw["spec"]["resources"]["nodes"] = 64
     raw["spec"]["training"]["globalBatchSize"] = 512  # dp = 64 nodes x 8 GPUs / tensor 2 = 256, micro 2

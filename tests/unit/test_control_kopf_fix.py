@@ -82,11 +82,11 @@ def test_a_kopf_release_the_fix_was_not_checked_against_is_left_alone():
 
 
 def test_a_reconcile_that_succeeds_at_once_leaves_kopf_nothing_to_patch():
-    # kiln.control.handlers.RetryAnnotations: kopf records the handler's progress and purges it once done; its
+    # kiln.control.kopf_settings.RetryAnnotations: kopf records the handler's progress and purges it once done; its
     # `kiln.dev/kopf-managed` marker would stay in the patch and cost every new run a PATCH of the TrainingSpec
     from kopf._cogs.structs import bodies, patches
 
-    from kiln.control.handlers import RetryAnnotations
+    from kiln.control.kopf_settings import RetryAnnotations
 
     storage = RetryAnnotations(prefix="kiln.dev")
     body = bodies.Body({"metadata": {"name": "run", "namespace": "ml", "annotations": {}}})

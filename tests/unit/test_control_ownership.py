@@ -61,3 +61,94 @@ def test_only_an_invalid_apply_counts_as_refused():
     raw.body = raw.body.encode()  # as Kube.apply gets it (no preloaded content)
     assert refused(raw) and "failed (500): failed to create typed patch object" in apply_failure(
         {"kind": "PyTorchJob", "metadata": {"name": "x", "namespace": "y"}}, raw)
+
+
+# ---- the elastic tick applies through the reconcile's path (kiln.control.sync.apply_plan): same check ----
+
+class TickKube:
+    """The requests one elastic tick makes, in memory: the TrainingSpec, and the objects that exist."""
+
+    def __init__(self, body: dict, existing: dict[str, dict]):
+        from kiln.control.runs import Runs
+
+        self.runs, self.body, self.existing = Runs(), body, existing  # existing: kind → the object as stored
+        self.applied: list[dict] = []
+        self.status: dict = {}
+        self.annotations: dict = {}
+
+    def trainingspec(self, namespace, name):
+        return self.body
+
+    def applied_spec(self, namespace, name):
+        return None
+
+    def applied_before(self, obj):
+        return False  # this process never applied them (the run was forgotten when its namesake was deleted)
+
+    def read(self, obj):
+        return self.existing.get(obj["kind"])
+
+    def apply(self, obj):
+        self.applied.append(obj)
+        return obj
+
+    def patch_annotations(self, namespace, name, annotations):
+        self.annotations.update(annotations)
+
+    def patch_status(self, namespace, name, status):
+        self.status.update(status)
+
+
+def _tick(job_owner_uid: str, others_exist: bool):
+    """One tick of run team-a/llama (uid RUN_UID) at 4 nodes with capacity for 3: it shrinks, so it applies."""
+    from kiln.control import elastic_sync
+    from kiln.control.config import OperatorConfig
+    from kiln.control.elastic import GPU_PRODUCT_LABEL, NodeView
+
+    body = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
+            "metadata": {"name": "llama", "namespace": "team-a", "uid": RUN_UID,
+                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"model": {"preset": "tiny"}, "data": {"uri": "s3://data/tokens/"},
+                     "training": {"globalBatchSize": 3360, "microBatchSize": 1},
+                     "parallelism": {"tensor": 2, "pipeline": 1},
+                     "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
+                     "elastic": {"minNodes": 2, "maxNodes": 8}}}
+    namesake = [{"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "name": "llama", "uid": job_owner_uid}]
+    job = {"kind": "PyTorchJob", "metadata": {"name": "llama", "namespace": "team-a", "ownerReferences": namesake},
+           "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 4}}},
+           "status": {"conditions": [{"type": "Running", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    existing = {kind: {"kind": kind, "metadata": {"name": "x", "namespace": "team-a", "ownerReferences": namesake}}
+                for kind in ("ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap")} if others_exist else {}
+    kube, events = TickKube(body, existing), []
+    nodes = [NodeView(f"n{i}", labels={GPU_PRODUCT_LABEL: "NVIDIA-H200"}, gpus_free=8) for i in range(3)]
+    summary = elastic_sync.tick(kube, "team-a", "llama", OperatorConfig(), lambda _, e: events.append(e), 1000.0,
+                                elastic_sync.Seen(nodes, [], job, []))
+    elastic = next(c for c in kube.status.get("conditions") or [] if c["type"] == "Elastic")
+    return kube, elastic, events, summary
+
+
+def test_the_elastic_tick_applies_over_its_own_job():
+    kube, elastic, events, _ = _tick(RUN_UID, others_exist=False)
+    jobs = [o for o in kube.applied if o["kind"] == "PyTorchJob"]
+    assert [j["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] for j in jobs] == [3]  # shrunk: 3 nodes fit
+    assert (elastic["status"], elastic["reason"]) == ("True", "Shrink")
+    assert [e.reason for e in events] == ["Scaling"]
+
+
+def test_the_elastic_tick_refuses_to_patch_a_job_owned_by_another_trainingspec():
+    # a TrainingSpec deleted and made again under the same name: the old run's job still runs, waiting for the
+    # garbage collector; the new run's tick would have taken it over (server-side apply with force)
+    for others_exist in (True, False):
+        kube, elastic, events, _ = _tick("old-uid", others_exist)
+        assert not [o for o in kube.applied if o["kind"] == "PyTorchJob"]
+        if others_exist:  # every object of the old run's: none is applied
+            assert kube.applied == []
+        assert (elastic["status"], elastic["reason"]) == ("False", "NotOwner")
+        first = "ServiceAccount team-a/x" if others_exist else "PyTorchJob team-a/llama"  # the first one refused
+        assert f"shrink 4 → 3: only 3 matching node(s) available; not applied: {first} exists and is not this " \
+               "run's (TrainingSpec llama)" in elastic["message"]
+        assert "Scaling" not in [e.reason for e in events]
+        # not recorded as done: the next tick decides again (the node count stays the spec's)
+        from kiln.control.elastic_state import ANNOTATION
+
+        assert '"nodes": 3' not in kube.annotations.get(ANNOTATION, "")

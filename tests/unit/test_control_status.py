@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.control.status import changed, derive, job_condition, pods_to_stop
+from kiln.control.job_state import job_condition
+from kiln.control.status import changed, derive, pods_to_stop
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 APPLIED = ("True", "Applied", "ok")

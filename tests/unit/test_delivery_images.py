@@ -107,7 +107,7 @@ def test_operator_image_runs_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
         "from kiln.cli.main import main\n"
-        "import kiln.control.handlers, kiln.control.metrics, kiln.cli.cluster_cmds\n"
+        "import kiln.control.serve, kiln.control.metrics, kiln.cli.cluster_cmds\n"
         "sys.exit(main(['operator', '--help']))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

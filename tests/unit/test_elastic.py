@@ -201,7 +201,7 @@ def test_the_ticks_view_follows_node_and_pod_events_without_listing():
     # own index store is fed what kiln's index functions return, event by event, as kopf's watch would.
     from kopf._core.engines.indexing import OperatorIndexer
 
-    from kiln.control import handlers
+    from kiln.control import handlers, indexes
     from kiln.control.elastic_sync import free_gpus
 
     nodes, gpus = OperatorIndexer(), OperatorIndexer()
@@ -223,7 +223,7 @@ def test_the_ticks_view_follows_node_and_pod_events_without_listing():
             indexer.replace(key, (handlers.cluster_nodes if indexer is nodes else handlers.gpu_pods)(body=body))
 
     def view():
-        (a,) = free_gpus(handlers._all(nodes.index), handlers._all(gpus.index), ("ml", "run"))
+        (a,) = free_gpus(indexes.values(nodes.index), indexes.values(gpus.index), ("ml", "run"))
         return a.gpus_free, a.ready
 
     event(nodes, node(True))
@@ -239,7 +239,7 @@ def test_the_ticks_view_follows_node_and_pod_events_without_listing():
     event(nodes, node(False))
     assert view() == (8, False)
     event(nodes, node(False), deleted=True)
-    assert free_gpus(handlers._all(nodes.index), handlers._all(gpus.index), ("ml", "run")) == []
+    assert free_gpus(indexes.values(nodes.index), indexes.values(gpus.index), ("ml", "run")) == []
 
 
 def test_avoided_nodes_are_anded_into_the_users_affinity_and_rendered_by_plan():

@@ -323,7 +323,7 @@ def logs(args) -> int:
 
 def operator(args) -> int:
     from kiln.control.config import OperatorConfig
-    from kiln.control.handlers import run
+    from kiln.control.serve import run
 
     config = OperatorConfig.from_env()
     if args.image:

@@ -57,7 +57,7 @@ class OperatorConfig:
     # is shared, and every pod downloads its own copy of the data shards.
     default_ephemeral_storage: str = "50Gi"
     # Kueue's own resources.excludeResourcePrefixes (its Configuration): requests Kueue ignores, which kiln then
-    # does not hold against a ClusterQueue's coveredResources (kiln.control.plan.queue_fit)
+    # does not hold against a ClusterQueue's coveredResources (kiln.control.requests.queue_fit)
     kueue_excluded_resource_prefixes: tuple[str, ...] = ()
     field_manager: str = "kiln-operator"
     health_port: int = 8080

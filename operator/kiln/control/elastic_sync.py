@@ -1,6 +1,6 @@
 """The elastic loop's I/O: nodes and pods as watched → kiln.control.elastic (pure) → apply, patch, post Events.
 
-Called by the operator's periodic tick (kiln.control.handlers) every 15 s per TrainingSpec, with the nodes and
+Called by the operator's periodic tick (kiln.control.ticks) every 15 s per TrainingSpec, with the nodes and
 pods its watches hold (kopf indexes of `node_summary` and `gpu_holding`), and by tests directly (`listed`).
 The operator's own elastic state (the node count it chose, when, and which nodes failed the job) lives in
 the annotation `kiln.dev/elastic-state` of the TrainingSpec (kiln.control.elastic_state), so an operator
@@ -16,15 +16,18 @@ from datetime import datetime
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from kiln.api.layout import replica_groups
 from kiln.api.spec import TrainingSpec
 from kiln.api import hang as hang_rule
-from kiln.control import elastic, failover, goodput, kueue
+from kiln.control import elastic, failover, goodput, kueue, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic_state import ANNOTATION, avoided, encode, state_of  # noqa: F401 (state_of: for tests)
 from kiln.control.kube import Kube, now
-from kiln.control.plan import GPU, RUN_LABEL, Observed, plan
-from kiln.control.status import Event, job_condition, set_condition
+from kiln.control.names import RUN_LABEL
+from kiln.control.parts import layout_of
+from kiln.control.plan import Observed, plan
+from kiln.control.requests import GPU
+from kiln.control.job_state import job_condition
+from kiln.control.status import Event, set_condition
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ def _time(ts: str | None) -> float | None:
 
 
 # What the elastic loop needs of the cluster, kept small: the operator's watches (kopf indexes,
-# kiln.control.handlers) hold one of these per node and per GPU-holding pod, so a tick asks the apiserver
+# kiln.control.indexes) hold one of these per node and per GPU-holding pod, so a tick asks the apiserver
 # nothing about nodes or pods and its cost does not grow with the cluster.
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
             doc = TrainingSpec.model_validate(body)
         except ValidationError:
             return f"{namespace}/{name}: invalid spec, left to reconcile"
-        if replica_groups(doc.spec) > 1:  # each group's PyTorchJob is of a fixed size and restarts alone
+        layout = layout_of(doc.spec)
+        if not layout.elastic_nodes:  # replica groups: each group's PyTorchJob is of a fixed size and restarts alone
             return f"{namespace}/{name}: replica groups: no node-count elasticity, each group restarts alone"
         if doc.spec.suspend:
             return f"{namespace}/{name}: not running"
@@ -182,14 +186,17 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         cond = ("True", ("Shrink" if decision.nodes < current else "Grow") if decision.changed else
                 ("WaitingForCapacity" if decision.reason.startswith("waiting") else "Steady"), decision.reason)
         if decision.changed or avoid != avoided(state):
-            try:
-                applied = kube.applied_spec(namespace, name)
-                desired = plan(doc, Observed(applied=applied, job_active=True, nodes=decision.nodes,
-                                             avoid_nodes=tuple(avoid), left_out=kueue.left_out_of(job)), config)
-                for obj in desired.objects if desired.refused is None else ():
-                    kube.apply(kueue.with_admitted_tolerations(obj, job) if obj["kind"] == "PyTorchJob" else obj)
-            except ApiException as err:  # not recorded as done: the next tick decides (and tries) again
-                cond = ("False", "ApplyFailed", f"{decision.reason}; not applied: {err.status} {err.reason}")
+            try:  # through the reconcile's own apply path: the same ownership check (sync.apply_plan)
+                desired = plan(doc, Observed(applied=kube.applied_spec(namespace, name), job_active=True,
+                                             nodes=decision.nodes, avoid_nodes=tuple(avoid),
+                                             left_out=kueue.left_out_of(job)), config)
+                done = sync.apply_plan(kube, desired.objects if desired.refused is None else [],
+                                       {n: job for n in layout.job_names(name)}, layout.job_names(name),
+                                       body["metadata"].get("uid"))
+            except ApiException as err:  # reading the applied spec failed
+                done = sync.Applied(("False", "ApplyFailed", f"{err.status} {err.reason}"), {})
+            if done.refusal is not None:  # not recorded as done: the next tick decides (and tries) again
+                cond = ("False", done.refusal[1], f"{decision.reason}; not applied: {done.refusal[2]}")
                 new_state = {**new_state, "nodes": state.get("nodes"), "lastChange": state.get("lastChange"),
                              **{k: state.get(k) for k in gpu.state}}
                 gpu = failover.Step(condition=gpu.condition if not gpu.move else None)

@@ -17,7 +17,9 @@ from kubernetes import client, config as kconfig
 from kubernetes.client.exceptions import ApiException
 
 from kiln.api.spec import GROUP, PLURAL, VERSION
-from kiln.control.plan import RUN_LABEL, S3_KEYS, SPEC_FILE, names
+from kiln.api.contract import SPEC_FILE
+from kiln.control.names import RUN_LABEL, names
+from kiln.control.pytorchjob import S3_KEYS
 from kiln.control.runs import Runs
 from kiln.errors import KilnError
 
@@ -31,7 +33,7 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.plan.lighthouse)
+    ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.replica_groups.lighthouse)
     ("apps/v1", "Deployment"): "deployments",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
     (f"{GROUP}/{VERSION}", "TrainingSpec"): PLURAL,
@@ -86,7 +88,7 @@ class Kube:
         self.field_manager = field_manager
         # What this client remembers per run (kiln.control.runs): the TrainingSpec as last read or patched,
         # and the digest of each body it applied. An unchanged body is sent again after resync_seconds, so an
-        # edit or deletion by someone else is repaired then (the periodic resync, kiln.control.handlers).
+        # edit or deletion by someone else is repaired then (the periodic resync, kiln.control.ticks).
         self.runs = runs if runs is not None else Runs()
         self.resync_seconds = resync_seconds
 
@@ -206,7 +208,7 @@ class Kube:
         return json.loads(data)["items"]
 
     def job(self, namespace: str, name: str, job_name: str | None = None) -> dict | None:
-        """The run's PyTorchJob, or the one named job_name (a replica group's, kiln.control.plan.job_names)."""
+        """The run's PyTorchJob, or the one named job_name (a replica group's, kiln.control.names.job_names)."""
         return self._get(self.custom.get_namespaced_custom_object, "kubeflow.org", "v1", namespace,
                          "pytorchjobs", job_name or names(name)["job"])
 

@@ -8,8 +8,7 @@ only for a job labelled with a queue; a cluster without Kueue (404) or an operat
 Workloads (403) reads as no Workload, and the run's status says it waits for one.
 
 With replica groups each group's PyTorchJob has a Workload of its own and Kueue admits each group alone:
-`observe_groups` reads the Workloads due a read (one list per group), `groups_state` folds the groups'
-states into the run's (it runs while any group is admitted: torchft trains with the groups it has).
+kiln.control.replica_groups reads and folds them with the functions here.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.exceptions import ApiException
 
-from kiln.api.spec import GROUP_QUEUE_MESSAGE_MAX, TOPOLOGY_DOMAINS_MAX
+from kiln.api.spec import TOPOLOGY_DOMAINS_MAX
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -176,86 +175,15 @@ def observe(kube, job: dict | None, old_status: dict | None) -> QueueState | Non
     return queue_state(job, read_workload(kube, job)) if needs_read(job, old_status) else None
 
 
-# ---- replica groups: one Workload per group's PyTorchJob ----
-
-PARTLY_ADMITTED = "GroupsWaiting"  # condition Queued=False: the run trains, some of its groups still wait
 
 
-def group_needs_read(job: dict | None, old_group: dict | None) -> bool:
-    """Whether a status refresh should read this group's Workload: while Kueue holds its job, and until the
-    group's admission is recorded. An admitted group costs no read (an eviction suspends its job again)."""
-    if not queue_name(job):
-        return False
-    old = old_group or {}
-    return held(job) or old.get("queued") is not False or not old.get("admittedAt")
 
 
-def group_fields(state: QueueState | None, old_group: dict | None) -> dict:
-    """A group's queue fields in status.replicaGroups[] (none for a job without a queue)."""
-    if state is None:
-        return {}
-    out = {"queued": not state.admitted, "queueReason": state.reason,
-           "queueMessage": state.message[:GROUP_QUEUE_MESSAGE_MAX]}
-    # when Kueue last admitted it: kept while it waits again (evicted), as status.queue.admittedAt
-    if at := state.admitted_at if state.admitted else (old_group or {}).get("admittedAt"):
-        out["admittedAt"] = at
-    return out
 
 
-def recorded(job: dict | None, old_group: dict | None) -> QueueState | None:
-    """A group's state as the status recorded it (its Workload not read this time: admitted and running)."""
-    queue, old = queue_name(job), old_group or {}
-    if queue is None or "queued" not in old:
-        return None
-    return QueueState(queue, not old["queued"], old.get("queueReason") or "", old.get("queueMessage") or "",
-                      admitted_at=old.get("admittedAt"))
 
 
-def groups_state(states: list[QueueState | None], jobs: list[str], old_queue: dict | None) -> QueueState | None:
-    """The run's place in Kueue from its groups' (in group order; jobs: their PyTorchJobs' names): admitted
-    once any group is (the run trains with fewer groups meanwhile), with the groups still waiting named; the
-    queue fields (when, which ClusterQueue and flavors) are the lowest-numbered admitted group's. None: no queue."""
-    known = [s for s in states if s is not None]
-    if not known:
-        return None
-    queue = known[0].queue
-    waiting = tuple(i for i, s in enumerate(states) if s is None or not s.admitted)
-    admitted = [s for s in states if s is not None and s.admitted]
-    if waiting:  # the condition names every waiting group, and the first one's reason (the rest: replicaGroups)
-        head = states[waiting[0]]
-        why = f"{head.reason}: {head.message}" if head else "its PyTorchJob is not made yet"
-        names = ", ".join(str(i) for i in waiting)
-        detail = f"group {waiting[0]} ({jobs[waiting[0]]}): {why}"
-    if not admitted:
-        return QueueState(queue, False, head.reason if head else "WaitingForKueue",
-                          f"no replica group admitted yet: group(s) {names} of {len(states)} wait in LocalQueue "
-                          f"{queue}; {detail}", waiting_groups=waiting)
-    lead, old = admitted[0], old_queue or {}
-    # its ClusterQueue, flavors and topology as read just now, or as status.queue recorded them at its last read
-    fields = dict(admitted_at=lead.admitted_at, cluster_queue=lead.cluster_queue, flavors=lead.flavors,
-                  topology_levels=lead.topology_levels, topology_domains=lead.topology_domains) \
-        if lead.cluster_queue else \
-        dict(admitted_at=lead.admitted_at, cluster_queue=old.get("clusterQueue"),
-             flavors=tuple(old.get("flavors") or ()),
-             topology_levels=tuple((old.get("topology") or {}).get("levels") or ()),
-             topology_domains=tuple((old.get("topology") or {}).get("domains") or ()))
-    if waiting:
-        return QueueState(queue, True, PARTLY_ADMITTED,
-                          f"replica group(s) {names} of {len(states)} wait in LocalQueue {queue}, the run trains "
-                          f"with the {len(admitted)} admitted meanwhile; {detail}", waiting_groups=waiting, **fields)
-    return QueueState(queue, True, "Admitted", f"every replica group admitted; group 0: {states[0].message}",
-                      waiting_groups=(), **fields)
 
-
-def observe_groups(kube, jobs: list[dict | None], old_status: dict | None) -> list[QueueState | None] | None:
-    """Each replica group's place in Kueue (in group order) for kiln.control.status.derive: read for the
-    groups due a read (group_needs_read), as recorded for the others. None: no group's is due."""
-    old = {g.get("group"): g for g in (old_status or {}).get("replicaGroups") or []}
-    due = [group_needs_read(job, old.get(i)) for i, job in enumerate(jobs)]
-    if not any(due):
-        return None
-    return [queue_state(job, read_workload(kube, job)) if read else recorded(job, old.get(i))
-            for i, (job, read) in enumerate(zip(jobs, due))]
 
 
 # ---- what the run's ClusterQueue covers: a pod request it does not cover is never admitted ----

@@ -23,7 +23,7 @@ class Run:
     # REST path → (digest of the body last applied there, time.monotonic() of that apply) (Kube.apply).
     applied: dict[str, tuple[str, float]] = field(default_factory=dict)
     # (uid, kopf's essence of the TrainingSpec) as this process last handled it: kopf's diff base
-    # (kiln.control.handlers.MemoryDiffBase), kept here instead of an annotation on the object.
+    # (kiln.control.kopf_settings.MemoryDiffBase), kept here instead of an annotation on the object.
     handled: tuple[str, dict] | None = None
     # resourceVersion of the PyTorchJob the status was last derived from: the watch's echo of it is skipped.
     derived_from: str | None = None

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.api.contract import CONDITION_TYPES
-from kiln.control import goodput, kueue, scaling
+from kiln.control import goodput, kueue, replica_groups, scaling
 from kiln.control.config import Pricing
-from kiln.control.plan import GROUP_LABEL
+from kiln.control.job_state import job_condition, running_pods
 
 # Container waiting reasons a user must act on (wrong image name, missing Secret or key, ...).
 USER_ERRORS = {
@@ -42,86 +42,14 @@ class Derived:
     events: list[Event] = field(default_factory=list)
 
 
-def job_condition(job: dict | None) -> str | None:
-    """The PyTorchJob's current state: the type of its newest condition with status True."""
-    if not job:
-        return None
-    conds = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"]
-    if not conds:
-        return None
-    order = {"Failed": 5, "Succeeded": 4, "Suspended": 3, "Restarting": 2, "Running": 1, "Created": 0}
-    # newest first; ties (same second) resolved by how final the state is
-    conds.sort(key=lambda c: (c.get("lastTransitionTime") or c.get("lastUpdateTime") or "", order.get(c["type"], -1)))
-    return conds[-1]["type"]
 
 
-FINAL = ("Succeeded", "Failed")
-# With replica groups, the run is in the state of its liveliest group: one group running is a running run
-LIVELIEST = ("Running", "Restarting", "Suspended", "Created")
 
 
-def combined_job(jobs: list[dict | None]) -> dict | None:
-    """The run's replica-group PyTorchJobs (in group order, None: not there) as the one job the rest of this
-    module reads: Running while any group runs (the others restart alone, see group_status), Succeeded or
-    Failed once every group has ended (Succeeded if any did: its weights are the run's). Under Kueue it is held
-    (suspended) only while every group's job is; each group's Workload is read on its own (kueue.observe_groups).
-    Labels and uid are group 0's; it has no replica count, so no group's restart reads as Scaling."""
-    present = [j for j in jobs if j]
-    if not present:
-        return None
-    states = [job_condition(j) for j in present]
-    # under Kueue each group is admitted alone: the run is held only while every group is, and the groups
-    # Kueue admitted decide its state meanwhile (one admitted group starts the run)
-    each_held = [kueue.held(j) for j in present]
-    held = all(each_held)
-    if len(present) == len(jobs) and all(state in FINAL for state in states):
-        state = "Succeeded" if "Succeeded" in states else "Failed"
-    else:
-        free = states if held else [s for s, h in zip(states, each_held) if not h]
-        state = next((s for s in LIVELIEST if s in free), None)
-    source = next((j for j, s in zip(present, states) if s == state), present[0])
-    conditions = [c for c in (source.get("status") or {}).get("conditions") or []
-                  if c.get("type") == state and c.get("status") == "True"]
-    meta = present[0].get("metadata") or {}
-    return {"metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid"),
-                         "labels": meta.get("labels") or {},
-                         "resourceVersion": ",".join(str((j.get("metadata") or {}).get("resourceVersion")) for j in present)},
-            "spec": {"runPolicy": {**((present[0].get("spec") or {}).get("runPolicy") or {}), "suspend": held}},
-            "status": {"conditions": conditions[-1:]}}
 
 
-GROUP_QUEUE_FIELDS = ("queued", "queueReason", "queueMessage", "admittedAt")  # status.replicaGroups[], Kueue's
 
 
-def group_status(jobs: list[dict | None], pods: list[dict], old: list[dict] | None,
-                 queues: list[kueue.QueueState | None] | None = None) -> list[dict]:
-    """status.replicaGroups: each group's phase, running pods and restarts. A group is Restarting while its job
-    is active and fewer of its pods run than it has workers (a pod lost, or restarted by the training-operator);
-    each move from Running to Restarting or Pending counts one restart of that group. queues: each group's place
-    in Kueue (kiln.control.kueue.observe_groups), None: as recorded before."""
-    before = {g.get("group"): g for g in old or []}
-    out = []
-    for group, job in enumerate(jobs):
-        was = before.get(group, {})
-        mine = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL) == str(group)]
-        workers = (((job or {}).get("spec") or {}).get("pytorchReplicaSpecs") or {}).get("Worker") or {}
-        desired, running, state = int(workers.get("replicas") or 0), running_pods(mine), job_condition(job)
-        if state in FINAL:
-            phase = state
-        elif job is None or kueue.held(job) or state == "Suspended":
-            phase = "Pending"
-        elif desired and running >= desired:
-            phase = "Running"
-        else:
-            phase = "Restarting" if state in ("Running", "Restarting") or was.get("phase") == "Running" else "Pending"
-        restarts = int(was.get("restarts") or 0)
-        if was.get("phase") == "Running" and phase in ("Restarting", "Pending"):
-            restarts += 1
-        queued = kueue.group_fields(queues[group], was) if queues is not None else \
-            {k: was[k] for k in GROUP_QUEUE_FIELDS if k in was}
-        out.append({"group": group, "job": ((job or {}).get("metadata") or {}).get("name"), "phase": phase,
-                    "pods": running, "restarts": restarts, **queued})
-    return out
 
 
 
@@ -143,9 +71,6 @@ def _job_message(job: dict | None, ctype: str) -> str:
     return ""
 
 
-def running_pods(pods: list[dict]) -> int:
-    return sum(1 for p in pods if (p.get("status") or {}).get("phase") == "Running"
-               and not (p.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def unschedulable(pods: list[dict]) -> str | None:
@@ -237,7 +162,7 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     condition as it is (status refreshes triggered by the job or its pods).
     queue: the run's place in Kueue (kiln.control.kueue) when it was read; None keeps condition Queued and
     status.queue as they are. group_queues: with replica groups, each group's place instead (observe_groups;
-    None: none read), folded into the run's by kueue.groups_state. pricing: the price of the run's GPU type,
+    None: none read), folded into the run's by kiln.control.replica_groups.fold. pricing: the price of the run's GPU type,
     for status.cost.
     """
     spec, old = ts.get("spec") or {}, ts.get("status") or {}
@@ -247,9 +172,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
     phase = phase_of(spec, job, pods)
     conditions = list(old.get("conditions") or [])
     events: list[Event] = []
-    if group_queues is not None and group_jobs is not None:
-        queue = kueue.groups_state(group_queues, [((j or {}).get("metadata") or {}).get("name") or f"group {i}"
-                                                  for i, j in enumerate(group_jobs)], old.get("queue"))
+    groups = replica_groups.fold(group_jobs, group_queues, pods, old)  # the layout part's own status
+    queue = groups.queue if groups.queue_read else queue
 
     if accepted is not None:
         if accepted[0] == "False" and not _same(old, "SpecAccepted", *accepted):
@@ -305,18 +229,8 @@ def derive(ts: dict, job: dict | None, pods: list[dict], now: str,
         status.pop("observedGeneration")
     if queue is not None:
         status["queue"] = queue.as_status()
-    if group_jobs is not None:
-        status["replicaGroups"] = groups = group_status(group_jobs, pods, old.get("replicaGroups"), group_queues)
-        before = {g.get("group"): g.get("phase") for g in old.get("replicaGroups") or []}
-        for g in groups:
-            was = before.get(g["group"])
-            if was == "Running" and g["phase"] in ("Restarting", "Pending"):
-                events.append(Event("Warning", "ReplicaGroupLost",
-                                    f"replica group {g['group']} ({g['job']}): {g['pods']} pod(s) running; "
-                                    f"it restarts alone, the other groups keep training"))
-            elif was in ("Restarting", "Pending") and g["phase"] == "Running" and g["restarts"]:
-                events.append(Event("Normal", "ReplicaGroupBack", f"replica group {g['group']} ({g['job']}) "
-                                    f"runs again (restart {g['restarts']}); it heals from a live group"))
+    status.update(groups.fields)
+    events += [Event(*event) for event in groups.events]
     # the phase in status held until now: it prices the time since the last refresh
     created = goodput.epoch((ts.get("metadata") or {}).get("creationTimestamp") or now)
     ledger = goodput.Ledger.from_status(old, created)
@@ -345,7 +259,7 @@ def _same(old_status: dict, ctype: str, status: str, reason: str, message: str) 
 
 GOODPUT_FIELDS = ("goodput", "goodputDetail", "cost", "scaling")  # they move with the clock and the reports
 # The ledger moves with the clock, so every refresh would differ in it. Alone it is written when the stored
-# one is this old (the operator's 15 s tick, kiln.control.handlers, refreshes every run); with any other
+# one is this old (the operator's 15 s tick, kiln.control.ticks, refreshes every run); with any other
 # change (phase, conditions, nodes, restarts) it goes along at once. Skipping a write loses nothing: the next
 # one attributes the whole interval. Each write of a TrainingSpec costs the apiserver 12-15 ms of CPU (its
 # schema and CEL rules), so the ledger alone is written once a minute, not every tick.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -21,9 +21,10 @@ from kiln.control import kueue
 from kiln.control.config import OperatorConfig, Pricing
 from kiln.control.elastic_state import carried_avoid, carried_nodes
 from kiln.control.kube import Kube, now
-from kiln.control.plan import Observed, job_names_of, plan
-from kiln.control.status import (Event, changed, combined_job, derive, job_condition, pods_to_stop, same_condition,
-                                 set_condition)
+from kiln.control.parts import Layout, layout_of_stored
+from kiln.control.plan import Observed, plan
+from kiln.control.job_state import job_condition
+from kiln.control.status import Event, changed, derive, pods_to_stop, same_condition, set_condition
 from kiln.errors import KilnError
 
 PostEvent = Callable[[dict, Event], None]
@@ -59,10 +60,10 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     with run.lock:
         run.reconciled_at = time.monotonic()
         try:
-            wanted = job_names_of(body)
-            # with replica groups also the run's single job, if any: switching faultTolerance under it is refused
-            jobs = {n: kube.job(namespace, name, n) for n in (wanted if len(wanted) == 1 else [*wanted, name])}
-            job, group_jobs = run_job(wanted, [j for j in jobs.values() if j])
+            layout = layout_of_stored(body)
+            wanted = layout.job_names(name)
+            jobs = {n: kube.job(namespace, name, n) for n in layout.read_names(name)}
+            job, group_jobs = layout.view(name, [j for j in jobs.values() if j])
             if any(jobs[n] is None for n in wanted) or resync:  # never made, or deleted by someone: the other
                 kube.forget_applied(namespace, name)                # objects may be gone too
             job_active = any(j is not None and job_condition(j) not in ("Succeeded", "Failed") for j in jobs.values())
@@ -95,29 +96,12 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 # Suspend needs no step of its own here: the training-operator deletes the pods, each trainer
                 # gets SIGTERM, all ranks agree on a step and commit it within the grace period (plan.py).
                 accepted = ("True", "Applied", "; ".join(["the PyTorchJob and ConfigMap match the spec", *desired.notes]))
-                uid = body["metadata"].get("uid")
-                # The job is applied last, each object before it checked: a job of this run's vouches for them.
-                checked = all(jobs[n] is not None and foreign(jobs[n], uid) is None for n in wanted)
-                for obj in desired.objects:  # the job last: its pods mount the ConfigMap
-                    try:
-                        if not checked and not kube.applied_before(obj):  # force would adopt someone else's
-                            other = foreign(jobs.get(obj["metadata"]["name"]) if obj["kind"] == "PyTorchJob"
-                                            else kube.read(obj), uid)
-                            if other:
-                                accepted = ("False", "NotOwner", other)
-                                break
-                        if obj["kind"] == "PyTorchJob":
-                            obj = kueue.with_admitted_tolerations(obj, jobs.get(obj["metadata"]["name"]))
-                        applied = kube.apply(obj)
-                    except ApiException as err:  # refused as invalid, or the apiserver failed: say which
-                        accepted = ("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err))
-                        break
-                    if obj["kind"] == "PyTorchJob" and applied is not None:
-                        if not any(jobs.values()):
-                            pods = []  # created just now: the training-operator has made no pod yet
-                        jobs[obj["metadata"]["name"]] = applied
-                job, group_jobs = run_job(wanted, [j for j in jobs.values() if j])
-        _write_status(kube, body, post, accepted, job, pods, group_jobs, pricing=config.pricing)
+                done = apply_plan(kube, desired.objects, jobs, wanted, body["metadata"].get("uid"))
+                accepted, jobs = done.refusal or accepted, done.jobs
+                if done.created:
+                    pods = []  # created just now: the training-operator has made no pod yet
+                job, group_jobs = layout.view(name, [j for j in jobs.values() if j])
+        _write_status(kube, body, post, accepted, job, pods, group_jobs, pricing=config.pricing, layout=layout)
         if accepted[0] == "False" and accepted[1] in RETRIED:
             raise Wait(accepted[2])  # retried with a delay: the cause may go away without a spec change
         return f"{namespace}/{name}: {accepted[1]}"
@@ -173,6 +157,41 @@ def foreign(existing: dict | None, owner_uid: str | None) -> str | None:
             f"rename this TrainingSpec")
 
 
+@dataclass(frozen=True)
+class Applied:
+    refusal: tuple[str, str, str] | None  # ("False", reason, message): why the objects from there on were not applied
+    jobs: dict[str, dict | None]  # the run's PyTorchJobs by name, as the applies returned them
+    created: bool = False  # a PyTorchJob was made for a run that had none
+
+
+def apply_plan(kube: Kube, objects: list[dict], jobs: dict[str, dict | None], wanted: list[str],
+               uid: str | None) -> Applied:
+    """Apply a plan's objects in order (the job last: its pods mount the ConfigMap): the one place that applies
+    a run's desired objects, for the reconcile and the elastic tick alike.
+
+    jobs: the run's PyTorchJobs by name as at hand (None: not there); wanted: the names the run's layout has.
+    Server-side apply with force would take over an object someone else owns, so each object is checked first
+    (`foreign`; a read unless this process applied it before), except when every job of the run exists and is
+    this run's: the job is applied last, each object before it checked, so a job of this run's vouches for them.
+    Stops at the first object not applied: NotOwner, or ApplyRefused/ApplyFailed with the apiserver's reason."""
+    jobs, had_job = dict(jobs), any(jobs.values())
+    checked = all(jobs.get(n) is not None and foreign(jobs[n], uid) is None for n in wanted)
+    for obj in objects:
+        is_job = obj["kind"] == "PyTorchJob"
+        try:
+            if not checked and not kube.applied_before(obj):
+                other = foreign(jobs.get(obj["metadata"]["name"]) if is_job else kube.read(obj), uid)
+                if other:
+                    return Applied(("False", "NotOwner", other), jobs)
+            applied = kube.apply(kueue.with_admitted_tolerations(obj, jobs.get(obj["metadata"]["name"]))
+                                 if is_job else obj)
+        except ApiException as err:  # refused as invalid, or the apiserver failed: say which
+            return Applied(("False", "ApplyRefused" if refused(err) else "ApplyFailed", apply_failure(obj, err)), jobs)
+        if is_job and applied is not None:
+            jobs[obj["metadata"]["name"]] = applied
+    return Applied(None, jobs, created=not had_job and any(jobs.values()))
+
+
 def refused(err: ApiException) -> bool:
     """Whether the apiserver refused an apply as invalid (trying again cannot help). A body that does not fit
     the object's schema (a malformed affinity) fails server-side apply's typed conversion, which the
@@ -199,16 +218,6 @@ def apply_failure(obj: dict, err: ApiException) -> str:
     return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {_message(err)}"[:2000]
 
 
-def run_job(wanted: list[str], found: list[dict]) -> tuple[dict | None, list[dict | None] | None]:
-    """The run's job as the status reads it and, with replica groups, each group's job in group order (None:
-    not there); without groups, None for the second. wanted: job_names_of the run; found: its jobs at hand."""
-    by_name = {(j.get("metadata") or {}).get("name"): j for j in found}
-    if len(wanted) == 1:
-        return by_name.get(wanted[0]), None
-    group_jobs = [by_name.get(n) for n in wanted]
-    return combined_job(group_jobs), group_jobs
-
-
 def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ,
                    pricing: Pricing = Pricing()) -> None:
     """Recompute the status after the job or one of its pods changed.
@@ -225,11 +234,11 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
     with kube.runs[(namespace, name)].lock:
         body = kube.last_spec(namespace, name) or kube.trainingspec(namespace, name)
         if body is not None:
-            wanted = job_names_of(body)
+            layout = layout_of_stored(body)
             if job is READ:
-                job = [j for n in wanted if (j := kube.job(namespace, name, n)) is not None]
-            job, group_jobs = run_job(wanted, job if isinstance(job, list) else [job] if job else [])
-            _write_status(kube, body, post, None, job, pods, group_jobs, pricing=pricing)
+                job = [j for n in layout.job_names(name) if (j := kube.job(namespace, name, n)) is not None]
+            job, group_jobs = layout.view(name, job if isinstance(job, list) else [job] if job else [])
+            _write_status(kube, body, post, None, job, pods, group_jobs, pricing=pricing, layout=layout)
 
 
 def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
@@ -240,9 +249,10 @@ def job_unseen(kube: Kube, namespace: str, name: str, job: dict) -> bool:
 
 
 def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict | None, pods=READ,
-                  group_jobs: list[dict | None] | None = None, pricing: Pricing = Pricing()) -> None:
+                  group_jobs: list[dict | None] | None = None, pricing: Pricing = Pricing(),
+                  layout: Layout | None = None) -> None:
     """Derive and patch the status from the job (as just read or applied; with replica groups the combined
-    one, kiln.control.status.combined_job, and each group's) and its pods."""
+    one, kiln.control.replica_groups.combined_job, and each group's) and its pods."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     known = kube.last_spec(namespace, name)
     if known is not None and known is not body and known["metadata"].get("uid") == body["metadata"].get("uid"):
@@ -251,9 +261,8 @@ def _write_status(kube: Kube, body: dict, post: PostEvent, accepted, job: dict |
     if pods is READ:
         pods = kube.pods(namespace, name) if job is not None else []
     # a queued run: why it waits (a Workload read; with replica groups, one per group due a read)
-    queue = kueue.observe(kube, job, body.get("status")) if group_jobs is None else None
-    group_queues = kueue.observe_groups(kube, group_jobs, body.get("status")) if group_jobs is not None else None
-    result = derive(body, job, pods, now(), accepted, queue, group_jobs, group_queues, pricing=pricing)
+    part = (layout or layout_of_stored(body)).status_inputs(kube, job, group_jobs, body.get("status"))
+    result = derive(body, job, pods, now(), accepted, pricing=pricing, **part)
     if changed(body.get("status") or {}, result.status):
         kube.patch_status(namespace, name, result.status)
     else:
