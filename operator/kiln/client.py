@@ -13,6 +13,10 @@
 The same errors as the CLI: `KilnError` (one line naming the cause) for bad specs, a refused apply or a missing
 run; `RunFailed` for a run that ended otherwise than asked. Kubeflow's TrainerClient is the model for the shape
 (submit, wait, logs), the TrainingSpec models (kiln.api.spec) for the types.
+
+One module, one concern (the client; `job_of`, `worker_logging_steps` and `api_message` are its helpers that
+`kiln logs` and `kiln wait` share). It sits beside kiln.cli, above kiln.control, which it imports: nothing below
+imports it (api <- storage <- trainer/control <- cli/client).
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def make_folder(folder: Path, preset: str, shard_bytes: int) -> int:
     """A random bf16 checkpoint with tied embeddings; returns its bytes on disk."""
     from kiln.api.hf import config_for
     from kiln.storage import open_store
-    from kiln.trainer.model.hf_folder import hf_shapes, write_folder
+    from kiln.trainer.model.hf_export import write_folder
+    from kiln.trainer.model.hf_names import hf_shapes
 
     dims = dims_of(preset)
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +73,7 @@ def worker(folder: str, out: str) -> None:
     """One torchrun rank: build the FSDP2 model, then time and measure load_weights."""
     from kiln.api.spec import TrainingSpecSpec
     from kiln.trainer.model import hf_folder as hf
-    from kiln.trainer.run import init_distributed
+    from kiln.trainer.build import init_distributed
     from kiln.trainer.model.transformer import build_model
     from kiln.trainer.parallel.parallelize import build_mesh, parallelize, plan_layout
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file, save_file
 
     from kiln.storage import open_store
-    from kiln.trainer.model.hf_folder import write_folder
+    from kiln.trainer.model.hf_export import write_folder
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-hf-") as tmp:
         folder, ranks = Path(tmp) / "model", Path(tmp) / "ranks"

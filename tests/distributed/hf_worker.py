@@ -22,7 +22,7 @@ import torch.distributed as dist
 def main(cases_path: str, out_dir: str) -> None:
     from kiln.api.spec import TrainingSpecSpec
     from kiln.trainer.model import hf_folder as hf, kernels
-    from kiln.trainer.run import init_distributed
+    from kiln.trainer.build import init_distributed
     from kiln.trainer.model.transformer import build_model
     from kiln.trainer.parallel.parallelize import build_mesh, parallelize, plan_layout
 

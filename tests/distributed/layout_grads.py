@@ -1,5 +1,5 @@
 """The loss-normalisation tests' worker (chat masks, packed rows): one global batch through the trainer's own step
-functions (kiln.trainer.run `accumulate_step`, kiln.trainer.parallel.microbatches `pipeline_step`,
+functions (kiln.trainer.parallel.microbatches `accumulate_step` and `pipeline_step`,
 kiln.trainer.model.loss) in each of LAYOUTS on two real gloo ranks, each rank saving the full gradients it holds by
 parameter name; and the check that every layout gave the single-process reference's loss and gradients."""
 
@@ -48,7 +48,7 @@ def layout_grads(rank: int, world: int, out: str, make_batch, global_batch: int,
     from kiln.trainer.parallel.microbatches import pipeline_step
     from kiln.trainer.parallel.parallelize import (build_mesh, build_pipeline_schedule, dp_coordinates, parallelize,
                                                    plan_layout)
-    from kiln.trainer.run import accumulate_step
+    from kiln.trainer.parallel.microbatches import accumulate_step
 
     losses = {}
     for name, parallelism in LAYOUTS.items():

@@ -1,7 +1,7 @@
 """data.format chat's loss: the mean over the assistant tokens of the whole global batch, whatever the layout.
 
-Two real gloo ranks run the trainer's own step functions (kiln.trainer.run `accumulate_step`,
-kiln.trainer.parallel.microbatches `pipeline_step`, with kiln.trainer.model.loss) on one global batch whose assistant tokens are spread
+Two real gloo ranks run the trainer's own step functions (kiln.trainer.parallel.microbatches `accumulate_step` and
+`pipeline_step`, with kiln.trainer.model.loss) on one global batch whose assistant tokens are spread
 very unevenly over ranks and microbatches (one microbatch has none). Their gradients, gathered by parameter name,
 must equal those of the single-process reference: sum of the assistant tokens' cross-entropy / their count, over
 the full batch. The mean of per-microbatch means, which equal-weighting would give, differs from it by far more

@@ -16,7 +16,7 @@ from kiln.api.load import parse
 from kiln.api.spec import ModelSpec
 from kiln.errors import KilnError
 from kiln.storage import open_store
-from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model import hf_export, hf_folder as hf
 from kiln.trainer.model.transformer import build_model
 from tests.hf_models import VARIANTS, VOCAB, make_tokenizer, save_model
 
@@ -92,8 +92,8 @@ def test_import_then_export_gives_back_identical_tensors(tmp_path, variant):
     save_model(src, variant, tokenizer=False)
     model = imported(f"file://{src}")
     out = open_store(f"file://{tmp_path / 'out'}")
-    hf.write_folder(hf.hf_state(model, torch.float32), out, config={}, generation={}, tokenizer_files={},
-                    max_shard_bytes=1 << 30)
+    hf_export.write_folder(hf_export.hf_state(model, torch.float32), out, config={}, generation={},
+                           tokenizer_files={}, max_shard_bytes=1 << 30)
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     with safe_open(str(src / "model.safetensors"), "pt") as st:
         for name in st.keys():
@@ -114,14 +114,14 @@ def test_bf16_folder_round_trips_bit_exactly(tmp_path):
     model = imported(f"file://{src}")
     assert next(model.parameters()).dtype == torch.float32  # kiln's master weights; bf16 -> fp32 is exact
     out = open_store(f"file://{tmp_path / 'out'}")
-    hf.write_folder(hf.hf_state(model, torch.bfloat16), out, config={}, generation={}, tokenizer_files={},
-                    max_shard_bytes=1 << 30)
+    hf_export.write_folder(hf_export.hf_state(model, torch.bfloat16), out, config={}, generation={},
+                           tokenizer_files={}, max_shard_bytes=1 << 30)
     want, got = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_shard_plan_keeps_order_and_limit():
-    assert hf.shard_plan({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
+    assert hf_export.shard_plan({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
 
 
 # -- bad input: a KilnError naming the key or tensor ------------------------------------------------------------------

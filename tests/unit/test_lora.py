@@ -16,7 +16,7 @@ from kiln.api.load import parse
 from kiln.api.spec import AdapterSpec
 from kiln.errors import KilnError
 from kiln.storage import open_store
-from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model import hf_export, hf_folder as hf
 from kiln.trainer.model.lora import apply_lora, check_base, init_adapters, merge_adapters
 from kiln.trainer.model.peft_folder import adapter_record, write_adapter
 from kiln.trainer.model.transformer import build_model
@@ -113,7 +113,7 @@ def test_merged_weights_equal_peft_merge_and_unload_and_base_plus_scaled_ba(fold
     write_adapter(open_store(f"file://{tmp_path}/"), model, spec.model.adapter, spec.model.from_)
     params = dict(model.named_parameters())
     w, a, b = (params[f"layers.0.attention.wq.{k}"].detach().clone() for k in ("weight", "lora_A.weight", "lora_B.weight"))
-    merged = hf.hf_state(merge_adapters(model), torch.float32)
+    merged = hf_export.hf_state(merge_adapters(model), torch.float32)
     theirs = peft_model(folder, tmp_path).merge_and_unload().state_dict()
     assert set(merged) <= set(theirs) and not any("lora" in n for n in merged)
     for name, tensor in merged.items():

@@ -16,7 +16,7 @@ from kiln.api.hf import config_for
 from kiln.api.load import parse
 from kiln.errors import KilnError
 from kiln.storage import open_store
-from kiln.trainer.model import hf_folder as hf, kernels
+from kiln.trainer.model import hf_export, hf_folder as hf, kernels
 from kiln.trainer.model.transformer import build_model
 from tests.hf_models import FAMILIES, VOCAB, save_model
 
@@ -86,9 +86,9 @@ def test_training_steps_match_transformers_and_export_reloads_bit_for_bit(tmp_pa
     assert ours[0] > ours[1] > ours[2]  # it trained
 
     out = tmp_path / "out"
-    hf.write_folder(hf.hf_state(model, torch.float32), open_store(f"file://{out}"),
-                    config=config_for(model.dims, base=base), generation={}, tokenizer_files={},
-                    max_shard_bytes=1 << 30)
+    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{out}"),
+                           config=config_for(model.dims, base=base), generation={}, tokenizer_files={},
+                           max_shard_bytes=1 << 30)
     reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert type(reloaded) is type(reference)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -63,7 +63,7 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kiln.trainer.model.hf_folder import export_hf
+    from kiln.trainer.model.hf_export import export_hf
 
     doc = load_one(args.spec)
     max_bytes = parse_size(args.max_shard_size)

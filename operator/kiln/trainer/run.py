@@ -11,47 +11,43 @@ each one holds.
 Where a run's events hook in (kiln.trainer.hooks.StepHooks), one place each: a resume from a commit in
 `Run._restart`, a heal from a live peer in `Run._heal`, a torchft quorum change in kiln.trainer.membership.replica_groups (it calls
 `StepHooks.membership_changed` itself: the run has nothing to update for it), the checkpoint store in
-`Run._build_checkpointer`; a guard's rollback in `Run._roll_back`.
+kiln.trainer.build.build_checkpointer; a guard's rollback in `Run._roll_back`.
 
-Over 400 lines on purpose: set-up and the step read in their order, in one place (TorchTitan's train.py too).
+Each part is built in kiln.trainer.build; the set-up's order (`Run.__init__`: it matters, e.g. replica groups warm
+up before their join) and the step stay here, read in their order in one place (TorchTitan's train.py too): a
+little over 400 lines for that reason.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from kiln.api import TrainingSpec, contract
-from kiln.api.layout import replica_group_spec
-from kiln.trainer.model import documents, hf_folder as hf, kernels
-from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
+from kiln.api import TrainingSpec
+from kiln.trainer.build import (build_checkpointer, build_data, build_model_parts, init_distributed, run_preflight,
+                                start_exporter)
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
-from kiln.trainer.model.lora import check_base, init_adapters
-from kiln.trainer.model.peft_folder import adapter_record
-from kiln.trainer.model.loss import PipelineLoss, global_count, global_loss, microbatch_loss
-from kiln.trainer.observe import hang_report, preflight, tracking
-from kiln.trainer.observe.gpu_health import node_name
-from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, mfu_note, peak_flops, peak_memory_gib
-from kiln.trainer.model.transformer import build_model, cross_entropy
-from kiln.trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from kiln.trainer.parallel.parallelize import Layout, build_mesh, build_pipeline_schedule, dp_coordinates, parallelize, plan_layout
-from kiln.trainer.parallel.microbatches import pipeline_step
 from kiln.trainer.membership.strategy import open_membership
-from kiln.trainer.rng import rng_state, set_rng_state
-from kiln.trainer.state import Fixed, ModelState, Named, Progress, RngState, RunState
+from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model.lora import check_base, init_adapters
+from kiln.trainer.model.loss import global_count, global_loss
+from kiln.trainer.observe import hang_report, tracking
+from kiln.trainer.observe.gpu_health import node_name
+from kiln.trainer.observe.metrics import MetricsLogger, StepTimer, flops_per_token, peak_flops, peak_memory_gib
 from kiln.trainer.observe.startup import process_start_time
 from kiln.trainer.observe.status_report import StatusReporter
 from kiln.trainer.observe.stragglers import StragglerWatch
+from kiln.trainer.optim import clip_grad_norm_, lr_at, set_lr
+from kiln.trainer.parallel.microbatches import accumulate_step, pipeline_step
+from kiln.trainer.rng import rng_state, set_rng_state
+from kiln.trainer.state import Fixed, ModelState, Named, Progress, RngState, RunState
 
 
 def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks | None = None,
@@ -83,25 +79,6 @@ def setup(spec_doc: TrainingSpec, *, output_dir: Path | None, hooks: StepHooks |
         raise
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up (or a world of one without torchrun)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # a plain `kiln train` without torchrun
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                device_id=device if device.type == "cuda" else None)
-    return rank, world, device
-
-
 class Run:
     """Everything one process trains with, and where it is: `state` (kiln.trainer.state: every part a
     checkpoint, a rollback and a heal carry; `last_step` and `tokens_seen` are its progress), the loss of every
@@ -123,10 +100,10 @@ class Run:
         self.watch = None  # the loop's hang watch, from the first step on
         self.tracking = None
 
-        self._build_model()
-        self._build_data()
-        self._build_checkpointer(checkpoint_uri, output_dir, checkpointing)
-        self._preflight()  # before anything waits on this process: every rank's speed, the world's bandwidth
+        build_model_parts(self)
+        build_data(self)
+        build_checkpointer(self, checkpoint_uri, output_dir, checkpointing)
+        run_preflight(self)  # before anything waits on this process: every rank's speed, the world's bandwidth
         # the run's state, one registry: a commit, a rollback and a heal carry these parts and nothing else
         self.reporter = StatusReporter.from_env(self.tr.steps, rank=rank)  # rank 0 → status; its time counters
         self.state = state = RunState(ModelState(self.model_parts, self.optimizers), self.progress)
@@ -141,7 +118,7 @@ class Run:
         # who takes part in a step: solo, or one replica group of several (kiln.trainer.membership.strategy)
         self.members = open_membership(self.spec, rank=rank, world=world, device=device, state=state,
                                        on_membership_change=self.hooks.membership_changed)
-        exporter = _exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
+        exporter = start_exporter(spec_doc.metadata.name) if rank == 0 else None  # needs no restored state
         if self.members.waits_for_peers:  # from its join on, the live groups wait for this one: do before it what can be
             from kiln.trainer.observe.metrics import preload
 
@@ -172,77 +149,6 @@ class Run:
         self.watch = self.members.watch_hangs(self._hung)
 
     # ---- setup, in order --------------------------------------------------------------------------------------
-
-    def _build_model(self) -> None:
-        """Shapes on meta, parallelize, then allocate on the device and initialise by parameter name."""
-        spec, tr, par, device = self.spec, self.tr, self.spec.parallelism, self.device
-        self.dims = dims = hf.resolve_dims(spec)  # a model folder's config.json (model.from), else the preset and fields
-        self.tokenizer = hf.training_tokenizer(spec, dims)
-        self.adapter = adapter_record(spec, dims, endpoint=hf.storage_endpoint(spec))  # LoRA: base identity; else None
-        # elastic.faultTolerance replicaGroups: this job is one replica group, with its share of the batch
-        self.layout = layout = plan_layout(replica_group_spec(spec), dims, self.world,
-                                           int(os.environ.get("LOCAL_WORLD_SIZE") or self.world))
-        kernels.set_mode(par.kernels)
-        torch.manual_seed(tr.seed)
-
-        self.mesh = mesh = build_mesh(layout, device.type)
-        self.model = model = parallelize(build_model(dims), mesh, layout, spec)
-        model.to_empty(device=device)
-        model.init_buffers()  # the weights: a peer's, this run's commit, or _initial_weights
-        model.train()
-        if self.rank == 0:  # what runs, and what the numbers are measured against, once per run
-            used = kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile, arch=dims.arch)
-            print(f"kiln: {used}", flush=True)
-            print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
-            if spec.data.packing:
-                print(f"kiln: {documents.describe(device)}", flush=True)
-        self.model_parts = [model]
-        self.params = [p for part in self.model_parts for p in part.parameters()]  # fixed from here: clipped each step
-        self.optimizer = build_optimizer(self.model_parts, tr, device)
-        self.optimizers = [self.optimizer]
-        self.startup["model_built"] = time.time()
-
-        pp_rank = mesh["pp"].get_local_rank()
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
-        self.pp_loss = PipelineLoss(cross_entropy, layout)
-        self.schedule = build_pipeline_schedule(model, mesh, layout, device, self.pp_loss) if layout.pp > 1 else None
-        self.pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
-        # Exactly one rank per data-parallel replica reports the loss: the last stage, tensor rank 0.
-        self.reports_loss = self.is_last and mesh["tp"].get_local_rank() == 0
-
-    def _preflight(self) -> None:
-        """resources.preflight: every rank's matmul rate and the world's bandwidth, before anything trains
-        (kiln.trainer.observe.preflight); `self.preflight` is the result, None when the check is off."""
-        check = self.spec.resources.preflight
-        self.preflight = preflight.check(self.device, min_relative=check.min_relative_speed, node=node_name(),
-                                         matmul=self.hooks.preflight_matmul) if check.enabled else None
-        if self.preflight is not None and self.rank == 0:
-            preflight.say(self.preflight)
-
-    def _build_data(self) -> None:
-        spec, tr, dims = self.spec, self.tr, self.dims
-        self.dp_rank, self.dp_size = dp_coordinates(self.mesh)
-        source = open_data(spec.data, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
-                           endpoint=os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint,
-                           tokenizer=self.tokenizer)
-        self.loader = GlobalBatchLoader(source, seed=tr.seed, dp_rank=self.dp_rank, dp_size=self.dp_size)
-        # Held-out loss at the end of the run, for the corpus that has a validation split.
-        self.val_loader = GlobalBatchLoader(
-            open_source(spec.data.uri, seq_len=dims.seq_len, vocab_size=dims.vocab_size, seed=tr.seed,
-                        split="validation", tokenizer=self.tokenizer), seed=tr.seed, dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        ) if spec.data.uri == "builtin:pydoc" and not spec.data.sources else None
-
-    def _build_checkpointer(self, checkpoint_uri: str | None, output_dir: Path | None, checkpointing: bool) -> None:
-        from kiln.trainer.checkpoint.checkpointer import Checkpointer, NoCheckpoints, install_sigterm_handler
-
-        if threading.current_thread() is threading.main_thread():
-            install_sigterm_handler()  # SIGTERM (preemption, Ctrl-C in `kiln run`) -> save, then stop
-        default_uri = checkpoint_uri or (f"file://{(output_dir / 'checkpoints').resolve()}" if output_dir else None)
-        self.checkpointer = Checkpointer(self.spec.checkpoint, default_uri=default_uri, rank=self.rank,
-                                         world_size=self.world) if checkpointing else NoCheckpoints()
-        if checkpointing:
-            self.hooks.record_incidents(self.checkpointer.store)  # e.g. SDC mismatches outlive the process
 
     def _restore(self) -> None:
         """Where the state comes from: a live peer's (replica groups, when one is ahead), else the newest
@@ -518,36 +424,4 @@ class Run:
             self.members.close()
 
 
-def _exporter(run: str):
-    """Prometheus metrics on rank 0 when KILN_METRICS_PORT is set (the operator sets it in pods)."""
-    port = os.environ.get(contract.METRICS_PORT)
-    if not port:
-        return None
-    from kiln.trainer.observe.exporter import TrainerExporter
 
-    exporter = TrainerExporter(run)
-    exporter.start(int(port))
-    return exporter
-
-
-# ---- forward and backward -------------------------------------------------------------------------------------
-
-
-def accumulate_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
-                    denominator: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Forward/backward over grad_accum microbatches; gradients average over them (and over dp, by FSDP), or
-    with a `denominator` sum over the global batch's loss-carrying tokens (kiln.trainer.model.loss). `doc_ids`:
-    packed rows' documents (data.packing), sliced with their microbatch."""
-    total = torch.zeros((), device=inputs.device)
-    m = layout.micro_batch
-    for i in range(layout.grad_accum):
-        # Reduce gradients across data parallel only once, after the last microbatch.
-        if hasattr(model, "set_requires_gradient_sync"):  # no data-parallel wrapper at dp 1: nothing to sync
-            model.set_requires_gradient_sync(i == layout.grad_accum - 1)
-        rows = slice(i * m, (i + 1) * m)
-        batch = targets[rows]
-        docs = {} if doc_ids is None else {"doc_ids": doc_ids[rows]}
-        loss = microbatch_loss(model(inputs[rows], batch, **docs), batch, denominator, layout, layout.grad_accum)
-        loss.backward()
-        total += loss.detach()
-    return total

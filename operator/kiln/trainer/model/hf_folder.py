@@ -1,4 +1,4 @@
-"""Hugging Face model folders in and out: `model.from`, `data.tokenizer` and `kiln export --format hf`.
+"""Hugging Face model folders in: `model.from` and `data.tokenizer` (out: kiln.trainer.model.hf_export).
 
 In: the folder's config.json gives the dimensions (kiln.api.hf); the weights are read **streamed and sharded**:
 every rank reads, for each parameter it holds (its FSDP/TP shard of the blocks of its pipeline stage), only the
@@ -7,101 +7,43 @@ No rank ever holds a tensor it does not own, let alone the whole model. The safe
 length, a JSON header and raw little-endian data; `safetensors.safe_open` needs a local file, so the header is
 parsed here and the data read by range (tests check it against safetensors itself).
 
-Names: kiln's parameters map one to one onto transformers' names (`NAME_MAP`, the same for every family kiln
-reads but Gemma's extra norms). Both use the rotate-half
+Names: kiln's parameters map one to one onto transformers' names (kiln.trainer.model.hf_names `NAME_MAP`, the
+same for every family kiln reads but Gemma's extra norms; re-exported here). Both use the rotate-half
 RoPE convention (transformers' conversion script permutes Meta's interleaved q/k rows once, into the layout
 kiln uses too), so q/k weights are copied as they are; a test checks logits against transformers itself.
 Tied embeddings are untied: the output layer starts as a copy of the embedding and trains on its own; an
 export writes both, with tie_word_embeddings false.
-
-Out: one process loads the newest commit (any world size; DCP reshards) and writes sharded safetensors, the
-index, config.json, generation_config.json and the tokenizer files.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import struct
-import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.api import ModelDims, resolve_model
+from kiln.api.hf import dims_from_config
 from kiln.api.presets import Arch
-from kiln.api.hf import config_for, dims_from_config
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.bounded import parse_json, read_bytes, read_json_object
 from kiln.storage.store import ObjectNotFound
+from kiln.trainer.model.hf_names import (  # noqa: F401  (the names reading does not use are re-exported)
+    CONFIG, DTYPE_NAMES, DTYPES, GENERATION_CONFIG, INDEX, NAME_MAP, SANDWICH_NAMES, SINGLE, TOKENIZER_FILES, hf_name,
+    hf_shapes,
+)
 
-CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt (the format's own limit)
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # a buffer old conversions saved
-
-# kiln parameter name -> transformers' name ({i}: the block index, the same on both sides). The same in every
-# family kiln reads (Llama, Mistral, Qwen2/3, Gemma 2/3: their *ForCausalLM classes share these names), but
-# for Gemma's extra norms, which move `post_attention_layernorm` to the attention's output (SANDWICH_NAMES).
-NAME_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attention.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "layers.{i}.attention.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "layers.{i}.attention.wo.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-SANDWICH_NAMES = {
-    "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def hf_name(kiln_name: str, arch: Arch = Arch()) -> str:
-    names = {**NAME_MAP, **SANDWICH_NAMES} if arch.sandwich_norm else NAME_MAP
-    m = _LAYER.match(kiln_name)
-    if m:
-        return names["layers.{i}." + m.group(2)].format(i=m.group(1))
-    return names[kiln_name]
-
-
-def hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the transformers model with these dims, by its name, with its shape: those of kiln's
-    model (built on the meta device), renamed."""
-    from kiln.trainer.model.transformer import build_model
-
-    return {hf_name(n, dims.arch): tuple(p.shape) for n, p in build_model(dims).named_parameters()}
-
-
-# -- where: the store of model.from -------------------------------------------------------------------------------
 
 
 def storage_endpoint(spec: TrainingSpecSpec) -> str | None:
@@ -109,14 +51,14 @@ def storage_endpoint(spec: TrainingSpecSpec) -> str | None:
     return os.environ.get("KILN_DATA_ENDPOINT") or spec.checkpoint.endpoint
 
 
-def _open(uri: str, endpoint: str | None, what: str) -> ObjectStore:
+def open_folder(uri: str, endpoint: str | None, what: str) -> ObjectStore:
     try:
         return open_store(uri, endpoint=endpoint)
     except KilnError as err:
         raise KilnError(f"{what} {uri}: {err}") from None
 
 
-def _json(store: ObjectStore, key: str, what: str) -> dict:
+def folder_json(store: ObjectStore, key: str, what: str) -> dict:
     try:
         return read_json_object(store, key, what=what)
     except ObjectNotFound:
@@ -124,7 +66,7 @@ def _json(store: ObjectStore, key: str, what: str) -> dict:
 
 
 def read_config(uri: str, endpoint: str | None = None) -> dict:
-    return _json(_open(uri, endpoint, "model.from"), CONFIG, f"model.from {uri}")
+    return folder_json(open_folder(uri, endpoint, "model.from"), CONFIG, f"model.from {uri}")
 
 
 def resolve_dims(spec: TrainingSpecSpec, *, endpoint: str | None = None, config: dict | None = None) -> ModelDims:
@@ -138,9 +80,6 @@ def resolve_dims(spec: TrainingSpecSpec, *, endpoint: str | None = None, config:
         return dims_from_config(config, spec.model, spec.model.from_)
     except ValueError as err:
         raise KilnError(f"spec.{err}") from None
-
-
-# -- safetensors headers and slices -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -213,9 +152,9 @@ class Checkpoint:
 
     def __init__(self, uri: str, endpoint: str | None = None):
         self.uri = uri
-        self.store = _open(uri, endpoint, "model.from")
+        self.store = open_folder(uri, endpoint, "model.from")
         if self.store.exists(INDEX):
-            index = _json(self.store, INDEX, f"model.from {uri}")
+            index = folder_json(self.store, INDEX, f"model.from {uri}")
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -319,9 +258,6 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
     return read
 
 
-# -- tokenizers -----------------------------------------------------------------------------------------------------
-
-
 def tokenizer_uri(spec: TrainingSpecSpec) -> str:
     """data.tokenizer, else model.from's tokenizer, else the byte tokenizer."""
     return spec.data.tokenizer or spec.model.from_ or "byte"
@@ -337,7 +273,7 @@ def load_tokenizer(uri: str, endpoint: str | None = None):
         folder, key = uri.rstrip("/").rsplit("/", 1)
     else:
         folder, key = uri, "tokenizer.json"
-    store = _open(folder + "/", endpoint, "data.tokenizer")
+    store = open_folder(folder + "/", endpoint, "data.tokenizer")
     try:
         raw = read_bytes(store, key, kind="tokenizer.json", what=f"data.tokenizer {uri}")
     except ObjectNotFound:
@@ -371,148 +307,3 @@ def training_tokenizer(spec: TrainingSpecSpec, dims: ModelDims):
 
         ChatRenderer(load_chat_template(uri, storage_endpoint(spec)))
     return tokenizer
-
-
-# -- export -----------------------------------------------------------------------------------------------------------
-
-
-def hf_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The transformers state dict of a plain (single-process) kiln model, in its family's names."""
-    return {hf_name(n, model.dims.arch): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
-
-
-def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into consecutive groups of at most max_bytes (a larger tensor gets a group alone)."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes.items():
-        if groups[-1] and used + size > max_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += size
-    return groups
-
-
-def put_safetensors(store: ObjectStore, key: str, tensors: dict[str, torch.Tensor]) -> None:
-    """One safetensors file at `key`, serialised by the `safetensors` library straight to a file (never a copy
-    of the shard in memory): in place under a temporary name on file:// (fsync'd, then renamed, like every
-    FileStore write), else to a local temporary file that the store uploads (multipart on S3)."""
-    from safetensors.torch import save_file
-
-    local = store.local_path(key)
-    if local is None:
-        with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-            path = os.path.join(tmp, "shard.safetensors")
-            save_file(tensors, path, metadata={"format": "pt"})
-            store.put_file(key, path)
-        return
-    local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, local)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_folder(state: dict[str, torch.Tensor], store: ObjectStore, *, config: dict, generation: dict,
-                 tokenizer_files: dict[str, bytes], max_shard_bytes: int) -> list[str]:
-    """A Hugging Face model folder in `store`: safetensors shards (+ index when more than one), the tokenizer
-    files, generation_config.json, then config.json last (a folder without it is not a model: an interrupted
-    export is never mistaken for a finished one). Returns the keys written."""
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    groups = shard_plan(sizes, max_shard_bytes)
-    names = [SINGLE] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = []
-    for key, group in zip(names, groups):
-        put_safetensors(store, key, {n: state[n] for n in group})
-        written.append(key)
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {n: key for key, group in zip(names, groups) for n in group}}
-        store.put_bytes(INDEX, json.dumps(index, indent=2).encode())
-        written.append(INDEX)
-    for key, data in tokenizer_files.items():
-        store.put_bytes(key, data)
-        written.append(key)
-    store.put_bytes(GENERATION_CONFIG, json.dumps(generation, indent=2).encode())
-    store.put_bytes(CONFIG, json.dumps(config, indent=2).encode())
-    return written + [GENERATION_CONFIG, CONFIG]
-
-
-def tokenizer_files(uri: str, endpoint: str | None) -> dict[str, bytes]:
-    """The tokenizer files to ship with an export: those of a model folder, or one tokenizer.json."""
-    if uri == "byte":
-        return {}
-    if uri.rstrip("/").endswith(".json"):
-        folder, key = uri.rstrip("/").rsplit("/", 1)
-        store = _open(folder + "/", endpoint, "data.tokenizer")
-        return {"tokenizer.json": read_bytes(store, key, kind="tokenizer.json", what=f"data.tokenizer {uri}")}
-    store = _open(uri, endpoint, "data.tokenizer")
-    return {name: read_bytes(store, name, what=f"data.tokenizer {uri}") for name in TOKENIZER_FILES
-            if store.exists(name)}
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    step: int
-    files: list[str]
-    bytes: int
-    output: str
-
-
-def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None = None,
-              dtype: str | None = None, max_shard_bytes: int = 2 << 30, merge: bool = False) -> ExportResult:
-    """Load the newest commit under checkpoint_uri (saved at any world size) into this process and write it
-    as a Hugging Face folder at output_uri. dtype defaults to model.from's (its config's torch_dtype/dtype),
-    else float32 (kiln's master weights). merge: a LoRA run's adapters folded into its base (read from
-    model.from, else the seed's), W + (alpha / rank) · B A, in fp32 before the cast to dtype."""
-    from kiln.trainer.evaluate import initial_model, load_checkpoint
-    from kiln.trainer.model.lora import merge_adapters
-    from kiln.trainer.model.transformer import build_model
-
-    spec = doc.spec
-    if merge != (spec.model.adapter is not None):
-        raise KilnError("--merge folds LoRA adapters into their base, and spec.model.adapter is not set: drop --merge"
-                        if merge else "this run trains LoRA adapters (spec.model.adapter): its checkpoints hold "
-                        "the adapters only; export them with --format peft, or the merged model with --merge")
-    ep = endpoint or storage_endpoint(spec)
-    base = read_config(spec.model.from_, ep) if spec.model.from_ else {}
-    if dtype is None:  # the source folder's, when it names one kiln writes
-        dtype = next((d for d in (base.get("torch_dtype"), base.get("dtype")) if d in EXPORT_DTYPES), "float32")
-    if dtype not in EXPORT_DTYPES:
-        raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
-    dims = resolve_dims(spec, config=base or None)
-    if merge:  # the base's weights, then the adapters from the commit
-        model = initial_model(doc, dims, torch.device("cpu"), ep)
-    else:  # every weight comes from the commit
-        model = build_model(dims)
-        model.to_empty(device="cpu")
-        model.init_buffers()
-    step = load_checkpoint(model, doc, checkpoint_uri, endpoint)
-    if merge:
-        merge_adapters(model)
-    state = hf_state(model, EXPORT_DTYPES[dtype])
-    del model
-    tok_uri = tokenizer_uri(spec)
-    tok_files = tokenizer_files(tok_uri, ep) if tok_uri != "byte" else {}
-    generation = _generation_config(spec, ep, base)
-    config = config_for(dims, dtype=dtype, base=base)
-    store = _open(output_uri, ep, "--output")
-    files = write_folder(state, store, config=config, generation=generation, tokenizer_files=tok_files,
-                         max_shard_bytes=max_shard_bytes)
-    total = sum(store.size(k) for k in files)
-    return ExportResult(step, files, total, output_uri)
-
-
-def _generation_config(spec: TrainingSpecSpec, endpoint: str | None, base: dict) -> dict[str, Any]:
-    """model.from's generation_config.json when it has one, else the token ids of its config."""
-    if spec.model.from_:
-        store = _open(spec.model.from_, endpoint, "model.from")
-        if store.exists(GENERATION_CONFIG):
-            return _json(store, GENERATION_CONFIG, f"model.from {spec.model.from_}")
-    return {k: base.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if base.get(k) is not None}

@@ -8,7 +8,7 @@ holds it in trainer.json (`adapter.base`); a resume on another base is refused b
 
 The peft folder: `adapter_config.json` (peft's LoraConfig: r, lora_alpha, lora_dropout, target_modules, the
 base's URI) and `adapter_model.safetensors` with peft's keys, `base_model.model.<transformers path>.lora_A.weight`
-(kiln's `<path>.lora_A.weight` through kiln.trainer.model.hf_folder.NAME_MAP), which
+(kiln's `<path>.lora_A.weight` through kiln.trainer.model.hf_names.NAME_MAP), which
 `peft.PeftModel.from_pretrained(<the base, loaded by transformers>, folder)` loads.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from kiln.api import ModelDims
 from kiln.api.spec import AdapterSpec, TrainingSpecSpec
 from kiln.errors import KilnError
-from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model import hf_export, hf_folder as hf
 from kiln.trainer.model.lora import is_adapter
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -36,7 +36,7 @@ def base_identity(spec: TrainingSpecSpec, dims: ModelDims, *, endpoint: str | No
     h = hashlib.sha256()
     if spec.model.from_:
         uri = spec.model.from_
-        store = hf._open(uri, endpoint, "model.from")
+        store = hf.open_folder(uri, endpoint, "model.from")
         h.update(store.get_bytes(hf.CONFIG))
         for name, e in sorted(hf.Checkpoint(uri, endpoint).tensors.items()):
             h.update(f"{name} {e.dtype} {list(e.shape)} {e.file} {e.start}\n".encode())
@@ -77,7 +77,7 @@ def peft_config(adapter: AdapterSpec, base_uri: str | None) -> dict:
 
 def write_adapter(store, model: nn.Module, adapter: AdapterSpec, base_uri: str | None) -> list[str]:
     """adapter_model.safetensors, then adapter_config.json last (a folder without it is not an adapter)."""
-    hf.put_safetensors(store, ADAPTER_WEIGHTS, peft_state(model))
+    hf_export.put_safetensors(store, ADAPTER_WEIGHTS, peft_state(model))
     store.put_bytes(ADAPTER_CONFIG, json.dumps(peft_config(adapter, base_uri), indent=2).encode())
     return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
 
@@ -102,6 +102,6 @@ def export_peft(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | No
     dims = hf.resolve_dims(spec, endpoint=ep)
     model = initial_model(doc, dims, torch.device("cpu"), ep, load_from=False)
     step = load_checkpoint(model, doc, checkpoint_uri, endpoint)
-    store = hf._open(output_uri, ep, "--output")
+    store = hf.open_folder(output_uri, ep, "--output")
     files = write_adapter(store, model, spec.model.adapter, spec.model.from_)
     return AdapterExport(step, files, sum(store.size(k) for k in files), output_uri)
