@@ -12,6 +12,8 @@ With elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_group
   Deployment + Service `<name>-lighthouse`          torchft's lighthouse (the trainer image has it), which
                                                     forms each step's quorum of the live groups
   NetworkPolicy `<name>-lighthouse`                 only the run's trainer pods reach it
+  Secret `<name>-ft`                                the run's secret, which the lighthouse asks each group to
+                                                    prove (kiln.control.ft_secret; created once, never applied)
 Every object is a plain dict ready for server-side apply; reconciling twice applies the same dicts.
 """
 
@@ -33,7 +35,7 @@ from kiln.api.spec import API_VERSION, KIND, FaultToleranceSpec, TrainingSpec, T
 from kiln.control.config import OperatorConfig
 from kiln.control.elastic import start_nodes, with_avoided_nodes
 from kiln.control.k8s import K8S_MODELS, SERIALIZER
-from kiln.control import pods
+from kiln.control import ft_secret, pods
 from kiln.control.kueue import LEFT_OUT_ANNOTATION, Coverage
 from kiln.control.network import preset
 from kiln.control.policy import violations
@@ -294,8 +296,8 @@ def plan(doc: TrainingSpec, observed: Observed | None = None, config: OperatorCo
     job_name = job_names(meta.name, groups)
     if groups == 1:
         jobs = [pytorchjob(resolved, observed, config, metadata, job_name[0])]
-    else:  # the lighthouse before the jobs: a group's first quorum asks it
-        jobs = [*lighthouse(resolved, config, metadata),
+    else:  # the secret and the lighthouse before the jobs: a group's first quorum asks it
+        jobs = [ft_secret.secret(meta.name, metadata), *lighthouse(resolved, config, metadata),
                 *(pytorchjob(resolved, observed, config, metadata, job_name[i], group=i) for i in range(groups))]
     return Plan(objects=[*trainer_identity(meta.name, metadata, doc.spec.pod.service_account_name),
                          trainer_network_policy(meta.name, metadata, config),
@@ -388,7 +390,7 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         env.append(k.V1EnvVar(name=contract.DATA_CACHE_BYTES, value=str(quantity_bytes(disk))))
     if group is not None:  # kiln.trainer.membership.replica_groups: every group's rank 0 heartbeats to the lighthouse
         env += [k.V1EnvVar(name=contract.FT_LIGHTHOUSE, value=lighthouse_address(run)),
-                k.V1EnvVar(name=contract.FT_GROUP, value=str(group))]
+                k.V1EnvVar(name=contract.FT_GROUP, value=str(group)), ft_secret.env()]
     ports = [k.V1ContainerPort(name="c10d", container_port=config.rdzv_port)]
     if config.trainer_metrics_port:  # rank 0's Prometheus /metrics, on a named port for a PodMonitor
         env.append(k.V1EnvVar(name=contract.METRICS_PORT, value=str(config.trainer_metrics_port)))
@@ -400,6 +402,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         env.append(k.V1EnvVar(name=contract.SHM_DIR, value=SHM_DIR))
     env += pods.env(s)  # the network preset's and pod.env (which never names one of kiln's above)
     user_volumes, user_mounts = pods.volumes(s.pod)
+    if group is not None:  # the run's secret, as a file: only this run's groups and its lighthouse mount it
+        user_volumes, user_mounts = [ft_secret.volume(run), *user_volumes], [ft_secret.mount(), *user_mounts]
 
     container = k.V1Container(
         name=CONTAINER,
@@ -528,8 +532,10 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
                  "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS),
                  "--quorum_tick_ms", str(contract.FT_QUORUM_TICK_MS),
-                 "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+                 "--bind", f"[::]:{LIGHTHOUSE_PORT}",
+                 "--secret_file", ft_secret.FILE],  # the port admits only holders of the run's secret
         env=[k.V1EnvVar(name="RUST_LOG", value="warn")],  # torchft logs every quorum at info
+        volume_mounts=[ft_secret.mount()],
         ports=[k.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT)],
         # a small Rust server: ~14 MB resident without torch (torchft's own script imported it: ~620 MB, and
         # 256Mi was OOMKilled on the rig's real node). Burstable, never BestEffort (the first evicted).
@@ -543,6 +549,7 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
     pod = k.V1PodSpec(
         containers=[container],
         automount_service_account_token=False,  # it talks to no apiserver
+        volumes=[ft_secret.volume(run)],
         # the trainer image: pulled with the trainer pods' secrets
         image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
         security_context=k.V1PodSecurityContext(run_as_non_root=True,

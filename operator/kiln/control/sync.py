@@ -100,7 +100,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
                 checked = all(jobs[n] is not None and foreign(jobs[n], uid) is None for n in wanted)
                 for obj in desired.objects:  # the job last: its pods mount the ConfigMap
                     try:
-                        if not checked and not kube.applied_before(obj):  # force would adopt someone else's
+                        # the run's Secret is only ever created (Kube.apply): it takes nothing over, and it cannot be read
+                        if not checked and obj["kind"] != "Secret" and not kube.applied_before(obj):  # force would adopt someone else's
                             other = foreign(jobs.get(obj["metadata"]["name"]) if obj["kind"] == "PyTorchJob"
                                             else kube.read(obj), uid)
                             if other:

@@ -87,9 +87,12 @@ class ReplicaGroups:
             raise KilnError(f"elastic.faultTolerance.mode replicaGroups needs the lighthouse address in "
                             f"{contract.FT_LIGHTHOUSE} (e.g. http://kiln-lighthouse:29510)")
         self._tunnel = None
-        secret = secret_from_env(contract.FT_SECRET)
+        secret = secret_from_env(contract.FT_SECRET, contract.FT_SECRET_FILE)
         if secret is not None:  # the lighthouse admits only holders of the run's secret: reach it through a tunnel
-            self._tunnel = Tunnel("client", secret, host_port(lighthouse))
+            try:
+                self._tunnel = Tunnel("client", secret, host_port(lighthouse))
+            except ValueError as err:
+                raise KilnError(f"replica groups: {err}") from None
             lighthouse = self._tunnel.address()
         self.groups = replica_groups(spec)
         self.group = int(os.environ.get(contract.FT_GROUP, "0"))
