@@ -41,6 +41,7 @@ from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
 from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
+from kiln.trainer.membership.heal_guard import GuardedPG
 from kiln.trainer.hooks import MembershipChange
 from kiln.trainer.state import RunState, local
 
@@ -110,7 +111,8 @@ class ReplicaGroups:
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
         # a heal travels over the same process group, received straight into this group's own weight and
         # optimizer tensors: torchft's HTTP transport pickled every tensor, and the load copied them again
-        transport = PGTransport(pg, timeout=timeout, device=device, state_dict=self._receive_into)
+        # what a peer declares (lengths, sizes, the pickled description) is checked before torchft acts on it
+        transport = PGTransport(GuardedPG(pg, state), timeout=timeout, device=device, state_dict=self._receive_into)
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=1,  # one live group keeps training
