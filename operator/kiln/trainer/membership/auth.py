@@ -69,6 +69,7 @@ class Tunnel:
         self.secret()  # a missing or short secret fails here, not at the first peer
         self.role, self.upstream = role, upstream
         self.refused = 0  # peers disconnected for a wrong or missing proof
+        self.probes = 0  # connections closed before sending a byte (a TCP readiness probe): not counted as refused
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._server: asyncio.base_events.Server | None = None
@@ -103,7 +104,8 @@ class Tunnel:
                 await asyncio.wait_for(self._prove_client(*up), HANDSHAKE_S)
         except (PermissionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError,
                 ValueError) as err:
-            probe = isinstance(err, asyncio.IncompleteReadError) and not err.partial  # a TCP readiness probe
+            probe = isinstance(err, asyncio.IncompleteReadError) and not err.partial
+            self.probes += probe
             if isinstance(err, (PermissionError, asyncio.TimeoutError, asyncio.IncompleteReadError)) and not probe:
                 self.refused += 1
                 log.warning("replica groups: %s tunnel refused a peer (%s)", self.role, type(err).__name__)
