@@ -122,7 +122,8 @@ def test_helm_lint_passes_with_default_and_optional_values(rig):
     helm(rig, "lint", "--strict", str(CHART), *KUBE)
     helm(rig, "lint", "--strict", str(CHART), *KUBE, "--set", "watchNamespaces={ml,research}",
          "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true",
-         "--set", "metrics.prometheusRule.enabled=true")
+         "--set", "metrics.prometheusRule.enabled=true", "--set", "runLabelPolicy.enabled=true")
+    helm(rig, "lint", "--strict", str(CHART), *KUBE, "--set", "clusterWide=true", "--set", "runLabelPolicy.enabled=true")
 
 
 @pytest.mark.parametrize("setting,says", [

@@ -12,6 +12,7 @@ token and kube-system).
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 
@@ -86,8 +87,9 @@ def test_the_operator_can_make_and_run_a_run(rig, install):
     for kind, name in [("serviceaccount", "wide-trainer"), ("role", "wide-trainer"), ("rolebinding", "wide-trainer"),
                        ("networkpolicy", "wide-trainer"), ("configmap", "wide-spec"), ("deployment", "wide-lighthouse"),
                        ("service", "wide-lighthouse"), ("networkpolicy", "wide-lighthouse"),
-                       ("pytorchjob", "wide-g0"), ("pytorchjob", "wide-g1")]:
+                       ("pytorchjob", "wide-g0"), ("pytorchjob", "wide-g1"), ("secret", "wide-ft")]:
         assert rig.kubectl("get", kind, name, "-n", runs, check=False).returncode == 0, (kind, name)
+    run_secret_is_the_runs_own(rig, runs, stored, user)
 
     # a run's pod (the training-operator makes them from kiln's template, labels included) may be deleted
     rig.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {
@@ -106,6 +108,35 @@ def test_the_operator_can_make_and_run_a_run(rig, install):
     lease_body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": lease, "namespace": home},
                   "spec": {"holderIdentity": "test"}}
     assert not refused(rig, user, "create", "-f", "-", stdin=json.dumps(lease_body))
+
+
+def pod_templates(rig, namespace: str) -> dict[str, dict]:
+    """Every pod template of the namespace's PyTorchJobs and Deployments (what their pods are made from)."""
+    out = {}
+    for kind in ("pytorchjobs", "deployments"):
+        for obj in json.loads(rig.kubectl("get", kind, "-n", namespace, "-o", "json").stdout)["items"]:
+            specs = obj["spec"].get("pytorchReplicaSpecs", {"": obj["spec"]})
+            out |= {f"{kind}/{obj['metadata']['name']}{role}": s["template"] for role, s in specs.items()}
+    return out
+
+
+def run_secret_is_the_runs_own(rig, namespace: str, run: dict, user: str) -> None:
+    """The run's `<run>-ft` Secret: made by the operator's reconcile, owned by the run (deleted with it), 32 random
+    bytes; only the run's own pod templates mount it; the operator cannot read it back."""
+    name = run["metadata"]["name"]
+    secret = json.loads(rig.kubectl("get", "secret", f"{name}-ft", "-n", namespace, "-o", "json").stdout)
+    [owner] = secret["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("TrainingSpec", name, run["metadata"]["uid"])
+    assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kiln"
+    assert len(bytes.fromhex(base64.b64decode(secret["data"]["secret"]).decode())) == 32
+    for key, template in pod_templates(rig, namespace).items():
+        mounted = {v["secret"]["secretName"] for v in template["spec"].get("volumes") or [] if "secret" in v}
+        labels = template["metadata"]["labels"]
+        ours = name in (labels.get("kiln.dev/trainingspec"), labels.get("kiln.dev/lighthouse"))
+        assert (f"{name}-ft" in mounted) == ours, (key, mounted)
+    for verb in ("get", "list", "watch", "patch", "delete"):
+        answer = rig.kubectl("auth", "can-i", verb, "secrets", "-n", namespace, as_user=user, check=False).stdout
+        assert answer.strip() == "no", verb
 
 
 def test_the_operator_cannot_touch_what_it_did_not_make(rig, install):
@@ -141,6 +172,16 @@ def test_the_operator_cannot_touch_what_it_did_not_make(rig, install):
             "metadata": {"name": "grab", "namespace": runs, "labels": KILN},
             "rules": [{"apiGroups": ["kiln.dev"], "resources": ["trainingspecs"], "verbs": ["get", "patch"]}]}
     assert policy in refused(rig, user, "create", "-f", "-", stdin=json.dumps(role))
+
+    # a Secret only as a run's `<run>-ft`, owned by its TrainingSpec: not another name, not unowned
+    for secret_name, owned in (("creds", True), ("wide-ft", False), ("other-ft", True)):
+        meta = {"name": secret_name, "namespace": runs, "labels": KILN}
+        if owned:
+            meta["ownerReferences"] = [{"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "name": "wide",
+                                        "uid": str(uuid.uuid4())}]
+        why = refused(rig, user, "create", "-f", "-", stdin=json.dumps(
+            {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": {"secret": "00" * 32}}))
+        assert policy in why, (secret_name, why)
 
     # kube-system, even an object labelled as kiln's: RBAC refuses it in the namespaced install, the admission
     # policy in the cluster-wide one (where RBAC alone would let it through)

@@ -25,13 +25,17 @@ NODE_NAME = "KILN_NODE_NAME"  # the pod's node (downward API spec.nodeName): nam
 # elastic.faultTolerance replicaGroups (kiln.trainer.membership.replica_groups): the torchft lighthouse, and which group this job is
 FT_LIGHTHOUSE = "KILN_FT_LIGHTHOUSE"  # e.g. http://<run>-lighthouse:29510
 FT_GROUP = "KILN_FT_GROUP"  # 0 .. groups-1
-# the run's secret (hex) that the lighthouse's tunnel asks every group to prove (kiln.trainer.membership.auth);
-# set by `kiln run` today, not yet by the operator's pods
+# the run's secret (hex) that the lighthouse's tunnel asks every group to prove (kiln.trainer.membership.auth):
+# in the variable (`kiln run`), or in a file (the operator's pods: its per-run Secret `<run>-ft`, mounted; read
+# at each handshake, so a re-created Secret reaches running pods with the kubelet's next sync)
 FT_SECRET = "KILN_FT_SECRET"
+FT_SECRET_FILE = "KILN_FT_SECRET_FILE"
+FT_SECRET_MOUNT = "/etc/kiln-ft"  # the Secret's volume (not under SPEC_MOUNT: no mount inside a ConfigMap's)
+FT_SECRET_KEY = "secret"  # its one key: 32 random bytes, hex
 # how often the lighthouse looks for a quorum it can form (torchft's default 100 ms): a group that died is
 # dropped at the first look after its heartbeat lapses, so each kill waited half a tick more on average
 FT_QUORUM_TICK_MS = 20
-FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.membership.replica_groups
+FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP, FT_SECRET_FILE)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.membership.replica_groups
 
 # Tracking credentials, each read by reference from spec.tracking.*.credentialsSecret (optional keys: a Secret may
 # hold a token or a user and password).
@@ -51,8 +55,8 @@ RESERVED_ENV = (
 )
 # The trainer pod's own volumes and mount paths (kiln.control.plan); a spec's pod.volumes may use neither.
 # /var/lib/kiln is the operator's default scratch folder (OperatorConfig.scratch_dir).
-POD_VOLUMES = ("spec", "dshm", "scratch", "tmp")
-POD_MOUNTS = (SPEC_MOUNT, "/dev/shm", "/tmp", "/var/lib/kiln")
+POD_VOLUMES = ("spec", "dshm", "scratch", "tmp", "kiln-ft")
+POD_MOUNTS = (SPEC_MOUNT, "/dev/shm", "/tmp", "/var/lib/kiln", FT_SECRET_MOUNT)
 
 # Every KILN_* variable the plan may set; each has a reader in kiln.trainer (a test holds both to it).
 POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BYTES, NODE_NAME)

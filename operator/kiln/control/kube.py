@@ -6,8 +6,10 @@ so the pure functions in plan/status see exactly what `kubectl get -o json` show
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import secrets
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -16,6 +18,7 @@ import yaml
 from kubernetes import client, config as kconfig
 from kubernetes.client.exceptions import ApiException
 
+from kiln.api.contract import FT_SECRET_KEY
 from kiln.api.spec import GROUP, PLURAL, VERSION
 from kiln.api.contract import SPEC_FILE
 from kiln.control.names import RUN_LABEL, names
@@ -33,6 +36,7 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("v1", "Secret"): "secrets",  # replica groups: the run's secret, created once (Kube.create_once)
     ("v1", "Service"): "services",  # replica groups: the torchft lighthouse (kiln.control.replica_groups.lighthouse)
     ("apps/v1", "Deployment"): "deployments",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
@@ -113,7 +117,9 @@ class Kube:
         """Server-side apply as the operator's field manager (idempotent; takes over fields it sets): one
         PATCH, no read before it (the apiserver creates or merges). Returns the object as stored, or None
         without a request when this client applied the very same body less than resync_seconds ago (see
-        forget_applied)."""
+        forget_applied). A Secret is created once instead (create_once)."""
+        if obj["kind"] == "Secret":
+            return self.create_once(obj)
         path, run = object_path(obj), self._run_of(obj)
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
         applied = self.runs[run].applied
@@ -127,6 +133,27 @@ class Kube:
             body=obj, auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
         applied[path] = (digest, time.monotonic())
         return json.loads(response.data)
+
+    def create_once(self, obj: dict) -> None:
+        """Create a run's Secret (kiln.control.ft_secret) with 32 random bytes drawn now, or leave the one that
+        exists: its value is never written again (running groups hold it) and never read (the operator has no
+        read access to Secrets). Sent again at each resync, so a deleted one comes back (the kubelet starts
+        pods waiting on it then)."""
+        path, applied = object_path(obj), self.runs[self._run_of(obj)].applied
+        _, created_at = applied.get(path, ("", 0.0))
+        if time.monotonic() - created_at < self.resync_seconds:
+            return
+        value = base64.b64encode(secrets.token_hex(32).encode()).decode()
+        try:
+            self.api.call_api(
+                object_path(obj).rsplit("/", 1)[0], "POST", query_params=[("fieldManager", self.field_manager)],
+                header_params={"Content-Type": "application/json", "Accept": "application/json"},
+                body={**obj, "data": {FT_SECRET_KEY: value}}, auth_settings=["BearerToken"],
+                _preload_content=False, _return_http_data_only=True)
+        except ApiException as err:
+            if err.status != 409:  # 409: it exists (made by an earlier reconcile): kept as it is
+                raise
+        applied[path] = ("created", time.monotonic())
 
     def forget_applied(self, namespace: str, run: str) -> None:
         """Apply every object of a run again, even unchanged ones (one was found missing, or a resync is due)."""

@@ -13,6 +13,8 @@ elastic.faultTolerance replicaGroups (kiln.control.replica_groups), instead of t
   Deployment + Service `<name>-lighthouse`          torchft's lighthouse (the trainer image has it), which
                                                     forms each step's quorum of the live groups
   NetworkPolicy `<name>-lighthouse`                 only the run's trainer pods reach it
+  Secret `<name>-ft`                                the run's secret, which the lighthouse asks each group to
+                                                    prove (kiln.control.ft_secret; created once, never applied)
 Every object is a plain dict ready for server-side apply; reconciling twice applies the same dicts.
 """
 

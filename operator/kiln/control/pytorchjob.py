@@ -59,6 +59,7 @@ class Shape:
     max_replicas: int
     env: tuple[tuple[str, str], ...] = ()  # set in its pods after kiln's own
     labels: dict[str, str] = field(default_factory=dict)  # on the job and its pods
+    volumes: tuple = ()  # (V1Volume, V1VolumeMount) pairs mounted before the user's (replica groups: the run's secret)
 
 def topology_annotations(s: TrainingSpecSpec) -> dict[str, str] | None:
     """Kueue's pod-set topology request on the worker template (None: no scheduling.topology)."""
@@ -160,6 +161,8 @@ def pytorchjob(doc: TrainingSpec, observed: Observed, config: OperatorConfig, me
         env.append(k.V1EnvVar(name=contract.SHM_DIR, value=SHM_DIR))
     env += pods.env(s)  # the network preset's and pod.env (which never names one of kiln's above)
     user_volumes, user_mounts = pods.volumes(s.pod)
+    user_volumes = [*(v for v, _ in shape.volumes), *user_volumes]
+    user_mounts = [*(m for _, m in shape.volumes), *user_mounts]
 
     container = k.V1Container(
         name=CONTAINER,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kiln.api import contract
 from kiln.api.spec import GROUP_QUEUE_MESSAGE_MAX, TrainingSpec
-from kiln.control import kueue
+from kiln.control import ft_secret, kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.job_state import FINAL, job_condition, running_pods
 from kiln.control.k8s import K8S_MODELS, SERIALIZER
@@ -58,8 +58,10 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
                  "--join_timeout_ms", str(LIGHTHOUSE_JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS),
                  "--quorum_tick_ms", str(contract.FT_QUORUM_TICK_MS),
-                 "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+                 "--bind", f"[::]:{LIGHTHOUSE_PORT}",
+                 "--secret_file", ft_secret.FILE],  # the port admits only holders of the run's secret
         env=[k.V1EnvVar(name="RUST_LOG", value="warn")],  # torchft logs every quorum at info
+        volume_mounts=[ft_secret.mount()],
         ports=[k.V1ContainerPort(name="lighthouse", container_port=LIGHTHOUSE_PORT)],
         # a small Rust server: ~14 MB resident without torch (torchft's own script imported it: ~620 MB, and
         # 256Mi was OOMKilled on the rig's real node). Burstable, never BestEffort (the first evicted).
@@ -73,6 +75,7 @@ def lighthouse(doc: TrainingSpec, config: OperatorConfig, metadata) -> list[dict
     pod = k.V1PodSpec(
         containers=[container],
         automount_service_account_token=False,  # it talks to no apiserver
+        volumes=[ft_secret.volume(run)],
         # the trainer image: pulled with the trainer pods' secrets
         image_pull_secrets=[k.V1LocalObjectReference(name=x.name) for x in s.pod.image_pull_secrets] or None,
         security_context=k.V1PodSecurityContext(run_as_non_root=True,
@@ -112,14 +115,17 @@ class ReplicaGroups:
         return [*self.job_names(run), run]  # and the run's single job, if any: switching faultTolerance under it is refused
 
     def objects(self, doc: TrainingSpec, observed: Observed, config: OperatorConfig, metadata) -> list[dict]:
-        """The lighthouse before the jobs: a group's first quorum asks it."""
+        """The run's secret and the lighthouse before the jobs: a group's first quorum asks it."""
         run, size = doc.metadata.name, doc.spec.resources.nodes // self.groups
         # the names once: per job it was O(groups) each, O(groups²) a plan (16,000 groups: 45 s of CPU)
-        return [*lighthouse(doc, config, metadata),
+        return [ft_secret.secret(run, metadata), *lighthouse(doc, config, metadata),
                 *(pytorchjob(doc, observed, config, metadata, name, Shape(
                     size, size, size,
                     # every group's rank 0 heartbeats to the lighthouse (kiln.trainer.membership.replica_groups)
-                    env=((contract.FT_LIGHTHOUSE, lighthouse_address(run)), (contract.FT_GROUP, str(group))),
+                    env=((contract.FT_LIGHTHOUSE, lighthouse_address(run)), (contract.FT_GROUP, str(group)),
+                         (contract.FT_SECRET_FILE, ft_secret.FILE)),
+                    # the run's secret, as a file: only this run's groups and its lighthouse mount it
+                    volumes=((ft_secret.volume(run), ft_secret.mount()),),
                     labels={GROUP_LABEL: str(group)}))
                   for group, name in enumerate(self.job_names(run)))]
 

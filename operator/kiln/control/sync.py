@@ -179,7 +179,8 @@ def apply_plan(kube: Kube, objects: list[dict], jobs: dict[str, dict | None], wa
     for obj in objects:
         is_job = obj["kind"] == "PyTorchJob"
         try:
-            if not checked and not kube.applied_before(obj):
+            # the run's Secret is only ever created (Kube.apply): it takes nothing over, and it cannot be read
+            if not checked and obj["kind"] != "Secret" and not kube.applied_before(obj):
                 other = foreign(jobs.get(obj["metadata"]["name"]) if is_job else kube.read(obj), uid)
                 if other:
                     return Applied(("False", "NotOwner", other), jobs)

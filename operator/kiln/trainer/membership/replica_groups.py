@@ -41,6 +41,7 @@ from kiln.api.layout import replica_groups
 from kiln.errors import KilnError
 from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 from kiln.trainer.membership.hang_watch import HangWatch, floor_s, leave
+from kiln.trainer.membership.heal_guard import GuardedPG
 from kiln.trainer.hooks import MembershipChange
 from kiln.trainer.state import RunState, local
 
@@ -87,9 +88,12 @@ class ReplicaGroups:
             raise KilnError(f"elastic.faultTolerance.mode replicaGroups needs the lighthouse address in "
                             f"{contract.FT_LIGHTHOUSE} (e.g. http://kiln-lighthouse:29510)")
         self._tunnel = None
-        secret = secret_from_env(contract.FT_SECRET)
+        secret = secret_from_env(contract.FT_SECRET, contract.FT_SECRET_FILE)
         if secret is not None:  # the lighthouse admits only holders of the run's secret: reach it through a tunnel
-            self._tunnel = Tunnel("client", secret, host_port(lighthouse))
+            try:
+                self._tunnel = Tunnel("client", secret, host_port(lighthouse))
+            except ValueError as err:
+                raise KilnError(f"replica groups: {err}") from None
             lighthouse = self._tunnel.address()
         self.groups = replica_groups(spec)
         self.group = int(os.environ.get(contract.FT_GROUP, "0"))
@@ -107,7 +111,8 @@ class ReplicaGroups:
         pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
         # a heal travels over the same process group, received straight into this group's own weight and
         # optimizer tensors: torchft's HTTP transport pickled every tensor, and the load copied them again
-        transport = PGTransport(pg, timeout=timeout, device=device, state_dict=self._receive_into)
+        # what a peer declares (lengths, sizes, the pickled description) is checked before torchft acts on it
+        transport = PGTransport(GuardedPG(pg, state), timeout=timeout, device=device, state_dict=self._receive_into)
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, checkpoint_transport=transport,
             min_replica_size=1,  # one live group keeps training
