@@ -117,9 +117,12 @@ class Tunnel:
 
     async def _prove_server(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         mine = secrets.token_bytes(NONCE)
-        writer.write(mine)
-        await writer.drain()
-        theirs = await reader.readexactly(NONCE)
+        try:
+            writer.write(mine)
+            await writer.drain()
+            theirs = await reader.readexactly(NONCE)
+        except ConnectionError:  # reset before sending a byte (a probe that closed while our nonce was in flight)
+            raise asyncio.IncompleteReadError(b"", NONCE) from None
         if not hmac.compare_digest(await reader.readexactly(32), proof(self.secret(), b"client", theirs, mine)):
             raise PermissionError("wrong proof")
         writer.write(proof(self.secret(), b"server", mine, theirs))
