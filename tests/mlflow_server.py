@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.distributed.ranks import free_port, wait_until
+from tests.support.ranks import free_port, wait_until
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.distributed.ranks import free_port
+from tests.support.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = "v0.316.0"  # github.com/prometheus/prometheus: Prometheus 3.x's module version (promtool's too)

@@ -46,7 +46,7 @@ def _server(args) -> tuple[str, dict, object | None]:
             {"AWS_ACCESS_KEY_ID": rig.s3_access_key, "AWS_SECRET_ACCESS_KEY": rig.s3_secret_key},
             None,
         )
-    from tests.integration.test_checkpoint_s3 import ACCESS, SECRET, PrivateS3
+    from tests.support.s3 import ACCESS, SECRET, PrivateS3
 
     if not build.is_built("versitygw"):
         build.build(["versitygw"])

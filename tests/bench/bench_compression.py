@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.bench.report import write_report
-from tests.distributed.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 MODES = ("none", "bf16", "powersgd")
 

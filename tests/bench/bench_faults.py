@@ -41,8 +41,8 @@ import tempfile
 from pathlib import Path
 
 from tests.bench.report import write_report
-from tests.distributed.ranks import TORCHRUN_ENV, torchrun_train_with_kills
-from tests.distributed.trainer_helpers import write_spec
+from tests.support.ranks import TORCHRUN_ENV, torchrun_train_with_kills
+from tests.support.runs import write_spec
 
 
 def spec(path: Path, steps: int, interval: int) -> Path:

@@ -47,8 +47,8 @@ from pathlib import Path
 
 from tests.bench.report import write_report
 from tests.distributed.ft_helpers import Group, lighthouse_server
-from tests.distributed.ranks import POLL_S, SAFETY_TIMEOUT_S
-from tests.distributed.trainer_helpers import write_spec
+from tests.support.ranks import POLL_S, SAFETY_TIMEOUT_S
+from tests.support.runs import write_spec
 
 GROUPS = 2
 GUARD_CONTEXT = 70  # records kept before a guard's skip or rollback (its window is 64 losses)
@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
     from tests.bench.bench_checkpoint import _server
 
     endpoint, creds, s3 = _server(args)
-    os.environ.update(creds)  # the groups' environment (tests.distributed.trainer_helpers.env) is this one's
+    os.environ.update(creds)  # the groups' environment (tests.support.runs.env) is this one's
     prefix = f"s3://kiln/bench-ft-groups-{uuid.uuid4().hex[:8]}"
     logs = Path(args.out).with_suffix(".logs")
     load = [os.getloadavg()]

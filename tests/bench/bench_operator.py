@@ -59,7 +59,7 @@ from kiln.control.kube import Kube, api_client, object_path
 from kiln.control.plan import plan
 from kiln.control.job_state import job_condition
 from tests.bench.report import write_report
-from tests.distributed.ranks import wait_until
+from tests.support.ranks import wait_until
 
 
 def spec(name: str) -> dict:
@@ -314,7 +314,7 @@ def unsettled(kube: Kube, namespace: str, names: list[str]) -> list[str]:
 
 def settle(kube: Kube, op, namespace: str, names: list[str]) -> None:
     """Wait until every run is settled (`unsettled`) and then ticked once more (op: a running operator,
-    tests.integration.test_operator_lifecycle.Operator, whose metrics count its ticks' status refreshes):
+    tests.support.operator.Operator, whose metrics count its ticks' status refreshes):
     whatever the training-operator's marking or a tick would write for the runs is written by then. Every
     run ticks once per TICK_S, so the next len(names) ticks are one of each."""
     alive = lambda: op.proc.poll() is None  # noqa: E731
@@ -338,7 +338,7 @@ def count_calls(rig, kube: Kube, namespace: str, count: int, tree: Path, log: Pa
     what a burst costs per run. Not a fixed time, which a slow machine overruns (cutting the count short)
     and a fast one pads. `window_s` says how long it was.
     """
-    from tests.integration.test_operator_lifecycle import Operator
+    from tests.support.operator import Operator
 
     proxy = CountingProxy(rig.kubeconfig)
     op = Operator(proxy.kubeconfig(log.with_suffix(".kubeconfig")), namespace, log,
@@ -457,7 +457,7 @@ class TreeOperator:
     """`kiln operator` of one source tree (PYTHONPATH=<tree>/operator), cluster-wide, through a counting proxy."""
 
     def __init__(self, tree: Path, kubeconfig: Path, log: Path, lease: str):
-        from tests.distributed.ranks import free_port
+        from tests.support.ranks import free_port
 
         self.health, self.metrics = free_port(), free_port()
         env = {**os.environ, "PYTHONPATH": str(tree / "operator"), "PYTHONUNBUFFERED": "1",
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {label: Path(path).resolve() for label, path in (t.split("=", 1) for t in args.tree)} or {
         "after": Path(__file__).resolve().parents[2]}
 
-    from tests.integration.test_operator_api import install_crd
+    from tests.rig.install import install_crd
     from tests.rig import cluster
 
     rig, started = cluster.up(lease_pid=os.getpid())
@@ -679,7 +679,7 @@ def bursts(rig, kube: Kube, args, trees: dict[str, Path], namespace) -> dict:
 
 def burst(rig, kube: Kube, args, namespace: str, tree: Path, log: Path) -> dict:
     """One burst: the operator of `tree` started, warmed up, then `args.count` TrainingSpecs at once."""
-    from tests.integration.test_operator_lifecycle import Operator
+    from tests.support.operator import Operator
 
     op = Operator(rig.kubeconfig, namespace, log, env={"PYTHONPATH": str(tree / "operator")})
     try:

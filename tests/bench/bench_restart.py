@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from tests.bench.report import write_report
-from tests.distributed.ranks import complete_lines, fsdp_per_layer, start_ranks, wait_until
+from tests.support.ranks import complete_lines, fsdp_per_layer, start_ranks, wait_until
 
 WORLD = 2
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from kiln.api import contract
 from kiln.control.plan import TORCHRUN_ENV
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, complete_lines, wait_until
-from tests.distributed.trainer_helpers import env
+from tests.support.ranks import SAFETY_TIMEOUT_S, _children, complete_lines, wait_until
+from tests.support.runs import env
 
 ENTRY = Path(__file__).resolve().parent / "ft_group_entry.py"
 PDEATHSIG = Path(__file__).resolve().parent / "pdeathsig"  # its sitecustomize.py

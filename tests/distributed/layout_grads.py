@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.trainer_helpers import MICRO_MODEL
+from tests.support.runs import MICRO_MODEL
 
 LAYOUTS = {"dp2-fsdp-accum2": {"fsdp": True}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed.layout_grads import assert_layouts_match, layout_grads, reference_model
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import MICRO_MODEL
+from tests.support.ranks import run_ranks
+from tests.support.runs import MICRO_MODEL
 
 pytestmark = [pytest.mark.distributed]
 
@@ -73,7 +73,7 @@ def test_kiln_train_takes_the_loss_on_the_prepared_assistant_tokens(tmp_path):
     from kiln.trainer.data.loader import GlobalBatchLoader, open_source
     from kiln.trainer.data.prepare import prepare
     from tests.chat_models import CONVERSATIONS, save_chat_folder
-    from tests.distributed.trainer_helpers import torchrun_train, write_spec
+    from tests.support.runs import torchrun_train, write_spec
 
     model = save_chat_folder(tmp_path / "model")
     (tmp_path / "src").mkdir()

@@ -17,7 +17,7 @@ from kiln.api.spec import CheckpointSpec
 from kiln.storage import open_store
 from kiln.storage.commit import committed_steps, read_commit, steps_from_listing, verify_files
 from kiln.trainer.checkpoint.checkpointer import Checkpointer
-from tests.distributed.ranks import fsdp_per_layer, start_ranks, wait_until
+from tests.support.ranks import fsdp_per_layer, start_ranks, wait_until
 
 pytestmark = [pytest.mark.distributed]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 

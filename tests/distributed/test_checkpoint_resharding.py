@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 

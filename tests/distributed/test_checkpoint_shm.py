@@ -17,8 +17,8 @@ from torch import nn
 
 from kiln.api.spec import CheckpointSpec
 from kiln.storage import ObjectStore, open_store
-from tests.distributed.ranks import fsdp_per_layer, run_ranks
 from tests.store_wrappers import PassThroughStore
+from tests.support.ranks import fsdp_per_layer, run_ranks
 
 pytestmark = [pytest.mark.distributed]
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.ranks import run_ranks
 from tests.forged_checkpoints import RunsCommand, redirect_item, torch_blob
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 

@@ -7,10 +7,9 @@ import torch
 import torch.distributed as dist
 
 from kiln.errors import KilnError
-from kiln.trainer.parallel.compression import (PowerSGDConfig, apply_replicate, check_supported, fsdp_reduce_dtype)
 from kiln.trainer.guards.sdc import SdcCheck
-
-from tests.distributed.ranks import run_ranks
+from kiln.trainer.parallel.compression import PowerSGDConfig, apply_replicate, check_supported, fsdp_reduce_dtype
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -79,6 +78,8 @@ def test_compressed_training_stays_within_tolerance_of_uncompressed(tmp_path):
 
 @pytest.mark.parametrize("mode,fsdp,tp,match", [
     ("powersgd", True, 1, "fsdp: false"), ("powersgd", False, 2, "tensor: 1"), ("zstd", False, 1, "none, bf16")])
+
+
 def test_unsupported_combinations_name_the_field(mode, fsdp, tp, match):
     with pytest.raises(KilnError, match="parallelism.gradientCompression") as e:
         check_supported(mode, fsdp=fsdp, tensor=tp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.trainer_helpers import observed, torchrun_train, write_spec
+from tests.support.runs import observed, torchrun_train, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -11,25 +11,12 @@ import uuid
 import numpy as np
 import pytest
 import torch
+
 from kiln.api.load import load_file
 from kiln.cli.main import main
-from kiln.trainer.data.loader import VALIDATION_FRACTION, pydoc_bytes
 from kiln.trainer.evaluate import evaluate
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.distributed.trainer_helpers import (
-    MICRO_MODEL,
-    env,
-    kiln,
-    read_metrics,
-    write_spec,
-)
-
-
-def validation_tokens() -> np.ndarray:
-    """The bytes of builtin:pydoc's validation split (its last VALIDATION_FRACTION), as a token shard."""
-    tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
-    return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.uint16)
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.runs import MICRO_MODEL, env, kiln, read_metrics, validation_tokens, write_spec
 
 
 @pytest.mark.distributed
@@ -128,6 +115,8 @@ def test_eval_of_a_pipeline_parallel_checkpoint_in_the_s3_store(rig, tmp_path, m
     (["--device", "cuda:99"], ["--device cuda:99", "use --device cpu"]),
     (["--data", "file://{tmp}/no-such-dir/"], ["--data", "{tmp}/no-such-dir/", "no such folder"]),
 ], ids=["uncommitted", "bad-uri", "no-batches", "no-such-gpu", "missing-data"])
+
+
 def test_eval_bad_input_is_a_clear_error(tmp_path, capsys, args, says):
     spec = write_spec(tmp_path / "spec.yaml")
     # A step folder without COMMIT (a save that died before committing) does not count as a checkpoint.

@@ -15,11 +15,11 @@ import re
 
 import pytest
 
-from kiln.trainer.membership.replica_groups import LIGHTHOUSE_WAIT_ENV
 from kiln.trainer.membership.hang_watch import HANG_EXIT_CODE, HANG_FLOOR_ENV
+from kiln.trainer.membership.replica_groups import LIGHTHOUSE_WAIT_ENV
 from tests.distributed.ft_helpers import Group, bring_back, lighthouse_server, records
-from tests.distributed.ranks import wait_until
-from tests.distributed.trainer_helpers import write_spec
+from tests.support.ranks import wait_until
+from tests.support.runs import write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -20,8 +20,8 @@ import pytest
 from kiln.api import contract
 from kiln.control.plan import LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS, LIGHTHOUSE_JOIN_TIMEOUT_MS
 from tests.distributed.ft_helpers import Group, die_with_parent, records
-from tests.distributed.ranks import free_port, wait_until
-from tests.distributed.trainer_helpers import env, write_spec
+from tests.support.ranks import free_port, wait_until
+from tests.support.runs import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

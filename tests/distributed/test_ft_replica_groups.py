@@ -23,8 +23,8 @@ import pytest
 from kiln.storage.commit import read_trainer_state
 from kiln.storage.store import open_store
 from tests.distributed.ft_helpers import Group, die_with_parent, kill_and_bring_back, lighthouse_server, records
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
-from tests.distributed.trainer_helpers import env, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
+from tests.support.runs import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

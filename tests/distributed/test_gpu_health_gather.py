@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.distributed.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 

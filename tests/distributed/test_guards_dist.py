@@ -12,8 +12,8 @@ import torch
 
 from kiln.trainer.guards.sdc import SdcCheck, SilentDataCorruption
 from kiln.trainer.guards.step import Action, GuardConfig, StepGuard, global_scalars
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import read_metrics, write_spec
+from tests.support.ranks import run_ranks
+from tests.support.runs import read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -188,6 +188,8 @@ NO_COPIES = "no replicated copies to compare in this layout"
     ({"replicate": 2}, 4, 3, "copies compared across dp_replicate"),  # rank 1 holds a copy; the seal names 3
     ({"pipeline": 2}, 2, 1, NO_COPIES),  # each stage's layers live on one rank
 ], ids=["fsdp", "tp", "hsdp", "pp"])
+
+
 def test_a_flipped_bit_is_caught_in_every_layout_and_names_its_rank(tmp_path, layout, world, bad_rank, replicas):
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 5}, parallelism=layout, nproc=world)
     out = tmp_path / "out"

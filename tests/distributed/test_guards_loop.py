@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import read_metrics, write_spec
+from tests.support.ranks import run_ranks
+from tests.support.runs import read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

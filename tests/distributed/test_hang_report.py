@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ranks import wait_until
-from tests.distributed.trainer_helpers import env, write_spec
+from tests.support.ranks import wait_until
+from tests.support.runs import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ENTRY = Path(__file__).with_name("hang_entry.py")

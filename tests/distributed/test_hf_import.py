@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.trainer_helpers import env, kiln, torchrun_train, write_spec
 from tests.hf_models import FAMILIES, VARIANTS, VOCAB, save_model
+from tests.support.runs import env, kiln, torchrun_train, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -103,6 +103,8 @@ def test_logits_match_transformers_and_each_rank_reads_only_its_share(tmp_path, 
 
 @pytest.mark.parametrize("variant,parallelism", [("tied", {}),
                                                    ("gemma3", {"tensor": 2, "activationCheckpoint": "selective"})])
+
+
 def test_finetune_export_reload_in_transformers_and_resume_without_the_folder(tmp_path, variant, parallelism):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.ranks import run_ranks
 from tests.kernels.in_step import step_case
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kiln.cli.main import main
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.distributed.trainer_helpers import MICRO_MODEL, env, write_spec
 from tests.forged_checkpoints import RunsCommand, forge, metadata_with
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.runs import MICRO_MODEL, env, write_spec
 
 RERUN = "rerunning resumes"
 

@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.trainer_helpers import kiln, torchrun_train, write_spec
 from tests.hf_models import VOCAB, save_model
+from tests.support.runs import kiln, torchrun_train, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed.layout_grads import assert_layouts_match, layout_grads, reference_model
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import MICRO_MODEL
+from tests.support.ranks import run_ranks
+from tests.support.runs import MICRO_MODEL
 
 pytestmark = [pytest.mark.distributed]
 
@@ -75,7 +75,7 @@ def test_kiln_train_with_packing_gives_the_same_losses_on_one_and_two_ranks(tmp_
 
     from kiln.trainer.data.loader import GlobalBatchLoader, open_source
     from kiln.trainer.data.prepare import prepare
-    from tests.distributed.trainer_helpers import torchrun_train, write_spec
+    from tests.support.runs import torchrun_train, write_spec
     from tests.hf_models import save_eos_tokenizer
 
     save_eos_tokenizer(tmp_path / "tokenizer.json")

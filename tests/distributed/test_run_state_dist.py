@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.ft_helpers import lighthouse_server
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import write_spec
-from tests.state_parts import Counter  # the new part: how many optimizer steps this state has seen
+from tests.state_parts import Counter
+from tests.support.ranks import run_ranks
+from tests.support.runs import write_spec
 
 pytestmark = pytest.mark.distributed
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.runs import env, read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ENTRY = Path(__file__).with_name("slow_rank_entry.py")

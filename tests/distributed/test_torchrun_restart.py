@@ -15,8 +15,8 @@ import pytest
 
 from kiln.cli.warm import socket_path
 from kiln.control.plan import TORCHRUN_ENV
-from tests.distributed.ranks import torchrun_train_with_kills, wait_until
-from tests.distributed.trainer_helpers import write_spec
+from tests.support.ranks import torchrun_train_with_kills, wait_until
+from tests.support.runs import write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -11,14 +11,16 @@ import sys
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
-from tests.distributed.trainer_helpers import env, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S, wait_for_step
+from tests.support.runs import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("rank_command", [["--no-python", "kiln", "train"], ["-m", "kiln.cli.warm", "train"]],
                          ids=["cold", "warm"])  # warm: what the operator's pods run (kiln.control.plan)
+
+
 def test_a_stopped_launcher_saves_and_exits_with_a_retryable_code(tmp_path, rank_command):
     ckpt = tmp_path / "ckpt"
     spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": 100000, "globalBatchSize": 4},
@@ -45,7 +47,7 @@ def test_a_rank_stopped_by_a_peers_signal_does_not_report_the_run_done(tmp_path)
     """Only rank 1's process is stopped (its pod deleted): both ranks save the same step; rank 1 exits 0 (its
     launcher reports the signal), rank 0 exits 143 so that its torchrun restarts the group instead of ending
     the PyTorchJob as Succeeded (an elastic job succeeds when one worker does)."""
-    from tests.distributed.ranks import free_port
+    from tests.support.ranks import free_port
 
     ckpt = tmp_path / "ckpt"
     spec = write_spec(tmp_path / "spec.yaml", nproc=2, training={"steps": 100000, "globalBatchSize": 4},

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests import mlflow_server
-from tests.distributed.trainer_helpers import kiln, read_metrics, write_spec
+from tests.support.runs import kiln, read_metrics, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -57,7 +57,7 @@ def test_a_resumed_run_continues_one_mlflow_run_without_duplicated_or_missing_st
 
 
 def test_a_tracker_that_is_down_says_so_once_and_training_finishes(tmp_path):
-    from tests.distributed.ranks import free_port
+    from tests.support.ranks import free_port
 
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     spec = write_spec(tmp_path / "spec.yaml", training={"steps": 6},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.trainer_helpers import torchrun_train, write_spec
+from tests.support.runs import torchrun_train, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -43,6 +43,8 @@ def reference(reference_records) -> list[float]:
     ],
     ids=["dp2-fsdp", "dp2-replicate", "tp2", "pp2", "dp2xtp2"],
 )
+
+
 def test_layout_matches_single_process(tmp_path, reference, reference_records, nproc, parallelism):
     spec = write_spec(tmp_path / "spec.yaml", parallelism=parallelism, nproc=nproc)
     records = torchrun_train(spec, tmp_path / "out", nproc)

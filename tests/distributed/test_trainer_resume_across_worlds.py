@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.trainer_helpers import torchrun_train, write_spec
+from tests.support.runs import torchrun_train, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kiln.trainer.observe.exporter import GAUGES
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_for_step
-from tests.distributed.trainer_helpers import env, kiln, read_metrics, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S, wait_for_step
+from tests.support.runs import env, kiln, read_metrics, write_spec
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "manifests" / "samples" / "quickstart.yaml"
 
@@ -54,6 +54,8 @@ def test_quickstart_writes_metrics_and_rerun_resumes_the_same_curve(tmp_path):
     ],
     ids=["missing-file", "bad-value", "unknown-field", "unknown-preset", "batch-vs-world", "tensor-vs-nproc"],
 )
+
+
 def test_bad_input_is_a_clear_error(tmp_path, make_spec, expected):
     proc = kiln("run", str(make_spec(tmp_path)), "--nproc", "3", "--output", str(tmp_path / "out"))
     assert proc.returncode == 1

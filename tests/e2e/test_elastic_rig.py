@@ -20,16 +20,14 @@ import time
 
 import pytest
 
-from kiln.api.spec import GROUP, PLURAL, VERSION
+from kiln.api.spec import GROUP, VERSION
 from kiln.control import elastic_sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
-from kiln.control.plan import RUN_LABEL
 from kiln.control.sync import reconcile
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import shipped_rbac
+from tests.rig.install import install_crd
+from tests.support.operator import operator_kube
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 
@@ -37,13 +35,6 @@ pytestmark = [pytest.mark.rig, pytest.mark.slow]
 @pytest.fixture(params=["cluster"])
 def scope(request) -> str:
     return request.param
-
-
-@pytest.fixture
-def operator_kube(rig, namespace, scope):
-    """A Kube client authenticated as an operator ServiceAccount (in `namespace`) with a shipped RBAC."""
-    with shipped_rbac(rig, namespace, scope) as (sa, _lease):
-        yield Kube(api_client(str(rig.kubeconfig_for_service_account(namespace, sa))))
 
 
 def watched(scope: str, namespace: str) -> list[str] | None:

@@ -20,24 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
-from tests.e2e.test_suspend_rig import (  # noqa: F401 - the autouse fixture that stops a failed test's trainers
-    Trainer,
-    endless_run,
-    no_trainer_outlives_its_test,
-    pod_env,
+from tests.support.operator import (  # noqa: F401 - fixtures
+    condition, events, get, ns, operator, running_pods, status, submit, wait_phase,
 )
-from tests.integration.test_operator_lifecycle import (  # noqa: F401 - module fixtures: RBAC'd operator, namespace
-    condition,
-    events,
-    get,
-    ns,
-    operator,
-    running_pods,
-    status,
-    submit,
-    wait_phase,
-)
+from tests.support.ranks import SAFETY_TIMEOUT_S, wait_until
+from tests.support.trainers import Trainer, endless_run, no_trainer_outlives_its_test, pod_env  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 

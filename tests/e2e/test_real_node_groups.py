@@ -10,8 +10,10 @@ import re
 
 import pytest
 
-from tests.e2e.test_real_node import (apply, cpu_run, diagnose, get, loaded_images, logged_steps,  # noqa: F401
-                                      operator_release, pods, runs_ns, wait_status)  # (fixtures, reused)
+from tests.support.operator import get
+from tests.support.real_node import (  # noqa: F401 - fixtures
+    apply, cpu_run, diagnose, loaded_images, logged_steps, operator_release, pods, runs_ns, wait_status,
+)
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 

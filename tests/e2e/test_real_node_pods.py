@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_real_node import (apply, cpu_run, diagnose, loaded_images, operator_release, pods,  # noqa: F401
-                                      runs_ns, wait_status)  # (fixtures, reused)
+from tests.support.real_node import (  # noqa: F401 - fixtures
+    apply, cpu_run, diagnose, loaded_images, operator_release, pods, runs_ns, wait_status,
+)
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 

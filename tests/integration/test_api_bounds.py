@@ -8,8 +8,8 @@ from kubernetes.client.exceptions import ApiException
 
 from kiln.api.load import parse
 from kiln.errors import KilnError
-from tests.integration.test_operator_api import create_dry_run, kube, refused_fields  # noqa: F401 - kube: fixture
-from tests.unit.test_api_hostile import SPEC_INTS, doc_with
+from tests.support.operator import create_dry_run, kube, refused_fields  # noqa: F401 - fixtures
+from tests.support.specs import SPEC_INTS, doc_with
 
 pytestmark = pytest.mark.rig
 

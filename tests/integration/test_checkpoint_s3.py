@@ -8,9 +8,7 @@ import contextlib
 import logging
 import os
 import re
-import signal
 import socket
-import subprocess
 import threading
 import urllib.error
 import urllib.parse
@@ -27,63 +25,10 @@ from kiln.storage import ObjectNotFound, open_store
 from kiln.storage.commit import committed_steps
 from kiln.storage.retry import RetryPolicy
 from kiln.trainer.checkpoint.checkpointer import Checkpointer
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port, wait_until
+from tests.support.ranks import SAFETY_TIMEOUT_S, wait_until
+from tests.support.s3 import ACCESS, SECRET, PrivateS3
 
 MiB = 1 << 20
-ACCESS, SECRET = "kiln-ckpt-test", "kiln-ckpt-test-secret"
-
-
-class PrivateS3:
-    """A versitygw of our own (posix backend in a temp dir) that a test may stop and start again."""
-
-    def __init__(self, data_dir):
-        from tests.rig import build
-
-        if not build.is_built("versitygw"):
-            build.build(["versitygw"])
-        self.exe = str(build.bin_dir() / "versitygw")
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.log = data_dir.parent / "versitygw.log"
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    self.exe,
-                    "--access",
-                    ACCESS,
-                    "--secret",
-                    SECRET,
-                    "--port",
-                    f"127.0.0.1:{self.port}",
-                    "posix",
-                    str(self.data_dir),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        wait_until("the private versitygw answering", self.answers, alive=lambda: self.proc.poll() is None,
-                   context=lambda: self.log.read_text()[-2000:])
-
-    def answers(self) -> bool:
-        try:
-            urllib.request.urlopen(self.endpoint + "/", timeout=2)
-        except urllib.error.HTTPError:
-            pass  # it answers (anonymous requests are refused)
-        except OSError:
-            return False
-        return True
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 class DroppingProxy:

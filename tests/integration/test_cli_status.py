@@ -12,9 +12,9 @@ import uuid
 import pytest
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import small_run
+from tests.rig.install import install_crd
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.specs import small_run
 
 pytestmark = pytest.mark.rig
 

@@ -12,7 +12,7 @@ from kiln.api.load import parse
 from kiln.client import KilnClient, RunFailed
 from kiln.errors import KilnError
 from tests.rig.install import install_crd
-from tests.integration.test_operator_lifecycle import small_run
+from tests.support.specs import small_run
 
 pytestmark = pytest.mark.rig
 

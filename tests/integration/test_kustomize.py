@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_helm import MANIFESTS, operator_from_deployment, reconcile_sample
+from tests.support.helm import MANIFESTS, operator_from_deployment, reconcile_sample
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = pytest.mark.rig
 

@@ -9,47 +9,28 @@ once and enforced twice.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import re
 from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from kiln.api.load import dump_for_apply, parse
 from kiln.api.rules import NAME_MAX, NAME_PATTERN, RULES
 from kiln.api.spec import GROUP, PLURAL, VERSION, TrainingSpec
-from kiln.control.kube import Kube, api_client
+from kiln.control.kube import Kube
 from kiln.control.plan import plan
 from kiln.errors import KilnError
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.rig.install import CRD_FILE, install_crd  # noqa: F401 (install_crd: other modules import it here)
+from tests.support.operator import create_dry_run, kube, refused_fields
 
 pytestmark = pytest.mark.rig
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def kube(rig) -> Kube:
-    install_crd(rig)
-    return Kube(api_client(str(rig.kubeconfig)))
-
-
-def create_dry_run(kube: Kube, namespace: str, body: dict) -> None:
-    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body, dry_run="All")
-
-
-def refused_fields(err: ApiException) -> set[str]:
-    causes = json.loads(err.body).get("details", {}).get("causes", [])
-    return {c.get("field", "") for c in causes}
 
 
 def apply_dry_run(kube: Kube, obj: dict) -> None:
@@ -251,6 +232,8 @@ def apiserver_verdict(kube: Kube, namespace: str, body: dict) -> set[str]:
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
+
+
 @given(body=specs())
 def test_apiserver_and_kiln_agree_on_random_specs(kube, namespace, body):
     expected = python_verdict(body)
@@ -271,6 +254,8 @@ def test_apiserver_and_kiln_agree_on_random_specs(kube, namespace, body):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
+
+
 @given(body=valid_specs())
 def test_random_valid_specs_render_jobs_the_apiserver_accepts(kube, namespace, body):
     assert python_verdict(body) == set()

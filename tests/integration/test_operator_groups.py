@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_lifecycle import (events, get, items, running_operator, scratch_namespace, small_run,
-                                                       status, submit, wait_phase)
+from tests.rig.install import scratch_namespace
+from tests.support.operator import events, get, items, running_operator, status, submit
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.specs import small_run
 
 pytestmark = pytest.mark.rig
 

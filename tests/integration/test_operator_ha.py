@@ -26,10 +26,10 @@ from datetime import datetime
 import pytest
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import (
-    Operator, condition, events, get, scratch_namespace, shipped_rbac, small_run, status, submit, wait_phase)
+from tests.rig.install import install_crd, scratch_namespace
+from tests.support.operator import Operator, condition, events, get, shipped_rbac, status, submit, wait_phase
+from tests.support.ranks import SAFETY_TIMEOUT_S, free_port
+from tests.support.specs import small_run
 
 pytestmark = pytest.mark.rig
 

@@ -14,16 +14,18 @@ import uuid
 import pytest
 
 from kiln.cli.main import main
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_lifecycle import (
-    condition, events, get, items, patch_spec, running_operator, running_pods, scratch_namespace, small_run, status,
-    submit, wait_phase,
+from tests.rig.install import scratch_namespace
+from tests.support.operator import (
+    condition, events, get, items, patch_spec, running_operator, running_pods, status, submit, wait_phase,
 )
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.specs import small_run
 
 pytestmark = pytest.mark.rig
 
 GPUS = 4  # per node of a run here; a queue of GPUS GPUs fits one 1-node run
+
+
 @pytest.fixture(scope="module")
 def ns(rig):
     with scratch_namespace(rig, "kiln-kueue") as name:

@@ -10,10 +10,16 @@ from kiln.api.spec import GROUP, VERSION
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.sync import Wait, reconcile
-from tests.e2e.test_elastic_rig import operator_kube, scope  # noqa: F401 - fixtures (scope: cluster-wide)
-from tests.integration.test_operator_api import install_crd
+from tests.rig.install import install_crd
+from tests.support.operator import operator_kube  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.rig
+
+
+@pytest.fixture(params=["cluster"])
+def scope(request) -> str:
+    """operator_kube's RBAC here: the cluster-wide install."""
+    return request.param
 
 
 @pytest.fixture

@@ -17,10 +17,8 @@ from kiln.control import pods, sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
 from kiln.control.plan import plan
-
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import scratch_namespace
 from tests.pod_settings import EVERYTHING, OPEN
+from tests.rig.install import install_crd, scratch_namespace
 
 pytestmark = pytest.mark.rig
 
@@ -87,6 +85,8 @@ def server_dry_run(rig, pod: dict):
     ({"hostNetwork": True}, None, "privileged"),
     (EVERYTHING, None, "privileged"),
 ])
+
+
 def test_the_apiservers_pod_security_admits_the_pod_at_kilns_level_and_not_stricter(
         rig, level_namespaces, pod_settings, network, level):
     raw = spec(pod_settings, network)

@@ -21,10 +21,8 @@ import pytest
 from kiln.control import sync
 from kiln.control.config import OperatorConfig
 from kiln.control.kube import Kube, api_client
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_helm import render
-from tests.rig.install import install_crd, scratch_namespace
+from tests.rig.install import install_crd, render, scratch_namespace
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = pytest.mark.rig
 

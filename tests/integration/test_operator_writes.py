@@ -19,9 +19,9 @@ import pytest
 
 from kiln.control.kube import Kube, api_client
 from tests.bench.bench_operator import CountingProxy, create_specs, settle, specs, trainingspec_writes
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_operator_api import install_crd
-from tests.integration.test_operator_lifecycle import Operator, get, scratch_namespace
+from tests.rig.install import install_crd, scratch_namespace
+from tests.support.operator import Operator, get
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = pytest.mark.rig
 

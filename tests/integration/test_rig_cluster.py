@@ -12,16 +12,13 @@ from pathlib import Path
 
 import pytest
 from kubeflow.training import (
-    KubeflowOrgV1PyTorchJob,
-    KubeflowOrgV1PyTorchJobSpec,
-    KubeflowOrgV1ReplicaSpec,
-    KubeflowOrgV1RunPolicy,
+    KubeflowOrgV1PyTorchJob, KubeflowOrgV1PyTorchJobSpec, KubeflowOrgV1ReplicaSpec, KubeflowOrgV1RunPolicy,
     TrainingClient,
 )
 from kubernetes import client as k8s
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.rig import build, versions
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 

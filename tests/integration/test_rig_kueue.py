@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = pytest.mark.rig
 

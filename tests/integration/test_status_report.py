@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kiln.api.spec import GROUP, PLURAL
 from kiln.control.plan import names, trainer_identity
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
+from tests.support.ranks import SAFETY_TIMEOUT_S, free_port
+from tests.support.specs import MICRO_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"
-MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
 
 
 def spec_doc(name: str, namespace: str, checkpoint: dict, steps: int) -> dict:

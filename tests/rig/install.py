@@ -1,6 +1,5 @@
 """Putting kiln into the rig for a test: the CRD, a namespace of the test's own, the Helm chart rendered by the
-rig's helm. Helpers the integration and e2e tests share (they lived in test modules: test_operator_api,
-test_operator_lifecycle, test_helm, which re-export them)."""
+rig's helm. Helpers the integration and e2e tests share (tests/support holds the rest)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from pathlib import Path
 import yaml
 
 from kiln.api.spec import GROUP, PLURAL
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
 from tests.rig import versions
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "manifests" / "crds" / "kiln.dev_trainingspecs.yaml"

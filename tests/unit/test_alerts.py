@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from kiln.control import metrics as op
-
 from tests import prometheus
 from tests.prometheus import RULES
-from tests.unit.test_delivery_metrics import exported_names
+from tests.support.metrics import exported_names
 from tests.tools import run
 
 RULE_TESTS = Path(__file__).resolve().parents[1] / "alerts" / "kiln-alerts.test.yaml"

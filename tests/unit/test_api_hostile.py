@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kiln.api.crd import crd
 from kiln.api.load import MAX_ERROR_LINES, MAX_LINE, parse
 from kiln.api.spec import INT32_MAX, JSON_INT_MAX
 from kiln.cli.main import main
 from kiln.errors import KilnError
+from tests.support.specs import CRD_ROOT, SPEC_INTS, doc_with, integer_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = "apiVersion: kiln.dev/v1alpha1\nkind: TrainingSpec\nmetadata: {name: hostile}\n"
@@ -49,8 +48,6 @@ def assert_answered(rc: int, out: str, err: str) -> None:
     assert "Traceback" not in err and "Traceback" not in out
     assert len(err) <= ERR_LIMIT, f"{len(err)} characters of errors: {err[:500]}"
     assert len(out) <= OUT_LIMIT, f"{len(out)} characters of output"
-
-
 
 
 def bomb(indent: str) -> str:
@@ -141,20 +138,6 @@ def test_an_unreadable_stream_is_refused_without_reading_it_all(tmp_path):
 
 # ---- the integer bounds are the CRD's bounds ----
 
-def integer_fields(node: dict, path: str = "spec"):
-    """(path, schema) of every integer in a CRD schema; list items as `[]`."""
-    if node.get("type") == "integer":
-        yield path, node
-    for key, sub in (node.get("properties") or {}).items():
-        yield from integer_fields(sub, f"{path}.{key}")
-    if isinstance(node.get("items"), dict):
-        yield from integer_fields(node["items"], path + "[]")
-
-
-CRD_ROOT = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
-SPEC_INTS = dict(integer_fields(CRD_ROOT["spec"]))
-
-
 def test_every_integer_in_the_crd_has_the_bound_kubernetes_stores():
     status_ints = dict(integer_fields(CRD_ROOT["status"], "status"))
     assert len(SPEC_INTS) > 20 and status_ints
@@ -164,22 +147,6 @@ def test_every_integer_in_the_crd_has_the_bound_kubernetes_stores():
         assert schema.get("minimum", -JSON_INT_MAX) >= -JSON_INT_MAX, path
     for path in INT32_FIELDS:
         assert SPEC_INTS[path]["maximum"] == INT32_MAX, path
-
-
-def doc_with(path: str, value) -> dict:
-    """A valid document with `path` (a CRD path, `[]` for the first list item) set to `value`."""
-    doc = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "bounds"}, "spec": {}}
-    node = doc
-    parts = path.split(".")
-    for key in parts[:-1]:
-        if key.endswith("[]"):
-            node = node.setdefault(key[:-2], [{}])[0]
-        else:
-            node = node.setdefault(key, {})
-    node[parts[-1]] = value
-    if path.startswith("spec.elastic.plan[]"):
-        node.setdefault("nodes", 1)
-    return doc
 
 
 @pytest.mark.parametrize("path", sorted(SPEC_INTS))
@@ -274,6 +241,8 @@ def test_random_hostile_documents_are_answered(scratch, text):
 
 @pytest.mark.parametrize("name", ["alias bomb in a passed-through map", "non-UTF-8 bytes", "duplicate key",
                                   "divisibility with huge heads", "typo of spec"])
+
+
 def test_kiln_validate_process_answers_hostile_files(tmp_path, name):
     _, text, fragment = next(c for c in HOSTILE if c[0] == name)
     path = tmp_path / "spec.yaml"

@@ -13,38 +13,10 @@ from kiln.api.load import check_cluster, load_file, parse
 from kiln.api.rules import NAME_CEL, RULES
 from kiln.cli.main import main
 from kiln.errors import KilnError
+from tests.support.specs import BASE, with_
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
-
-# A valid GPU spec that each case below breaks in exactly one way.
-BASE = {
-    "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "base"},
-    "spec": {
-        "model": {"preset": "llama-1b"},
-        "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2},
-        "parallelism": {"tensor": 2, "pipeline": 2},
-        "resources": {"nodes": 2, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
-        "elastic": {"minNodes": 1, "maxNodes": 4, "plan": [{"untilStep": 10, "nodes": 1}, {"nodes": 4}]},
-        "checkpoint": {"uri": "s3://ckpt/base/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"},
-    },
-}
-
-
-def with_(changes: dict) -> dict:
-    """BASE with `changes` ({'parallelism.tensor': 3, ...}; None deletes the key)."""
-    doc = copy.deepcopy(BASE)
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = doc["spec"]
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return doc
-
 
 # (what is broken, the field path in the error, the rule's message fragment)
 INVALID = [
@@ -146,6 +118,8 @@ def test_unknown_field_and_bad_enum_name_the_path():
     ({"level": "a" * 254 + "/rack"}, "spec.scheduling.topology.level:", "at most 253 characters"),
     ({"mode": "required"}, "spec.scheduling.topology.level:", "Field required"),
 ])
+
+
 def test_topology_mode_and_level_key_are_checked_offline(topology, path, fragment):
     with pytest.raises(KilnError) as err:
         parse(with_({"scheduling": {"queue": "team-a", "topology": topology}}), "spec.yaml")

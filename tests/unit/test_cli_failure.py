@@ -12,7 +12,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from kiln.cli.failure import TRACEBACKS_ENV, cause, record_rank_failure
 from kiln.cli.main import main
 from kiln.errors import KilnError, Unavailable
-from tests.distributed.trainer_helpers import write_spec
+from tests.support.runs import write_spec
 
 
 def failed_rank(tmp_path, monkeypatch, rank: int, err: BaseException, when: float) -> ProcessFailure:

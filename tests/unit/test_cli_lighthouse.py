@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.ranks import free_port, wait_until
+from tests.support.ranks import free_port, wait_until
 
 LIGHTHOUSE = str(Path(sys.executable).with_name("kiln-lighthouse"))  # this environment's console script
 

@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kiln.api.load import load_file
 from kiln.cli.checkpoint_cmds import eval_checkpoint_uri
 from kiln.cli.local_run import local_spec
 from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.trainer.optim import lr_at
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, free_port
-from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S, free_port
+from tests.support.runs import env, read_metrics, write_spec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 

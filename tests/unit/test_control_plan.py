@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import yaml
-from kubeflow.training import ApiClient
-from kubeflow.training import models as k
+from kubeflow.training import ApiClient, models as k
 
 from kiln.api.load import parse
 from kiln.cli.main import build_parser, main
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, Observed, dump, plan, resolve
 from kiln.errors import KilnError
-
-from tests.unit.test_api_rules import BASE, with_
-
-UID = "5b1c8e0c-0000-4000-8000-000000000001"
-
-
-def doc_of(raw: dict, namespace: str = "ml"):
-    raw = copy.deepcopy(raw)
-    raw["metadata"].update({"namespace": namespace, "uid": UID})
-    return parse(raw)
+from tests.support.specs import BASE, UID, doc_of, with_, worker
 
 
 def objects(raw: dict, observed: Observed | None = None, config: OperatorConfig | None = None) -> dict:
     result = plan(doc_of(raw), observed, config or OperatorConfig(image="registry.test/trainer:1"))
     assert result.refused is None
     return {o["kind"]: o for o in result.objects}
-
-
-def worker(job: dict) -> dict:
-    return job["spec"]["pytorchReplicaSpecs"]["Worker"]
 
 
 def test_pytorchjob_carries_gpus_selector_elastic_and_command():
@@ -83,6 +67,8 @@ def test_kueue_priority_is_a_label_apart_from_the_pod_priority_class():
 
 @pytest.mark.parametrize("mode,annotation", [("required", "kueue.x-k8s.io/podset-required-topology"),
                                              ("preferred", "kueue.x-k8s.io/podset-preferred-topology")])
+
+
 def test_topology_renders_kueues_pod_set_annotation_on_the_worker_template(mode, annotation):
     job = objects(with_({"scheduling": {"queue": "team-a", "topology": {"level": "example.com/rack", "mode": mode}}}))[
         "PyTorchJob"]

@@ -13,10 +13,9 @@ from kiln.control.config import OperatorConfig
 from kiln.control.plan import Observed, plan
 from kiln.control.policy import AdminPolicy
 from kiln.errors import KilnError
-
 from tests.pod_settings import CLOSED, EVERYTHING, OPEN
-from tests.unit.test_api_rules import with_
-from tests.unit.test_control_plan import doc_of, worker
+from tests.support.specs import doc_of, with_, worker
+
 
 def planned(raw: dict, policy: AdminPolicy = OPEN, observed: Observed | None = None):
     return plan(doc_of(raw), observed, OperatorConfig(image="registry.test/trainer:1", policy=policy))
@@ -83,6 +82,8 @@ def test_nothing_set_keeps_the_pod_as_before():
     ({"capabilities": ["SYS_ADMIN"]}, "spec.pod.capabilities[0]"),
     ({"extraResources": [{"name": "example.com/fpga", "quantity": "1"}]}, "spec.pod.extraResources[0]"),
 ])
+
+
 def test_dangerous_settings_outside_the_policy_are_refused_by_field_with_nothing_applied(pod_settings, field):
     result = planned(with_({"pod": pod_settings}))
     assert result.objects == [] and result.refused_reason == "ForbiddenByPolicy"
@@ -97,6 +98,8 @@ def test_dangerous_settings_outside_the_policy_are_refused_by_field_with_nothing
     ({"hostIPC": True}, "spec.pod.hostIPC"),
     ({"extraResources": [{"name": "rdma/ib", "quantity": "1"}]}, "spec.pod.extraResources[0]"),
 ])
+
+
 def test_the_default_policy_refuses_each_and_the_sites_policy_allows_it(pod_settings, field):
     refused = planned(with_({"pod": pod_settings}), CLOSED)
     assert refused.objects == [] and refused.refused.startswith(field), refused.refused
@@ -148,6 +151,8 @@ def test_every_variable_kiln_sets_is_reserved():
     ({"name": "x", "mountPath": "/x", "emptyDir": {}, "secret": {"secretName": "s"}}, "exactly one"),
     ({"name": "x", "mountPath": "/x", "hostPath": {"path": "/mnt/datasets/../../etc"}}, "'..'"),
 ])
+
+
 def test_volumes_that_would_break_the_pod_are_refused_offline(volume, says):
     with pytest.raises(KilnError, match=says):
         parse(with_({"pod": {"volumes": [volume]}}))
@@ -238,6 +243,8 @@ def test_a_device_the_queue_does_not_cover_is_refused_by_field():
     ({}, ("False", "NoGangScheduler", "default kube-scheduler")),
     ({"gang": False}, ("False", "Disabled", "one by one")),
 ])
+
+
 def test_the_gang_condition_says_what_holds(scheduling, expected):
     from kiln.control.status import derive
 

@@ -10,8 +10,7 @@ from kiln.cli.main import main
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import plan, quantity_bytes
 from kiln.control.policy import AdminPolicy, violations
-
-from tests.unit.test_api_rules import BASE, with_
+from tests.support.specs import BASE, with_
 
 DEFAULT_IMAGE = OperatorConfig().image
 
@@ -33,6 +32,8 @@ CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
     ({"resources.tolerations": [{"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"}]},
      "spec.resources.tolerations[0]: tolerating 'node-role"),
 ])
+
+
 def test_the_defaults_keep_pods_off_the_control_plane_and_away_from_system_priorities(changes, fragment):
     problems = refused(changes)
     assert len(problems) == 1 and problems[0].startswith(fragment), problems
@@ -95,6 +96,8 @@ def test_every_pod_has_a_disk_limit_and_the_trainer_knows_it():
 
 @pytest.mark.parametrize("quantity,expected", [("50Gi", 50 * 2**30), ("100G", 10**11), ("1000", 1000),
                                                ("1.5Ki", 1536), ("2Ti", 2 * 2**40)])
+
+
 def test_quantity_bytes(quantity, expected):
     assert quantity_bytes(quantity) == expected
 
@@ -107,6 +110,8 @@ def test_a_quantity_kubernetes_would_refuse_is_refused_at_validate():
 @pytest.mark.parametrize("affinity", [{"nodeAffinity": "not an object"}, {"nodeAffinity": {
     "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": ["x", {"matchExpressions": [1]}]},
     "preferredDuringSchedulingIgnoredDuringExecution": [None, {"preference": []}]}}])
+
+
 def test_a_malformed_affinity_is_left_to_the_apiserver_to_refuse(affinity):
     assert refused({"resources.affinity": affinity}) == []  # no crash: the apply's refusal names the problem
 
@@ -134,6 +139,8 @@ DIGEST = "sha256:" + "a" * 64
     ("evil/ubuntu:22.04", "docker.io/library", False),
     ("docker.io/library/ubuntu", "ubuntu", True),
 ])
+
+
 def test_image_rules_match_at_registry_and_repository_boundaries(image, rule, allowed):
     problems = refused({"image": image}, AdminPolicy(allowed_image_prefixes=(rule,)))
     assert (problems == []) is allowed, problems
@@ -174,6 +181,8 @@ def pod_term(**extra) -> dict:
                                  "effect": "NoSchedule"}]},
      "spec.resources.tolerations[0]: tolerating 'node.kubernetes.io/unschedulable'"),
 ])
+
+
 def test_the_node_and_pod_fences_cover_names_other_namespaces_and_cordons(changes, fragment):
     problems = refused(changes)
     assert len(problems) == 1 and problems[0].startswith(fragment), problems
@@ -206,6 +215,8 @@ def test_queue_priorities_under_an_allow_list():
     (AdminPolicy(max_groups=2), {"elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 4}}},
      "spec.elastic.faultTolerance.groups: 4 replica groups is more than this cluster allows per run (2)"),
 ])
+
+
 def test_size_caps_per_run_are_refused_by_name(policy, changes, fragment):
     problems = refused(changes, policy)
     assert len(problems) == 1 and problems[0].startswith(fragment), problems

@@ -9,9 +9,7 @@ from kubernetes.client.exceptions import ApiException
 from kiln.control import kueue
 from kiln.control.config import OperatorConfig
 from kiln.control.plan import Observed, plan
-
-from tests.unit.test_api_rules import with_
-from tests.unit.test_control_plan import doc_of, worker
+from tests.support.specs import doc_of, with_, worker
 
 CONFIG = OperatorConfig(image="registry.test/trainer:1")
 # Kueue's own examples: cpu, memory and GPUs, no ephemeral-storage

@@ -8,11 +8,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.control import metrics as op
-from kiln.trainer.observe.exporter import GAUGES, TrainerExporter
+from kiln.trainer.observe.exporter import TrainerExporter
+from tests.support.metrics import exported_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "kiln" / "dashboards" / "kiln.json"
 
@@ -148,27 +148,6 @@ def test_two_exporters_do_not_share_state_and_unreported_metrics_are_absent():
     assert a.registry.get_sample_value("kiln_train_loss", {"run": "a"}) == 1.0
     # mfu was never reported: no series rather than a made-up 0 on the dashboard
     assert a.registry.get_sample_value("kiln_train_mfu", {"run": "a"}) is None
-
-
-def exported_names() -> set[str]:
-    """Every sample name the operator and a trainer export (after one observation of each kind)."""
-    trainer = TrainerExporter("dash", registry=CollectorRegistry())
-    trainer.observe({key: 1.0 for key in GAUGES} | {"step_s": 1.0, "checkpoint_stall_s": 1.0,
-                                                    "data_mix": {"s3://d/web/": 0.7, "s3://d/code/": 0.3},
-                                                    "gpu_health": [{"node": "n1", "gpus": [{"index": 0,
-                                                                                            "state": "Healthy"}]}],
-                                                    "rank_own_s": [0.1], "rank_wait_s": [0.0], "rank_nodes": ["n1"],
-                                                    "stragglers": [{"rank": 0, "node": "n1"}]})
-    with op.reconcile("t-dash"):
-        op.observe_status("t-dash", "x", {"phase": "Running", "goodput": 0.9, "restarts": 1,
-                                          "cost": {"gpuHoursByCause": {"productive": 1.0},
-                                                   "amountByCause": {"productive": 3.5}},
-                                          "scaling": {"phases": [{"nodes": 1, "efficiency": 1.0}]}})
-    names = set()
-    for registry in (op.REGISTRY, trainer.registry):
-        names |= {s.name for family in registry.collect() for s in family.samples}
-    op.forget("t-dash", "x")
-    return names
 
 
 def test_dashboard_queries_only_metrics_that_exist_and_shows_all_of_kilns():

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.distributed.trainer_helpers import env, read_metrics, write_spec
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.runs import env, read_metrics, write_spec
 from tests.tools import go_env, locked, run, tools_dir, venv_installed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +135,8 @@ def test_tekton_task_and_pipeline_pass_tektons_validation(tekton_lint):
     ("  workspaces:\n    - name: source\n      description", "  workspace:\n    - name: source\n      description",
      "workspace"),                                                  # a misspelt field
 ])
+
+
 def test_tekton_lint_refuses_broken_tasks(tekton_lint, tmp_path, old, new, says):
     bad = broken_copy(tmp_path, PIPELINES / "tekton" / "kiln-train-task.yaml", old, new)
     proc = run([tekton_lint, bad])
@@ -233,7 +235,7 @@ def test_kfp_evaluate_and_publish_steps_on_a_real_checkpoint(kfp_python, tmp_pat
     src = f"file://{out}/checkpoints"
 
     # (imports torch: only here)
-    from tests.distributed.test_evaluate import validation_tokens
+    from tests.support.runs import validation_tokens
 
     # eval_data: held-out shards, here the validation split's own bytes (so the trainer's val_loss still holds)
     held_out = tmp_path / "held-out"

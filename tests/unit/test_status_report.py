@@ -11,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
+
 from kiln.api.spec import TrainingSpecStatus
 from kiln.trainer.observe import status_report
 from kiln.trainer.observe.status_report import StatusReporter, StatusSender, status_patch
-
-from tests.distributed.ranks import SAFETY_TIMEOUT_S, wait_until
+from tests.support.ranks import SAFETY_TIMEOUT_S, wait_until
 
 STATUS_FIELDS = {f.alias for f in TrainingSpecStatus.model_fields.values()}
 OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration", "goodput", "goodputDetail"}

@@ -96,7 +96,7 @@ def test_the_pods_get_tracking_credentials_by_reference_only():
     from kiln.control.config import OperatorConfig
     from kiln.control.plan import plan
 
-    from tests.unit.test_api_rules import with_
+    from tests.support.specs import with_
 
     raw = with_({"tracking": {"mlflow": {"uri": "http://mlflow:5000", "credentialsSecret": "mlflow-creds"},
                               "wandb": {"project": "p", "credentialsSecret": "wandb-creds"}}})
@@ -119,7 +119,7 @@ def test_a_tracking_uri_must_be_http_or_file():
 
     from kiln.api.load import parse
     from kiln.errors import KilnError
-    from tests.unit.test_api_rules import with_
+    from tests.support.specs import with_
 
     with pytest.raises(KilnError, match=r"spec\.tracking\.mlflow\.uri: String should match"):
         parse(with_({"tracking": {"mlflow": {"uri": "mlflow:5000"}}}))

@@ -1,4 +1,5 @@
-"""Shared by the trainer's distributed tests: write a spec, start real torchrun processes, read metrics."""
+"""The trainer run as a user runs it: write a spec of the micro model (write_spec), run `kiln` (kiln, env), read
+its metrics.jsonl (read_metrics), and the held-out tokens of builtin:pydoc (validation_tokens)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-
-# A model smaller than the `tiny` preset, so a 4-rank gloo run of a few steps takes seconds on two cores.
-MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
+from kiln.trainer.data.loader import VALIDATION_FRACTION, pydoc_bytes
+from tests.support.ranks import SAFETY_TIMEOUT_S
+from tests.support.specs import MICRO_MODEL  # noqa: F401 (the tests that write specs take it from here too)
 
 
 def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | None = None,
@@ -71,3 +72,9 @@ def read_metrics(out: Path) -> list[dict]:
 def kiln(*args: str, timeout: float = SAFETY_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], env=env(), capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, check=False)
+
+
+def validation_tokens() -> np.ndarray:
+    """The bytes of builtin:pydoc's validation split (its last VALIDATION_FRACTION), as a token shard."""
+    tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
+    return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.uint16)
