@@ -13,9 +13,8 @@ import uuid
 
 import pytest
 
-from tests.distributed.ranks import SAFETY_TIMEOUT_S
-from tests.integration.test_helm import render
-from tests.rig.install import scratch_namespace
+from tests.rig.install import render, scratch_namespace
+from tests.support.ranks import SAFETY_TIMEOUT_S
 
 pytestmark = pytest.mark.rig
 

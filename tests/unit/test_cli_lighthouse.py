@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
+from tests.support.groups import LIGHTHOUSE, listening
 from tests.support.ranks import free_port, wait_until
 
-LIGHTHOUSE = str(Path(sys.executable).with_name("kiln-lighthouse"))  # this environment's console script
-
-
-def listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_the_lighthouse_listens_on_the_given_port_without_loading_torch():

@@ -14,7 +14,7 @@ from kiln.api import contract
 from kiln.control import ft_secret
 from kiln.control.kube import Kube
 
-from tests.unit.test_control_groups import GROUPS, UID, of, rendered
+from tests.support.groups import GROUPS, UID, of, rendered
 
 
 def pod_specs(objects: list[dict]) -> dict[str, dict]:

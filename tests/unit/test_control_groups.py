@@ -12,7 +12,6 @@ from kiln.api import contract
 from kiln.api.load import parse
 from kiln.api.spec import TrainingSpec
 from kiln.errors import KilnError
-from kiln.control.config import OperatorConfig
 from kiln.control.plan import (GROUP_LABEL, IMMUTABLE_WHILE_RUNNING, LIGHTHOUSE_LABEL, LIGHTHOUSE_PORT, RUN_LABEL,
                                Observed, dump, job_names, job_names_of, plan, resolve)
 from kiln.api.spec import TrainingSpecStatus
@@ -20,30 +19,8 @@ from kiln.control import kueue, replica_groups
 from kiln.control.replica_groups import combined_job
 from kiln.control.status import derive
 
-UID = "5b1c8e0c-0000-4000-8000-000000000002"
-GROUPS = {
-    "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
-    "metadata": {"name": "ft", "namespace": "ml", "uid": UID},
-    "spec": {
-        "model": {"preset": "llama-1b"},
-        "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2},
-        "parallelism": {"tensor": 2},
-        "resources": {"nodes": 4, "gpusPerNode": 8, "gpuType": "NVIDIA-H200"},
-        "elastic": {"faultTolerance": {"mode": "replicaGroups", "groups": 2}},
-        "checkpoint": {"uri": "s3://ckpt/ft/", "endpoint": "http://s3:9000", "credentialsSecret": "s3"},
-    },
-}
-CONFIG = OperatorConfig(image="registry.test/trainer:1")
+from tests.support.groups import CONFIG, GROUPS, UID, of, rendered  # noqa: F401
 
-
-def rendered(raw: dict = GROUPS) -> list[dict]:
-    result = plan(parse(copy.deepcopy(raw)), None, CONFIG)
-    assert result.refused is None, result.refused
-    return result.objects
-
-
-def of(objects: list[dict], kind: str) -> list[dict]:
-    return [o for o in objects if o["kind"] == kind]
 
 
 def env(job: dict) -> dict:

@@ -15,9 +15,8 @@ from kiln.api import contract
 from kiln.control import ft_secret
 from kiln.trainer.membership.auth import Tunnel, host_port, secret_from_env
 
-from tests.distributed.ranks import free_port, wait_until
-from tests.unit.test_cli_lighthouse import LIGHTHOUSE, listening
-from tests.unit.test_control_groups import of, rendered
+from tests.support.groups import LIGHTHOUSE, listening, of, rendered
+from tests.support.ranks import free_port, wait_until
 
 SECRET = bytes(range(32))
 
