@@ -21,7 +21,8 @@ from kiln.storage import ObjectStore
 from kiln.storage.bounded import read_bytes
 from kiln.trainer.model.hf_folder import (folder_json, open_folder, read_config, resolve_dims, storage_endpoint,
                                           tokenizer_uri)
-from kiln.trainer.model.hf_names import CONFIG, GENERATION_CONFIG, INDEX, SINGLE, TOKENIZER_FILES, hf_name
+from kiln.trainer.model.hf_names import (CONFIG, EXPERTS, GENERATION_CONFIG, INDEX, SINGLE, TOKENIZER_FILES, experts_of,
+                                         hf_names)
 
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +30,14 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 def hf_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The transformers state dict of a plain (single-process) kiln model, in its family's names."""
-    return {hf_name(n, model.dims.arch): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
+    out = {}
+    for n, p in model.named_parameters():
+        names = hf_names(n, model.dims.arch, experts_of(model.dims))
+        if EXPERTS.match(n):  # stacked experts: one tensor per expert, as transformers saves them
+            out.update({name: p[e].detach().to(dtype).contiguous() for e, name in enumerate(names)})
+        else:
+            out[names[0]] = p.detach().to(dtype).contiguous()
+    return out
 
 
 def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

@@ -178,3 +178,54 @@ def combine(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, chose
     unsorted = torch.empty_like(rows).index_copy_(0, order, rows)  # back to (token, slot) order
     mixed = (unsorted.view(-1, k, rows.shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
     return mixed.to(flat.dtype)
+
+
+def router_losses(stats: list[RouterStats], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) over the MoE layers of one forward.
+
+    The load-balancing loss as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen-MoE
+    (Switch Transformer's): the fraction of routed rows each expert got and its mean router probability, both
+    over the rows of every layer together, then num_experts * sum_e fraction_e * probability_e. The z-loss
+    (ST-MoE): the mean over tokens and layers of logsumexp(router logits)^2."""
+    rows = sum(s.rows for s in stats)
+    tokens = torch.stack([s.tokens for s in stats]).sum(0).float() / rows
+    probs = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
+    return num_experts * (tokens * probs).sum(), torch.stack([s.z_sum for s in stats]).sum() / rows
+
+
+class RouterLoad:
+    """Routed rows per expert and layer, and the router losses, summed over the forwards since the last `read`
+    (a step's microbatches): the per-step metrics. Read from the Transformer's forward, never from a block's, so
+    activation checkpointing's recomputed forwards are not counted twice."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: torch.Tensor | None = None  # (MoE layers, experts)
+        self.aux, self.z, self.forwards = 0.0, 0.0, 0
+
+    def add(self, stats: list[RouterStats]) -> None:
+        t = torch.stack([s.tokens for s in stats]).detach()
+        self.tokens = t if self.tokens is None else self.tokens + t
+
+    def losses(self, aux: torch.Tensor, z: torch.Tensor) -> None:
+        self.aux += aux.detach()
+        self.z += z.detach()
+        self.forwards += 1
+
+    def read(self) -> dict[str, float] | None:
+        """The metrics of the forwards since the last read (None when there were none), then reset: balance (the
+        largest max/mean expert load of any layer), the coefficient of variation of the loads (mean over layers),
+        the busiest and idlest expert's rows (over layers), and the unweighted aux and z losses per forward."""
+        if self.tokens is None:
+            return None
+        t = self.tokens.double()
+        mean = t.mean(1).clamp(min=1e-9)
+        out = {"moe_balance": float((t.max(1).values / mean).max()),
+               "moe_load_cv": float((t.std(1, correction=0) / mean).mean()),
+               "moe_busiest_tokens": int(t.max()), "moe_idlest_tokens": int(t.min())}
+        if self.forwards:
+            out.update(moe_aux_loss=float(self.aux) / self.forwards, moe_z_loss=float(self.z) / self.forwards)
+        self.reset()
+        return out
