@@ -214,6 +214,21 @@ class RouterLoad:
         self.z += z.detach()
         self.forwards += 1
 
+    @staticmethod
+    def merged(loads: list["RouterLoad"]) -> "RouterLoad | None":
+        """One RouterLoad of several model parts' (pipeline stages: each holds some layers; the last adds the
+        losses), the parts reset; None when none saw a forward."""
+        loads = [load for load in loads if load.tokens is not None]
+        if not loads:
+            return None
+        out = RouterLoad()
+        out.tokens = torch.cat([load.tokens for load in loads])
+        out.aux, out.z = sum(load.aux for load in loads), sum(load.z for load in loads)
+        out.forwards = sum(load.forwards for load in loads)
+        for load in loads:
+            load.reset()
+        return out
+
     def read(self) -> dict[str, float] | None:
         """The metrics of the forwards since the last read (None when there were none), then reset: balance (the
         largest max/mean expert load of any layer), the coefficient of variation of the loads (mean over layers),
