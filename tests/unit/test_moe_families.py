@@ -111,3 +111,33 @@ def test_unknown_expert_tensor_and_unsupported_keys_are_refused(tmp_path):
     spec = parse({"spec": {"model": {"from": f"file://{tmp_path}", "moe": {"experts": 8}}}}).spec
     with pytest.raises(KilnError, match=r"model.moe.experts: the model folder .* sets the experts' shape"):
         hf.resolve_dims(spec)
+
+
+def test_a_preset_moe_exports_as_mixtral_that_transformers_reloads(tmp_path):
+    """tiny-moe (Llama's attention, Mixtral's experts) trained from kiln's own init is written as a Mixtral folder;
+    experts transformers has no family for (a sigmoid router) are refused before any checkpoint is read."""
+    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+
+    from kiln.api import resolve_model
+    from kiln.api.spec import ModelSpec
+    from kiln.trainer.model.transformer import build_model
+
+    spec = {"preset": "tiny-moe", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32,
+            "moe": {"experts": 4, "topK": 2, "ffnDim": 32}}
+    dims = resolve_model(ModelSpec.model_validate(spec))
+    assert dims.arch.family == "mixtral"
+    model = build_model(dims)
+    model.to_empty(device="cpu")
+    model.init_weights(5)
+    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{tmp_path}"), config=config_for(dims),
+                    generation={}, tokenizer_files={}, max_shard_bytes=1 << 30)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(reloaded) is MixtralForCausalLM and not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(tokens).logits, model(tokens), rtol=0, atol=1e-4)
+
+    sigmoid = resolve_model(ModelSpec.model_validate({**spec, "moe": {**spec["moe"], "score": "sigmoid"}}))
+    assert sigmoid.arch.family == "llama"
+    with pytest.raises(ValueError, match=r"model.moe: no transformers family has these experts \(score sigmoid"):
+        config_for(sigmoid)

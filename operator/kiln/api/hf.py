@@ -245,6 +245,10 @@ def config_for(dims: ModelDims, *, tie: bool = False, dtype: str = "float32",
     and other keys kept) with every dimension set from `dims`, in the transformers < 5 layout that both 4.x and
     5.x read."""
     arch = dims.arch
+    if dims.moe is not None and arch.family not in MOE:
+        raise ValueError(f"model.moe: no transformers family has these experts (score {dims.moe.score}, normTopk "
+                         f"{dims.moe.norm_topk}, sharedFfnDim {dims.moe.shared_ffn_dim}); kiln exports Mixtral's "
+                         f"(softmax, normTopk true, no shared expert) or a Qwen-MoE folder's own")
     config = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False} if arch.family == "llama" else {}
     config.update({k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "torch_dtype", "dtype")})
     config.update({

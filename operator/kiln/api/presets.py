@@ -121,6 +121,8 @@ def resolve_model(spec: ModelSpec) -> ModelDims:
     moe = moe_dims(values.get("moe"), spec.moe)
     if moe is not None:
         values["moe"] = moe
+        if mixtral_like(moe):  # Llama's attention with Mixtral's experts: exported as a Mixtral folder
+            values["arch"] = Arch(family="mixtral")
     if "dim" in values and "ffn_dim" not in values:
         values["ffn_dim"] = llama_ffn_dim(values["dim"])
     if "heads" in values and "kv_heads" not in values:
@@ -129,6 +131,12 @@ def resolve_model(spec: ModelSpec) -> ModelDims:
     if missing:
         raise ValueError(f"model: set a preset or all of dim, layers, heads, vocabSize, seqLen (missing: {', '.join(missing)})")
     return ModelDims(**values)
+
+
+def mixtral_like(moe: MoEDims) -> bool:
+    """Whether these experts are Mixtral's: softmax scores, the top-k renormalised, no shared expert, every
+    layer sparse (a preset's or spec's MoE with Llama's attention is then a Mixtral model)."""
+    return moe.score == "softmax" and moe.norm_topk and not moe.shared_ffn_dim and not moe.dense_layers
 
 
 def moe_dims(base: dict | MoEDims | None, spec) -> MoEDims | None:

@@ -146,6 +146,10 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     if dtype not in EXPORT_DTYPES:
         raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     dims = resolve_dims(spec, config=base or None)
+    try:  # before any checkpoint is read: a model transformers has no family for is refused first
+        config = config_for(dims, dtype=dtype, base=base)
+    except ValueError as err:
+        raise KilnError(f"spec.{err}") from None
     if merge:  # the base's weights, then the adapters from the commit
         model = initial_model(doc, dims, torch.device("cpu"), ep)
     else:  # every weight comes from the commit
@@ -160,7 +164,6 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     tok_uri = tokenizer_uri(spec)
     tok_files = tokenizer_files(tok_uri, ep) if tok_uri != "byte" else {}
     generation = _generation_config(spec, ep, base)
-    config = config_for(dims, dtype=dtype, base=base)
     store = open_folder(output_uri, ep, "--output")
     files = write_folder(state, store, config=config, generation=generation, tokenizer_files=tok_files,
                          max_shard_bytes=max_shard_bytes)
