@@ -84,3 +84,16 @@ def test_grouped_and_loop_agree_forward_and_backward_with_empty_experts():
 def test_describe_names_the_path():
     assert "grouped GEMMs" in moe.describe(torch.device("cpu"), torch.float32, 32, 48)
     assert "16 bytes" in moe.describe(torch.device("cpu"), torch.float32, 30, 48)
+
+
+def test_moe_dims_from_preset_and_spec_name_the_missing_field():
+    from kiln.api import resolve_model
+    from kiln.api.spec import ModelSpec
+
+    dims = resolve_model(ModelSpec.model_validate({"preset": "tiny-moe", "moe": {"auxLossCoef": 0.1}}))
+    assert (dims.moe.experts, dims.moe.top_k, dims.moe.aux_loss_coef, dims.moe.z_loss_coef) == (8, 2, 0.1, 0.001)
+    assert resolve_model(ModelSpec(preset="tiny")).moe is None
+    with pytest.raises(ValueError, match=r"^model.moe: set experts, ffnDim \(no preset or model folder gives them\)$"):
+        resolve_model(ModelSpec.model_validate({"preset": "tiny", "moe": {"topK": 2}}))
+    with pytest.raises(ValueError, match=r"model.moe.topK 9 exceeds model.moe.experts 8"):
+        resolve_model(ModelSpec.model_validate({"preset": "tiny-moe", "moe": {"topK": 9}}))

@@ -147,7 +147,7 @@ def moe_dims(base: dict | MoEDims | None, spec) -> MoEDims | None:
         values.update(spec.model_dump(exclude_none=True))
     if not values:
         return None
-    missing = [f for f in ("experts", "top_k", "ffn_dim") if f not in values]
+    missing = [wire for f, wire in (("experts", "experts"), ("top_k", "topK"), ("ffn_dim", "ffnDim")) if f not in values]
     if missing:
         raise ValueError(f"model.moe: set {', '.join(missing)} (no preset or model folder gives them)")
     if values["top_k"] > values["experts"]:
