@@ -26,3 +26,20 @@ def test_moe_run_logs_router_balance_and_losses_each_step(tmp_path):
         assert 0 <= r["moe_idlest_tokens"] <= 32 <= r["moe_busiest_tokens"] <= 64
         # Switch's loss is 1 when the router is uniform and balanced, up to `experts` when all goes to one
         assert 0.9 < r["moe_aux_loss"] < 4.0 and r["moe_z_loss"] > 0
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_from_fsdp_resumes_on_one_rank_on_the_same_curve(tmp_path):
+    """The stacked experts and their Adam moments, saved as FSDP2 shards on 2 ranks at step 2, load into one plain
+    process and continue the uninterrupted single-process curve (1e-4, as test_trainer_resume_across_worlds:
+    a mis-loaded expert or a changed routing moves the loss far more)."""
+    def train(name, steps, nproc, out):
+        spec = write_spec(tmp_path / f"{name}.yaml", model=MICRO_MOE, nproc=nproc,
+                          training={"schedule": "constant", "steps": steps}, checkpoint={"intervalSteps": 1})
+        return [r for r in torchrun_train(spec, out, nproc=nproc) if "loss" in r]
+
+    reference = [r["loss"] for r in train("ref", 4, 1, tmp_path / "ref")]
+    train("first", 2, 2, tmp_path / "out")
+    resumed = train("then", 4, 1, tmp_path / "out")
+    assert [r["world_size"] for r in resumed] == [2, 2, 1, 1]
+    assert [r["loss"] for r in resumed] == pytest.approx(reference, abs=1e-4)
