@@ -14,11 +14,10 @@ import torch
 from kiln.api.hf import config_for
 from kiln.api.load import parse
 from kiln.errors import KilnError
-from kiln.storage import open_store
-from kiln.trainer.model import hf_export, hf_folder as hf, kernels
+from kiln.trainer.model import hf_folder as hf, kernels
 from kiln.trainer.model.moe import MoE
 from tests.hf_models import MOE_FAMILIES, save_model
-from tests.unit.test_model_families import SEQ, STEPS, batches, imported
+from tests.unit.test_model_families import SEQ, STEPS, batches, exported, imported
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +44,6 @@ def test_training_steps_with_the_aux_loss_match_transformers_and_export_reloads(
     *ForCausalLM adds given labels). Tolerance as for the dense families (test_model_families): fp32 in another
     operation order, three Adam steps of lr 1e-3: 1e-5 relative. The aux loss's share of the loss (coef 0.1 x ~2)
     is 40x that, so a model without it, or with another formula, fails."""
-    from transformers import AutoModelForCausalLM
-
     reference = save_model(tmp_path / "src", family, tokenizer=False).train()
     model, base = imported(tmp_path / "src")
     coef = base["router_aux_loss_coef"]
@@ -73,13 +70,8 @@ def test_training_steps_with_the_aux_loss_match_transformers_and_export_reloads(
     assert ours[0] > ours[1] > ours[2]
     assert coef * min(aux) > 40 * 1e-5 * max(ours)  # the aux loss is far above the tolerance
 
-    out_dir = tmp_path / "out"
-    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{out_dir}"),
-                    config=config_for(model.dims, base=base), generation={}, tokenizer_files={},
-                    max_shard_bytes=1 << 30)
-    reloaded, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    reloaded = exported(model, base, tmp_path / "out")
     assert type(reloaded) is type(reference)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
     theirs_state = reloaded.state_dict()
     ref_state = reference.state_dict()
     for name in ref_state:  # every trained tensor of transformers' model, in its own in-memory layout
@@ -116,7 +108,7 @@ def test_unknown_expert_tensor_and_unsupported_keys_are_refused(tmp_path):
 def test_a_preset_moe_exports_as_mixtral_that_transformers_reloads(tmp_path):
     """tiny-moe (Llama's attention, Mixtral's experts) trained from kiln's own init is written as a Mixtral folder;
     experts transformers has no family for (a sigmoid router) are refused before any checkpoint is read."""
-    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     from kiln.api import resolve_model
     from kiln.api.spec import ModelSpec
@@ -129,10 +121,8 @@ def test_a_preset_moe_exports_as_mixtral_that_transformers_reloads(tmp_path):
     model = build_model(dims)
     model.to_empty(device="cpu")
     model.init_weights(5)
-    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{tmp_path}"), config=config_for(dims),
-                    generation={}, tokenizer_files={}, max_shard_bytes=1 << 30)
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert type(reloaded) is MixtralForCausalLM and not info["missing_keys"] and not info["unexpected_keys"], info
+    reloaded = exported(model, {}, tmp_path)
+    assert type(reloaded) is MixtralForCausalLM
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(tokens).logits, model(tokens), rtol=0, atol=1e-4)
