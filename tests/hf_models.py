@@ -1,7 +1,8 @@
 """Small random models made by transformers itself (not by kiln), saved as Hugging Face folders.
 
 The reference side of kiln's import/export tests: each family's own config class (`LlamaConfig`,
-`MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Gemma2Config`, `Gemma3TextConfig`) + `AutoModelForCausalLM` +
+`MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Gemma2Config`, `Gemma3TextConfig`; `MixtralConfig`,
+`Qwen2MoeConfig`, `Qwen3MoeConfig` for the mixtures of experts) + `AutoModelForCausalLM` +
 `save_pretrained`, and a byte-level BPE tokenizer trained with the `tokenizers` library on the built-in corpus.
 """
 
@@ -40,6 +41,19 @@ FAMILIES = {
 }
 FAMILY_BASE = {"hidden_size": 64, "intermediate_size": 128}
 
+# Mixtures of experts: name -> (config class, overrides): 4 experts, top-2, each departure on (Qwen2-MoE's gated
+# shared expert, un-normalised top-k scores and a dense layer among the MoE ones; Qwen3-MoE's q/k norms and
+# renormalised scores), router_aux_loss_coef high enough that the aux loss moves the loss past the tolerance
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "router_aux_loss_coef": 0.1}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+                                     "mlp_only_layers": [1], "router_aux_loss_coef": 0.1}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "head_dim": 32, "router_aux_loss_coef": 0.1}),
+}
+
 
 def config(**overrides):
     from transformers import LlamaConfig
@@ -57,7 +71,7 @@ def family_config(family: str, **overrides):
     """The tiny config of a family (FAMILIES), made by its own transformers config class."""
     import transformers
 
-    cls, extra = FAMILIES[family]
+    cls, extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     return getattr(transformers, cls)(**{**_base(), **FAMILY_BASE, **extra, **overrides})
 
 
@@ -93,7 +107,8 @@ def save_model(folder: Path, variant: str = "gqa", *, seed: int = 0, tokenizer=T
 
     torch.manual_seed(seed)
     overrides = config_overrides or {}
-    cfg = family_config(variant, **overrides) if variant in FAMILIES else config(**VARIANTS[variant], **overrides)
+    family = variant in FAMILIES or variant in MOE_FAMILIES
+    cfg = family_config(variant, **overrides) if family else config(**VARIANTS[variant], **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     gemma = cfg.model_type.startswith("gemma")
     with torch.no_grad():  # transformers initialises norms to 1 (Gemma's to 0) and biases to 0: random ones
@@ -102,6 +117,8 @@ def save_model(folder: Path, variant: str = "gqa", *, seed: int = 0, tokenizer=T
                 p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.uniform_(-0.2, 0.2)
+            elif name.endswith("gate.weight") and "layers" in name:  # routers: decisive, unequal top-k scores
+                p.normal_(0.0, 0.3)
     model.save_pretrained(folder, **save_kwargs)
     if tokenizer:
         make_tokenizer().save(str(folder / "tokenizer.json"))

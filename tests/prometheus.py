@@ -194,6 +194,8 @@ NO_SAMPLES_ON_CPU = {
     "kiln_train_mfu": "not reported on CPU: no known peak (kiln.trainer.observe.metrics.mfu_note); GPU runs only",
     "kiln_data_source_share": "runs that mix data.sources only; these runs read one data.uri",
     "kiln_gpu_health": "GPU nodes only (NVML)",
+    **{f"kiln_train_moe_{m}": "mixture-of-experts runs only (model.moe); the rig's runs train a dense model"
+       for m in ("balance", "load_cv", "busiest_expert_tokens", "idlest_expert_tokens", "aux_loss", "z_loss")},
 }
 
 

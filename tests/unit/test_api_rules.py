@@ -23,6 +23,8 @@ INVALID = [
     ({"model": {"dim": 64}}, "spec.model:", "set model.preset"),
     ({"model": {"preset": "tiny", "kvHeads": 3}}, "spec.model.kvHeads:", "must divide model.heads"),
     ({"model": {"preset": "tiny", "dim": 100}}, "spec.model.dim:", "multiple of 2 × model.heads"),
+    ({"model": {"preset": "tiny-moe", "moe": {"experts": 4, "topK": 6}}}, "spec.model.moe.topK:",
+     "at most model.moe.experts"),
     ({"parallelism.tensor": 16, "resources.gpusPerNode": 16}, "spec.parallelism.tensor:", "divide model.heads"),
     ({"parallelism.tensor": 4, "resources.processesPerNode": 2}, "spec.parallelism.tensor:", "processes per node"),
     ({"parallelism.pipeline": 32, "parallelism.tensor": 1, "resources.nodes": 4, "elastic.plan": [],

@@ -173,3 +173,27 @@ def test_dashboard_is_importable_grafana_json():
         for target in panel.get("targets", []):
             for used in re.findall(r"\$(\w+)", target["expr"]):
                 assert used in variables | {"__rate_interval"}, f"{panel['title']}: ${used} is not defined"
+
+
+def test_a_mixture_of_experts_router_metrics_are_exported():
+    """The RouterLoad's read (kiln.trainer.model.moe), as the loop puts it into the step's record, becomes gauges."""
+    import torch
+
+    from kiln.trainer.model.moe import RouterLoad, RouterStats
+
+    load = RouterLoad()
+    stats = [RouterStats(torch.tensor([6, 2, 0, 0]), torch.zeros(4), torch.zeros(()), 4),
+             RouterStats(torch.tensor([2, 2, 2, 2]), torch.zeros(4), torch.zeros(()), 4)]
+    load.add(stats)
+    load.losses(torch.tensor(1.5), torch.tensor(0.25))
+    record = load.read()
+    assert record == pytest.approx({"moe_balance": 3.0, "moe_load_cv": (6 ** 0.5 / 2 + 0) / 2,  # std of 6,2,0,0: sqrt(6)
+                                    "moe_busiest_tokens": 6, "moe_idlest_tokens": 0, "moe_aux_loss": 1.5,
+                                    "moe_z_loss": 0.25})
+    assert load.read() is None  # read once per step
+    exporter = TrainerExporter("run-moe")
+    exporter.observe({"step": 3, **record})
+    value = lambda name: exporter.registry.get_sample_value(name, {"run": "run-moe"})  # noqa: E731
+    assert value("kiln_train_moe_balance") == 3.0
+    assert value("kiln_train_moe_busiest_expert_tokens") == 6 and value("kiln_train_moe_idlest_expert_tokens") == 0
+    assert value("kiln_train_moe_aux_loss") == 1.5 and value("kiln_train_moe_z_loss") == 0.25

@@ -46,6 +46,19 @@ def batches(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (2, SEQ + 1), generator=gen) for _ in range(n)]
 
 
+def exported(model: torch.nn.Module, base: dict, out: Path):
+    """kiln's export of `model` (config.json from `base`, the imported folder's) reloaded by transformers'
+    AutoModelForCausalLM, which found every tensor it expects and no other."""
+    from transformers import AutoModelForCausalLM
+
+    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{out}"),
+                           config=config_for(model.dims, base=base), generation={}, tokenizer_files={},
+                           max_shard_bytes=1 << 30)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return reloaded
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(tmp_path, family):
     """The family's own folder (Gemma's tied, as published): each departure from Llama switched off alone moved
@@ -63,8 +76,6 @@ def test_training_steps_match_transformers_and_export_reloads_bit_for_bit(tmp_pa
     reference would train another model). The tolerance: fp32 forward/backward in another operation order
     differ by ~1e-7 relative; three Adam steps (lr 1e-3, so each weight moves <= 3e-3) keep the losses within
     1e-5 relative, measured 1e-7 to 1e-6 here."""
-    from transformers import AutoModelForCausalLM
-
     reference = save_model(tmp_path / "src", family, tokenizer=False,
                            config_overrides={"tie_word_embeddings": False}).train()
     model, base = imported(tmp_path / "src")
@@ -85,13 +96,8 @@ def test_training_steps_match_transformers_and_export_reloads_bit_for_bit(tmp_pa
     assert ours == pytest.approx(theirs, rel=1e-5, abs=0)
     assert ours[0] > ours[1] > ours[2]  # it trained
 
-    out = tmp_path / "out"
-    hf_export.write_folder(hf_export.hf_state(model, torch.float32), open_store(f"file://{out}"),
-                           config=config_for(model.dims, base=base), generation={}, tokenizer_files={},
-                           max_shard_bytes=1 << 30)
-    reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    reloaded = exported(model, base, tmp_path / "out")
     assert type(reloaded) is type(reference)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
     theirs_state = reloaded.state_dict()
     for name, param in model.named_parameters():
         assert torch.equal(theirs_state[hf.hf_name(name, model.dims.arch)], param.detach()), name

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.api.presets import Arch, ModelDims, RopeScaling
+from kiln.api.presets import Arch, ModelDims, MoEDims, RopeScaling, moe_dims
 
 if TYPE_CHECKING:
     from kiln.api.spec import ModelSpec
@@ -23,7 +23,11 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES.values())
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 GEMMA = ("gemma2", "gemma3_text")
@@ -88,9 +92,9 @@ def _sliding_layers(config: dict[str, Any], family: str, layers: int, where: str
         if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
             raise ValueError(f"{where}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}")
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return tuple(range(layers)) if config.get("sliding_window") is not None else ()
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         first = config.get("max_window_layers", layers)
         return tuple(range(first, layers)) if config.get("use_sliding_window") else ()
     if family == "gemma2":
@@ -116,8 +120,10 @@ def arch_from_config(config: dict[str, Any], family: str, layers: int, where: st
     _refuse(config, where, **{act_key: tuple(ACTIVATIONS)}, mlp_bias=(False,), attention_dropout=(0, 0.0),
             use_bidirectional_attention=(False,), attention_bias=(False, True))
     activation = ACTIVATIONS[config.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")]
-    # Qwen2 always has q/k/v biases and none on o; elsewhere attention_bias sets all four (Mistral has none)
-    bias = bool(config.get("attention_bias", False)) and family != "mistral"
+    # Qwen2 always has q/k/v biases and none on o, Qwen2-MoE as its qkv_bias says; elsewhere attention_bias sets
+    # all four (Mistral and Mixtral have none)
+    bias = bool(config.get("attention_bias", False)) and family not in ("mistral", "mixtral")
+    qkv_bias = bias or family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True)))
     sliding = _sliding_layers(config, family, layers, where)
     window = config.get("sliding_window") if sliding else None
     if sliding and (not isinstance(window, int) or window < 1):
@@ -128,12 +134,56 @@ def arch_from_config(config: dict[str, Any], family: str, layers: int, where: st
     if family == "gemma3_text" and "rope_parameters" not in config:  # the transformers < 5 layout
         local_theta = float(config.get("rope_local_base_freq", 10000.0))
     return Arch(
-        family=family, head_dim=config.get("head_dim"), qkv_bias=bias or family == "qwen2", o_bias=bias,
-        qk_norm=family in ("qwen3", "gemma3_text"), activation=activation, norm_offset=1.0 if gemma else 0.0,
+        family=family, head_dim=config.get("head_dim"), qkv_bias=qkv_bias, o_bias=bias,
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"), activation=activation, norm_offset=1.0 if gemma else 0.0,
         embed_scale=gemma, sandwich_norm=gemma, query_scale=float(scalar) ** -0.5 if scalar else None,
         attn_softcap=config.get("attn_logit_softcapping") if gemma else None,
         final_softcap=config.get("final_logit_softcapping") if gemma else None,
         sliding_window=window, sliding_layers=sliding, local_rope_theta=local_theta)
+
+
+def moe_from_config(config: dict[str, Any], family: str, layers: int, where: str) -> MoEDims | None:
+    """A Mixtral / Qwen-MoE config's experts (transformers' meaning of each key); None for a dense family."""
+    if family not in MOE:
+        return None
+    _refuse(config, where, router_jitter_noise=(0, 0.0))  # Mixtral's training-time input noise: not implemented
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    top_k = config.get("num_experts_per_tok")
+    hidden = config.get("intermediate_size") if family == "mixtral" else config.get("moe_intermediate_size")
+    bad = [k for k, v in (("num_local_experts" if family != "qwen2_moe" else "num_experts", experts),
+                          ("num_experts_per_tok", top_k),
+                          ("intermediate_size" if family == "mixtral" else "moe_intermediate_size", hidden))
+           if not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{where}: missing or not a positive integer: {', '.join(bad)}")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok {top_k} exceeds the {experts} experts")
+    dense: tuple[int, ...] = ()
+    if family != "mixtral":  # transformers: a layer is sparse unless in mlp_only_layers or off decoder_sparse_step
+        step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+        if not isinstance(step, int) or step < 1 or not isinstance(only, list):
+            raise ValueError(f"{where}: decoder_sparse_step must be a positive integer and mlp_only_layers a list")
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = config.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+    return MoEDims(experts=experts, top_k=top_k, ffn_dim=hidden, score="softmax",
+                   norm_topk=family == "mixtral" or bool(config.get("norm_topk_prob", False)),
+                   shared_ffn_dim=shared or 0, shared_gate=bool(shared), dense_layers=dense,
+                   aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
+
+
+def moe_config(dims: ModelDims) -> dict[str, Any]:
+    """The config.json keys of dims.moe in its family's names (the inverse of moe_from_config)."""
+    c, family = dims.moe, dims.arch.family
+    if c is None:
+        return {}
+    out = {"num_experts_per_tok": c.top_k, "router_aux_loss_coef": c.aux_loss_coef, "output_router_logits": False}
+    if family == "mixtral":
+        return {**out, "num_local_experts": c.experts, "intermediate_size": c.ffn_dim}
+    out.update(num_experts=c.experts, moe_intermediate_size=c.ffn_dim, norm_topk_prob=c.norm_topk,
+               decoder_sparse_step=1, mlp_only_layers=list(c.dense_layers))
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = c.shared_ffn_dim
+    return out
 
 
 def dims_from_config(config: dict[str, Any], model: "ModelSpec", source: str) -> ModelDims:
@@ -177,7 +227,16 @@ def dims_from_config(config: dict[str, Any], model: "ModelSpec", source: str) ->
     rope_where = f"{where}: rope_parameters.full_attention" if arch.local_rope_theta else where
     if arch.local_rope_theta is not None and rope_settings(config, "sliding_attention")[1] is not None:
         raise ValueError(f"{where}: rope_parameters.sliding_attention: only rope_type 'default' is supported")
-    return ModelDims(**values, seq_len=seq_len, rope_scaling=_llama3_scaling(scaling, rope_where), arch=arch)
+    moe = moe_dims(moe_from_config(config, model_type, layers, where), model.moe)
+    if moe is not None and model.moe is not None:
+        shape = [f for f in ("experts", "top_k", "ffn_dim", "score", "norm_topk", "shared_ffn_dim")
+                 if getattr(model.moe, f) is not None]
+        if shape:
+            raise ValueError(f"model.moe.{_camel(shape[0])}: the model folder {source} sets the experts' shape; "
+                             f"leave it unset (auxLossCoef and zLossCoef are free)")
+    elif model.moe is not None:
+        raise ValueError(f"model.moe: the model folder {source} is a dense {model_type} model, not a mixture of experts")
+    return ModelDims(**values, seq_len=seq_len, rope_scaling=_llama3_scaling(scaling, rope_where), arch=arch, moe=moe)
 
 
 def config_for(dims: ModelDims, *, tie: bool = False, dtype: str = "float32",
@@ -186,6 +245,10 @@ def config_for(dims: ModelDims, *, tie: bool = False, dtype: str = "float32",
     and other keys kept) with every dimension set from `dims`, in the transformers < 5 layout that both 4.x and
     5.x read."""
     arch = dims.arch
+    if dims.moe is not None and arch.family not in MOE:
+        raise ValueError(f"model.moe: no transformers family has these experts (score {dims.moe.score}, normTopk "
+                         f"{dims.moe.norm_topk}, sharedFfnDim {dims.moe.shared_ffn_dim}); kiln exports Mixtral's "
+                         f"(softmax, normTopk true, no shared expert) or a Qwen-MoE folder's own")
     config = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False} if arch.family == "llama" else {}
     config.update({k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "torch_dtype", "dtype")})
     config.update({
@@ -196,6 +259,7 @@ def config_for(dims: ModelDims, *, tie: bool = False, dtype: str = "float32",
     })
     if arch.local_rope_theta is not None:
         config["rope_local_base_freq"] = arch.local_rope_theta
+    config.update(moe_config(dims))
     config.pop("rope_scaling", None)
     if dims.rope_scaling is not None:
         config["rope_scaling"] = {"rope_type": "llama3", **dims.rope_scaling.model_dump()}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from kiln.api import contract
 from kiln.api.layout import replica_group_spec
 from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
-from kiln.trainer.model import documents, hf_folder as hf, kernels
+from kiln.trainer.model import documents, hf_folder as hf, kernels, moe
 from kiln.trainer.model.loss import PipelineLoss
 from kiln.trainer.model.peft_folder import adapter_record
 from kiln.trainer.model.transformer import build_model, cross_entropy
@@ -71,6 +71,9 @@ def build_model_parts(run: Run) -> None:
         used = kernels.describe(device, tensor_parallel=layout.tp, dim=dims.dim, compiled=par.compile, arch=dims.arch)
         print(f"kiln: {used}", flush=True)
         print(f"kiln: {mfu_note(device, tr.precision)}", flush=True)
+        if dims.moe is not None:  # grouped GEMMs or the loop, in the compute dtype
+            compute = torch.bfloat16 if tr.precision == "bf16" else torch.float32
+            print(f"kiln: {moe.describe(device, compute, dims.dim, dims.moe.ffn_dim)}", flush=True)
         if spec.data.packing:
             print(f"kiln: {documents.describe(device)}", flush=True)
     run.model_parts = [model]

@@ -35,7 +35,7 @@ from kiln.trainer.build import (build_checkpointer, build_data, build_model_part
 from kiln.trainer.evaluate import validation_loss
 from kiln.trainer.hooks import Heal, Restart, StepContext, StepHooks
 from kiln.trainer.membership.strategy import open_membership
-from kiln.trainer.model import hf_folder as hf
+from kiln.trainer.model import hf_folder as hf, moe
 from kiln.trainer.model.lora import check_base, init_adapters
 from kiln.trainer.model.loss import global_count, global_loss
 from kiln.trainer.observe import hang_report, tracking
@@ -296,6 +296,7 @@ class Run:
         if denominator is not None:  # the tokens the loss was taken on (tokens_seen counts all, padding too)
             record["assistant_tokens" if self.spec.data.format == "chat" else "loss_tokens"] = int(denominator)
         record.update(members.metrics())
+        record.update(self._router_metrics())
         ctx = StepContext(step, loss, float(grad_norm), self.model_parts, self.optimizers, self.mesh, record,
                           batch_share=members.batch_share)
         if all(hook(ctx) for hook in self.hooks.before_update):
@@ -312,6 +313,13 @@ class Run:
         if self.stragglers is not None:  # every N steps one all-gather of each rank's own and waiting time
             self.stragglers.end(step, record)
         self._finish_step(step, record)
+
+    def _router_metrics(self) -> dict:
+        """A mixture of experts' router over this step's microbatches (kiln.trainer.model.moe.RouterLoad), summed
+        over this rank's model parts (pipeline stages hold some layers each); {} for a dense model."""
+        loads = [part.router_load for part in self.model_parts if getattr(part, "router_load", None) is not None]
+        merged = moe.RouterLoad.merged(loads)
+        return (merged.read() or {}) if merged is not None else {}
 
     def _finish_step(self, step: int, record: dict) -> None:
         """The step's record, status and checkpoint (when due), and the held-out loss after the last step."""

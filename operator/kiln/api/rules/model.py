@@ -1,4 +1,4 @@
-"""Rules on spec.model: a complete model, from a folder or a preset, and head/dimension shapes."""
+"""Rules on spec.model: a complete model, from a folder or a preset, head/dimension shapes, the experts' top-k."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def _check_dim(s):
     d, h = model_value(s, "dim"), model_value(s, "heads")
     if d is not None and h is not None and d % (2 * h):
         return f"got dim={d}, heads={h}; e.g. dim={2 * h * max(1, round(d / (2 * h)))}"
+    return None
+
+
+def _check_moe_top_k(s):
+    moe = s.model.moe
+    if moe is not None and moe.top_k is not None and moe.experts is not None and moe.top_k > moe.experts:
+        return f"got topK={moe.top_k}, experts={moe.experts}"
     return None
 
 
@@ -63,4 +70,9 @@ MODEL_RULES: list[Rule] = [
          "model.dim must be a multiple of 2 × model.heads (an even head size for rotary embeddings)",
          f"!{cel_model_known('dim', 'heads')} || {cel_model('dim')} % (2 * {cel_model('heads')}) == 0",
          _check_dim),
+    Rule("moe-top-k", "model.moe.topK",
+         "model.moe.topK must be at most model.moe.experts",
+         "!has(self.model.moe) || !has(self.model.moe.topK) || !has(self.model.moe.experts)"
+         " || self.model.moe.topK <= self.model.moe.experts",
+         _check_moe_top_k),
 ]

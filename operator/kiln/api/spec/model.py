@@ -37,13 +37,36 @@ class AdapterSpec(ApiModel):
     )
 
 
+class MoESpec(ApiModel):
+    """Mixture of experts (kiln.trainer.model.moe): each MoE layer routes every token to topK of `experts` SwiGLU
+    experts (token-choice, no capacity: no token is dropped). A preset or model folder sets the shape; fields
+    here override it (a folder's shape fields must be left unset)."""
+
+    experts: int | None = Field(None, ge=2, le=INT32_MAX, description="Routed experts per MoE layer.")
+    top_k: int | None = Field(None, ge=1, le=INT32_MAX, description="Experts each token is routed to; at most experts.")
+    ffn_dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Each expert's SwiGLU hidden size.")
+    score: Literal["softmax", "sigmoid"] | None = Field(
+        None, description="Router scores: softmax over the experts (Mixtral, Qwen-MoE; default) or a sigmoid per expert.")
+    norm_topk: bool | None = Field(
+        None, description="Renormalise the topK chosen scores to sum to 1 (default true; Qwen-MoE's norm_topk_prob).")
+    shared_ffn_dim: int | None = Field(
+        None, ge=0, le=JSON_INT_MAX, description="Hidden size of a shared expert every token also takes (0: none).")
+    aux_loss_coef: float | None = Field(
+        None, ge=0, le=1e3, description="Weight of the load-balancing loss added to the training loss (Switch "
+        "Transformer's, as transformers computes it: experts × Σ_e tokens share_e × mean router probability_e over "
+        "all MoE layers). Default: the preset's, or the model folder's router_aux_loss_coef.")
+    z_loss_coef: float | None = Field(
+        None, ge=0, le=1e3, description="Weight of the router z-loss (mean over tokens and MoE layers of "
+        "logsumexp(router logits)²) added to the training loss. Default: the preset's, else 0.")
+
+
 class ModelSpec(ApiModel):
     """Which model to train: a named preset, optionally with explicit dimensions overriding it, or a model
     folder in Hugging Face layout (model.from) whose weights training starts from."""
 
     preset: PresetName | None = Field(
         None,
-        description="Named model size: tiny (CPU tests), small, llama-1b, llama-8b. Explicit fields override it; "
+        description="Named model size: tiny (CPU tests), tiny-moe (tiny with 8 experts, top-2), small, llama-1b, llama-8b. Explicit fields override it; "
         "without a preset or from, set all of dim, layers, heads, vocabSize, seqLen.",
     )
     from_: str | None = Field(
@@ -62,6 +85,10 @@ class ModelSpec(ApiModel):
     ffn_dim: int | None = Field(None, ge=8, le=JSON_INT_MAX, description="Hidden size of the SwiGLU MLP; derived from dim when unset.")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
+    moe: MoESpec | None = Field(
+        None, description="Mixture-of-experts feed-forward layers in place of the dense MLP (preset tiny-moe, or a "
+        "Mixtral / Qwen2-MoE / Qwen3-MoE model folder, set it; fields here override).",
+    )
     adapter: AdapterSpec | None = Field(
         None, description="Fine-tune with LoRA adapters: the model's own weights (model.from's, else the seed's) "
         "stay frozen, in training.precision; only the adapters and their optimizer state are trained and saved.",

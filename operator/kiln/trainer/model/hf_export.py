@@ -21,7 +21,8 @@ from kiln.storage import ObjectStore
 from kiln.storage.bounded import read_bytes
 from kiln.trainer.model.hf_folder import (folder_json, open_folder, read_config, resolve_dims, storage_endpoint,
                                           tokenizer_uri)
-from kiln.trainer.model.hf_names import CONFIG, GENERATION_CONFIG, INDEX, SINGLE, TOKENIZER_FILES, hf_name
+from kiln.trainer.model.hf_names import (CONFIG, EXPERTS, GENERATION_CONFIG, INDEX, SINGLE, TOKENIZER_FILES, experts_of,
+                                         hf_names)
 
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +30,14 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 def hf_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The transformers state dict of a plain (single-process) kiln model, in its family's names."""
-    return {hf_name(n, model.dims.arch): p.detach().to(dtype).contiguous() for n, p in model.named_parameters()}
+    out = {}
+    for n, p in model.named_parameters():
+        names = hf_names(n, model.dims.arch, experts_of(model.dims))
+        if EXPERTS.match(n):  # stacked experts: one tensor per expert, as transformers saves them
+            out.update({name: p[e].detach().to(dtype).contiguous() for e, name in enumerate(names)})
+        else:
+            out[names[0]] = p.detach().to(dtype).contiguous()
+    return out
 
 
 def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -138,6 +146,10 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     if dtype not in EXPORT_DTYPES:
         raise KilnError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
     dims = resolve_dims(spec, config=base or None)
+    try:  # before any checkpoint is read: a model transformers has no family for is refused first
+        config = config_for(dims, dtype=dtype, base=base)
+    except ValueError as err:
+        raise KilnError(f"spec.{err}") from None
     if merge:  # the base's weights, then the adapters from the commit
         model = initial_model(doc, dims, torch.device("cpu"), ep)
     else:  # every weight comes from the commit
@@ -152,7 +164,6 @@ def export_hf(doc, *, checkpoint_uri: str, output_uri: str, endpoint: str | None
     tok_uri = tokenizer_uri(spec)
     tok_files = tokenizer_files(tok_uri, ep) if tok_uri != "byte" else {}
     generation = _generation_config(spec, ep, base)
-    config = config_for(dims, dtype=dtype, base=base)
     store = open_folder(output_uri, ep, "--output")
     files = write_folder(state, store, config=config, generation=generation, tokenizer_files=tok_files,
                          max_shard_bytes=max_shard_bytes)

@@ -30,7 +30,6 @@ from torch import nn
 
 from kiln.api import ModelDims, resolve_model
 from kiln.api.hf import dims_from_config
-from kiln.api.presets import Arch
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
@@ -38,7 +37,7 @@ from kiln.storage.bounded import parse_json, read_bytes, read_json_object
 from kiln.storage.store import ObjectNotFound
 from kiln.trainer.model.hf_names import (  # noqa: F401  (the names reading does not use are re-exported)
     CONFIG, DTYPE_NAMES, DTYPES, GENERATION_CONFIG, INDEX, NAME_MAP, SANDWICH_NAMES, SINGLE, TOKENIZER_FILES, hf_name,
-    hf_shapes,
+    hf_names, hf_shapes, experts_of,
 )
 
 
@@ -198,11 +197,12 @@ class Checkpoint:
                 raise KilnError(f"model.from {self.uri}: tensor {name} has shape {list(entry.shape)}, config.json "
                                 f"needs {list(shape)}")
 
-    def source_of(self, kiln_name: str, tied: bool, arch: Arch) -> TensorEntry:
-        name = hf_name(kiln_name, arch)
-        if name == "lm_head.weight" and tied and name not in self.tensors:
-            name = "model.embed_tokens.weight"  # untied on import: the output layer starts as the embedding
-        return self.tensors[name]
+    def sources_of(self, kiln_name: str, tied: bool, dims: ModelDims) -> list[TensorEntry]:
+        """The tensors a kiln parameter is read from: one, or one per expert for stacked experts."""
+        names = hf_names(kiln_name, dims.arch, experts_of(dims))
+        if names == ["lm_head.weight"] and tied and names[0] not in self.tensors:
+            names = ["model.embed_tokens.weight"]  # untied on import: the output layer starts as the embedding
+        return [self.tensors[n] for n in names]
 
 
 def _local_chunk(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -236,26 +236,37 @@ def load_weights(model: nn.Module, uri: str, dims: ModelDims, *, endpoint: str |
         if is_adapter(name):  # LoRA adapters are not in the folder (kiln.trainer.model.lora.init_adapters)
             continue
         local, offsets, sizes = _local_chunk(param)
-        jobs.append((local, ckpt.source_of(name, tied, dims.arch), offsets, sizes))
+        jobs.append((local, ckpt.sources_of(name, tied, dims), offsets, sizes))
     read = 0
     window: deque = deque()  # reads in flight: at most 2 x threads slices are held in memory at once
 
     def finish() -> None:
         nonlocal read
-        (local, entry, _, sizes), future = window.popleft()
+        (local, entries, _, sizes), future = window.popleft()
         data = future.result()
         if math.prod(sizes):
             local.copy_(data.reshape(local.shape))
-        read += data.numel() * entry.dtype.itemsize
+        read += data.numel() * entries[0].dtype.itemsize
 
     with ThreadPoolExecutor(threads, thread_name_prefix="kiln-hf-load") as pool:
         for job in jobs:
-            window.append((job, pool.submit(read_slice, ckpt.store, job[1], job[2], job[3])))
+            window.append((job, pool.submit(_read_chunk, ckpt.store, job[1], job[2], job[3])))
             if len(window) >= 2 * threads:
                 finish()
         while window:
             finish()
     return read
+
+
+def _read_chunk(store: ObjectStore, entries: list[TensorEntry], offsets: tuple[int, ...],
+                sizes: tuple[int, ...]) -> torch.Tensor:
+    """A parameter's chunk: a slice of its one tensor, or for stacked experts (offsets and sizes over
+    (experts, out, in)) the slices of the experts in its range, each read from its own tensor, stacked."""
+    if len(entries) == 1:
+        return read_slice(store, entries[0], offsets, sizes)
+    first = offsets[0]
+    parts = [read_slice(store, entries[e], offsets[1:], sizes[1:]) for e in range(first, first + sizes[0])]
+    return torch.stack(parts) if parts else torch.empty(sizes, dtype=entries[0].dtype)
 
 
 def tokenizer_uri(spec: TrainingSpecSpec) -> str:

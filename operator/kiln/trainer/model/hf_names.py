@@ -53,15 +53,46 @@ SANDWICH_NAMES = {
 }
 
 
+# A mixture of experts' feed-forward (kiln.trainer.model.moe): kiln's names under `layers.{i}.feed_forward.` ->
+# transformers' under `model.layers.{i}.<MOE_PREFIX>.`. The experts are stacked in kiln (one (experts, out, in)
+# tensor per weight) and one tensor per expert in transformers' files: `experts.{e}.<EXPERT_WEIGHTS>.weight`.
+MOE_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+MOE_NAMES = {
+    "router.gate.weight": "gate.weight",
+    "shared_experts.w1.weight": "shared_expert.gate_proj.weight",
+    "shared_experts.w3.weight": "shared_expert.up_proj.weight",
+    "shared_experts.w2.weight": "shared_expert.down_proj.weight",
+    "shared_gate.weight": "shared_expert_gate.weight",
+}
+EXPERT_WEIGHTS = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+                  "qwen": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 
 
 def hf_name(kiln_name: str, arch: Arch = Arch()) -> str:
     names = {**NAME_MAP, **SANDWICH_NAMES} if arch.sandwich_norm else NAME_MAP
     m = _LAYER.match(kiln_name)
     if m:
-        return names["layers.{i}." + m.group(2)].format(i=m.group(1))
+        rest = m.group(2)
+        if rest.startswith("feed_forward.") and rest[len("feed_forward."):] in MOE_NAMES:
+            return f"model.layers.{m.group(1)}.{MOE_PREFIX[arch.family]}.{MOE_NAMES[rest[len('feed_forward.'):]]}"
+        return names["layers.{i}." + rest].format(i=m.group(1))
     return names[kiln_name]
+
+
+def hf_names(kiln_name: str, arch: Arch, experts: int = 0) -> list[str]:
+    """transformers' names of a kiln parameter: one, or for stacked experts one per expert (in expert order)."""
+    m = EXPERTS.match(kiln_name)
+    if m is None:
+        return [hf_name(kiln_name, arch)]
+    weight = EXPERT_WEIGHTS["mixtral" if arch.family == "mixtral" else "qwen"][m.group(2)]
+    prefix = f"model.layers.{m.group(1)}.{MOE_PREFIX[arch.family]}.experts"
+    return [f"{prefix}.{e}.{weight}.weight" for e in range(experts)]
+
+
+def experts_of(dims: ModelDims) -> int:
+    return dims.moe.experts if dims.moe is not None else 0
 
 
 def hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
@@ -69,4 +100,8 @@ def hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     model (built on the meta device), renamed."""
     from kiln.trainer.model.transformer import build_model
 
-    return {hf_name(n, dims.arch): tuple(p.shape) for n, p in build_model(dims).named_parameters()}
+    out = {}
+    for n, p in build_model(dims).named_parameters():
+        stacked = EXPERTS.match(n) is not None
+        out.update({name: tuple(p.shape[1:] if stacked else p.shape) for name in hf_names(n, dims.arch, experts_of(dims))})
+    return out

@@ -8,7 +8,8 @@ The other families (Mistral, Qwen2/3, Gemma 2/3) are the same decoder with the d
 `dims.arch` (kiln.api.presets.Arch) lists as data: q/k/v biases, per-head q/k norms, a GeGLU MLP, Gemma's
 (1 + w) norms, scaled embeddings, norms after attention and MLP, soft-capped scores and logits, sliding-window
 layers with their own RoPE base. Each is one `if` where it applies; docs/trainer.md says why not one module
-per family.
+per family. A mixture of experts (`dims.moe`: Mixtral, Qwen2/3-MoE, the tiny-moe preset) replaces the MLP of its
+layers with kiln.trainer.model.moe.MoE, and the loss given targets adds its router losses.
 
 Parallelism is applied from outside (kiln.trainer.parallel.parallelize) to this plain module, so the code here knows
 nothing about it, with two conventions that make that possible:
@@ -34,7 +35,7 @@ from torch import nn
 
 from kiln.api import ModelDims
 from kiln.api.presets import RopeScaling
-from kiln.trainer.model import documents, kernels
+from kiln.trainer.model import documents, kernels, moe
 
 
 class RMSNorm(nn.Module):
@@ -162,13 +163,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dims: ModelDims, sliding: bool = False):
+    def __init__(self, dims: ModelDims, sliding: bool = False, experts: bool = False):
         super().__init__()
         arch, norm = dims.arch, functools.partial(RMSNorm, dims.dim, dims.norm_eps, dims.arch.norm_offset)
         self.attention_norm = norm()
         self.attention = Attention(dims, sliding)
         self.ffn_norm = norm()
-        self.feed_forward = FeedForward(dims.dim, dims.ffn_dim, arch.activation)
+        self.feed_forward = moe_block(dims) if experts else FeedForward(dims.dim, dims.ffn_dim, arch.activation)
         # Gemma: the attention's and the MLP's outputs are normalised too, before each residual add
         self.attention_post_norm = norm() if arch.sandwich_norm else None
         self.ffn_post_norm = norm() if arch.sandwich_norm else None
@@ -192,7 +193,9 @@ class Transformer(nn.Module):
         self.dims = dims
         sliding = set(dims.arch.sliding_layers)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(dims.vocab_size, dims.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dims, i in sliding) for i in range(dims.layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dims, i in sliding, i in moe_layers(dims))
+                                     for i in range(dims.layers)})
+        self.router_load = moe.RouterLoad()  # routed tokens per expert since the last read (the step's metrics)
         self.norm: RMSNorm | None = RMSNorm(dims.dim, dims.norm_eps, dims.arch.norm_offset)
         self.output: nn.Linear | None = nn.Linear(dims.dim, dims.vocab_size, bias=False)
         # Derived, never checkpointed: recomputed by init_buffers on the real device.
@@ -229,7 +232,16 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, mask=None if docs is None else docs.mask)
         if self.norm is None:
             return h
-        return self.head(h, targets)
+        loss = self.head(h, targets)
+        stats = [b.feed_forward.stats for b in self.layers.values() if isinstance(b.feed_forward, moe.MoE)]
+        if stats:
+            self.router_load.add(stats)
+            if targets is not None:  # the router losses join the loss as transformers adds them (router_aux_loss_coef)
+                c = self.dims.moe
+                aux, z = moe.router_losses(stats, c.experts)
+                self.router_load.losses(aux, z)
+                loss = loss + c.aux_loss_coef * aux + c.z_loss_coef * z
+        return loss
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm, then the logits, or the loss when targets are given (kiln.trainer.parallel.parallelize compiles it
@@ -270,7 +282,7 @@ class Transformer(nn.Module):
                 full.zero_()
             else:
                 gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
                 full.normal_(0.0, std, generator=gen)
             _copy_into(param, full)
 
@@ -295,18 +307,41 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return total / (flat != -100).sum().clamp(min=1)
 
 
+def moe_layers(dims: ModelDims) -> set[int]:
+    """The layers whose MLP is a mixture of experts (all but moe.dense_layers; none for a dense model)."""
+    return set(range(dims.layers)) - set(dims.moe.dense_layers) if dims.moe is not None else set()
+
+
+def moe_block(dims: ModelDims) -> moe.MoE:
+    c = dims.moe
+    return moe.MoE(dims.dim, c.experts, c.ffn_dim, c.top_k, score=c.score, norm_topk=c.norm_topk,
+                   shared_hidden=c.shared_ffn_dim, shared_gate=c.shared_gate)
+
+
 def build_model(dims: ModelDims) -> Transformer:
     """The model on the meta device: shapes only, no memory; parallelize, then to_empty + init_weights."""
     with torch.device("meta"):
         return Transformer(dims)
 
 
-def count_params(dims: ModelDims, *, embedding: bool = True) -> int:
-    """Parameters of the full model from its dims (the input embedding is a lookup, not a matmul)."""
+def count_params(dims: ModelDims, *, embedding: bool = True, active: bool = False) -> int:
+    """Parameters of the full model from its dims (the input embedding is a lookup, not a matmul); `active`: those
+    one token's forward uses (a mixture of experts counts its top-k experts only)."""
     hd, arch = dims.head_dim, dims.arch
     attn = dims.dim * hd * (2 * dims.heads + 2 * dims.kv_heads)
     attn += arch.qkv_bias * hd * (dims.heads + 2 * dims.kv_heads) + arch.o_bias * dims.dim + arch.qk_norm * 2 * hd
-    ffn = 3 * dims.dim * dims.ffn_dim
-    per_layer = attn + ffn + (4 if arch.sandwich_norm else 2) * dims.dim
-    total = dims.layers * per_layer + dims.dim + dims.vocab_size * dims.dim
+    dense = 3 * dims.dim * dims.ffn_dim
+    sparse = len(moe_layers(dims))
+    per_layer = attn + (4 if arch.sandwich_norm else 2) * dims.dim
+    total = dims.layers * per_layer + (dims.layers - sparse) * dense + dims.dim + dims.vocab_size * dims.dim
+    if sparse:
+        total += sparse * moe_params(dims, active=active)
     return total + (dims.vocab_size * dims.dim if embedding else 0)
+
+
+def moe_params(dims: ModelDims, *, active: bool = False) -> int:
+    """One MoE layer's parameters: router, experts (only the top-k a token takes when `active`), shared expert."""
+    c = dims.moe
+    experts = c.top_k if active else c.experts
+    return (c.experts * dims.dim + experts * 3 * dims.dim * c.ffn_dim + 3 * dims.dim * c.shared_ffn_dim
+            + c.shared_gate * dims.dim)

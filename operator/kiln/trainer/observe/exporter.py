@@ -9,6 +9,8 @@ exporter keeps the latest values. Keys it reads, all optional per record:
     guard_rollbacks, guard_skipped_spike, guard_skipped_nonfinite   the stability guards' counters so far
     steps_since_commit, checkpoint_interval_steps   how stale the newest commit is, in steps
     sdc_checks, sdc_mismatches   the silent-data-corruption check's counts (kiln.trainer.guards), every step
+    moe_balance, moe_load_cv, moe_busiest_tokens, moe_idlest_tokens, moe_aux_loss, moe_z_loss   a mixture of
+                 experts' router over the step (kiln.trainer.model.moe.RouterLoad), every logged step
     gpu_health   every node's GPU states (kiln.trainer.observe.gpu_health, gathered by rank 0) → kiln_gpu_health{node,gpu}:
                  0 Healthy, 1 Degrading, 2 Failing, -1 Unknown (kiln.api.contract.GPU_HEALTH_GAUGE); a
                  node where the run uses no GPU (NotApplicable) has no series
@@ -46,6 +48,18 @@ GAUGES = {
                    "process."),
     "sdc_mismatches": ("kiln_train_sdc_mismatches", "Silent-data-corruption mismatches this run met, across its "
                        "restarts (each one is an object under incidents/sdc/ of the checkpoint URI)."),
+    "moe_balance": ("kiln_train_moe_balance", "Mixture of experts: the busiest expert's routed tokens over the mean, "
+                    "in the most unbalanced MoE layer, over the last logged step (1: balanced)."),
+    "moe_load_cv": ("kiln_train_moe_load_cv", "Mixture of experts: coefficient of variation of the experts' routed "
+                    "tokens, mean over MoE layers, last logged step (0: balanced)."),
+    "moe_busiest_tokens": ("kiln_train_moe_busiest_expert_tokens", "Mixture of experts: tokens routed to the "
+                           "busiest expert of any MoE layer in the last logged step, on this rank's batch share."),
+    "moe_idlest_tokens": ("kiln_train_moe_idlest_expert_tokens", "Mixture of experts: tokens routed to the idlest "
+                          "expert of any MoE layer in the last logged step, on this rank's batch share."),
+    "moe_aux_loss": ("kiln_train_moe_aux_loss", "Mixture of experts: the load-balancing loss (unweighted; 1 when "
+                     "balanced), mean over the last logged step's microbatches."),
+    "moe_z_loss": ("kiln_train_moe_z_loss", "Mixture of experts: the router z-loss (unweighted), mean over the "
+                   "last logged step's microbatches."),
 }
 # A run's goodput and restarts are the operator's (it sees the time no trainer runs): kiln.control.metrics.
 STEP_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)

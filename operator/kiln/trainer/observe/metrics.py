@@ -107,9 +107,10 @@ def flops_per_token(dims: ModelDims) -> float:
     sum add 2 * 2 * seq_len * dim per layer forward, times 3 with backward: 12 * L * dim * seq_len. The
     causal mask is not subtracted (the usual convention, as in the MFU figures published for Llama/PaLM).
     Where a family's attention is not `dim` wide (heads x head_dim: Qwen3, Gemma) that width counts, and a
-    sliding-window layer's query sees at most `sliding_window` keys instead of seq_len.
+    sliding-window layer's query sees at most `sliding_window` keys instead of seq_len. A mixture of experts
+    counts the parameters a token uses (its top-k experts, the router, any shared expert).
     """
-    n = count_params(dims, embedding=False)
+    n = count_params(dims, embedding=False, active=True)
     width, arch = dims.heads * dims.head_dim, dims.arch
     keys = sum(min(arch.sliding_window, dims.seq_len) if i in arch.sliding_layers else dims.seq_len
                for i in range(dims.layers))
