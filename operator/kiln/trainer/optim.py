@@ -77,9 +77,16 @@ def clip_grad_norm_(
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # DTensor reduces a norm over one mesh: under expert parallelism the experts live on another mesh than the
+    # other weights, so each mesh's norm is made whole on its own and the squares added.
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm() if norms else torch.tensor(0.0)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
