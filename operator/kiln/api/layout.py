@@ -89,13 +89,15 @@ def model_value(spec: "TrainingSpecSpec", field: str) -> int | None:
 
 
 def model_experts(spec: "TrainingSpecSpec") -> int | None:
-    """The spec's number of experts: 0 for a dense model, None while unknown (model.from's config.json sets it)."""
+    """The spec's number of experts (model.moe.experts, else its preset's): 0 for a dense model, None while
+    unknown (model.from's config.json says)."""
     m = spec.model
-    if getattr(m, "experts", None) is not None:
-        return m.experts
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.experts is not None:
+        return moe.experts
     if m.from_ is not None:
         return None
-    return (PRESETS[m.preset].get("experts") if m.preset is not None else None) or 0
+    return (PRESETS[m.preset].get("moe") or {}).get("experts", 0) if m.preset is not None else 0
 
 
 def spec_shape(spec: "TrainingSpecSpec") -> Shape:
@@ -104,7 +106,8 @@ def spec_shape(spec: "TrainingSpecSpec") -> Shape:
 
 
 def dims_shape(dims: "ModelDims") -> Shape:
-    return Shape(dims.heads, dims.kv_heads, dims.layers, getattr(dims, "experts", None) or 0)
+    moe = getattr(dims, "moe", None)
+    return Shape(dims.heads, dims.kv_heads, dims.layers, moe.experts if moe is not None else 0)
 
 
 def shard_size(spec: "TrainingSpecSpec", world: int) -> int | None:
@@ -304,9 +307,9 @@ LAYOUT_RULES: list[LayoutRule] = [
                "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
                _ft_groups, True),
     LayoutRule("expert-needs-moe", "parallelism.expert",
-               "parallelism.expert > 1 needs a mixture-of-experts model (model.experts)", _expert_model, False),
+               "parallelism.expert > 1 needs a mixture-of-experts model (model.moe, or a preset or model.from with experts)", _expert_model, False),
     LayoutRule("expert-divides-experts", "parallelism.expert",
-               "parallelism.expert must divide model.experts: every expert-parallel rank holds as many experts",
+               "parallelism.expert must divide model.moe.experts: every expert-parallel rank holds as many experts",
                _expert_divides_experts, False),
     LayoutRule("expert-composes", "parallelism.expert",
                "parallelism.expert > 1 needs parallelism.fsdp, tensor = pipeline = 1 and no elastic.faultTolerance "

@@ -86,7 +86,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     for moe in moe_modules(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)  # init_weights fills it
             experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
         experts.forward = _ExpertParallelForward(experts.forward, group)
 
@@ -98,11 +98,12 @@ def shard_experts(model: nn.Module, mesh, layout, mp_policy, reshard: bool) -> N
     An expert's gradient already sums the contributions of every rank of its EP group (the all-to-all's
     backward brings them); FSDP's reduction over efsdp x dp_replicate completes the sum over all data-parallel
     ranks, so it divides by the whole data-parallel size, as the mean over ranks is for every other weight.
-    The sum is forced (then divided): gloo has no pre-multiplied sum."""
+    Over more than one efsdp rank the reduction is a plain sum divided after (gloo has no pre-multiplied sum);
+    over one, FSDP divides its copy by the factor itself, and a forced sum would divide a second time."""
     from torch.distributed.fsdp import fully_shard
 
     efsdp = mesh["dp_replicate", "efsdp"] if layout.dp_replicate > 1 else mesh["efsdp"]
     for moe in moe_modules(model):
         fully_shard(moe.experts, mesh=efsdp, mp_policy=mp_policy, reshard_after_forward=reshard)
         moe.experts.set_gradient_divide_factor(float(layout.dp))
-        moe.experts.set_force_sum_reduction_for_comms(True)
+        moe.experts.set_force_sum_reduction_for_comms(mesh["efsdp"].size() > 1)
