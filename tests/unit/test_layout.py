@@ -48,14 +48,16 @@ def trainer_accepts(spec: TrainingSpecSpec, nodes: int, ppn: int) -> bool:
        pipeline=st.sampled_from([1, 2, 3, 4]), replicate=st.sampled_from([1, 2, 3, 4]), fsdp=st.booleans(),
        gbs=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 48, 96]), micro=st.sampled_from([1, 2, 3, 4]),
        pmb=st.sampled_from([None, 1, 2, 3, 4, 6, 8]), heads=st.sampled_from([(4, 2), (6, 3), (8, 8), (12, 4)]),
-       layers=st.integers(1, 8))
+       layers=st.integers(1, 8), expert=st.sampled_from([1, 1, 2, 3, 4]), experts=st.sampled_from([None, 2, 4, 6]))
 def test_validate_trainer_and_elastic_controller_accept_the_same_worlds(nodes, ppn, tensor, pipeline, replicate,
-                                                                        fsdp, gbs, micro, pmb, heads, layers):
-    parallelism = {"tensor": tensor, "pipeline": pipeline, "replicate": replicate, "fsdp": fsdp}
+                                                                        fsdp, gbs, micro, pmb, heads, layers,
+                                                                        expert, experts):
+    parallelism = {"tensor": tensor, "pipeline": pipeline, "replicate": replicate, "fsdp": fsdp, "expert": expert}
     if pmb is not None:
         parallelism["pipelineMicrobatches"] = pmb
+    moe = {"moe": {"experts": experts, "topK": 2, "ffnDim": 16}} if experts else {}
     spec = {"model": {"dim": 16 * heads[0], "layers": layers, "heads": heads[0], "kvHeads": heads[1],
-                      "vocabSize": 256, "seqLen": 16},
+                      "vocabSize": 256, "seqLen": 16, **moe},
             "training": {"steps": 10, "globalBatchSize": gbs, "microBatchSize": micro},
             "parallelism": parallelism, "resources": {"nodes": nodes, "gpusPerNode": ppn}}
     validated = validate_accepts(spec)
