@@ -6,6 +6,8 @@ Mesh dimensions, outermost first: pp x dp_replicate x dp_shard x tp = world size
   HSDP (replicated across groups, sharded within). `fsdp: false` puts the whole dp on dp_replicate:
   plain replication with all-reduced gradients.
 - pp: `torch.distributed.pipelining`, one stage per rank, 1F1B schedule over microbatches.
+- ep (parallelism.expert > 1): borrowed from dp_shard, which splits into efsdp x ep (flattened back into
+  dp_shard and dp); a mixture of experts' experts live on the ep ranks (kiln.trainer.parallel.expert).
 Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the sizes.
 """
 
