@@ -130,6 +130,16 @@ def test_kiln_run_refuses_only_what_cannot_run_and_names_the_flag(nproc, message
         layout.fit_local(unchecked(CLUSTER), nproc)
 
 
+def test_expert_parallelism_written_for_the_cluster_falls_back_locally():
+    spec = {**CLUSTER, "model": {"preset": "tiny-moe"}, "parallelism": {"expert": 8}}  # cluster: 32 shard ranks
+    assert validate_accepts(spec)
+    lay, notes = local(spec, 4)  # 4 local shard ranks: the experts spread over 4 of them
+    assert (lay.dp_shard, lay.ep) == (4, 4)
+    assert notes == ["parallelism.expert 8 → 4: it must divide the 4 local FSDP shard rank(s)"]
+    lay, notes = local(spec, 1)  # one process holds every expert
+    assert lay.ep == 1 and notes[-1] == "parallelism.expert 8 → 1: it must divide the 1 local FSDP shard rank(s)"
+
+
 def test_pipeline_microbatches_written_for_the_cluster_fall_back_locally():
     spec = {**CLUSTER, "parallelism": {"pipeline": 2, "pipelineMicrobatches": 12}}  # cluster: 192 / 8 = 24 per rank
     assert validate_accepts(spec)

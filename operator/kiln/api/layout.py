@@ -370,8 +370,8 @@ def fit_local(spec: "TrainingSpecSpec", nproc: int) -> tuple[dict, list[str]]:
     """What changes when a spec written for any cluster runs here as one node x `nproc` processes.
 
     Returns (a camelCase patch of the spec, notes to print). The global batch is kept: the micro-batch
-    shrinks to a divisor when it no longer fits, and gradient accumulation makes up the rest; replicate and
-    pipelineMicrobatches, written for the cluster's data-parallel size, fall back to what fits. Refused, with
+    shrinks to a divisor when it no longer fits, and gradient accumulation makes up the rest; replicate, expert
+    and pipelineMicrobatches, written for the cluster's data-parallel size, fall back to what fits. Refused, with
     the flag named, only what cannot run on `nproc` processes at that global batch.
     """
     par, tr = spec.parallelism, spec.training
@@ -399,11 +399,18 @@ def fit_local(spec: "TrainingSpecSpec", nproc: int) -> tuple[dict, list[str]]:
         patch["training"]["microBatchSize"] = micro
         notes.append(f"training.microBatchSize {tr.micro_batch_size} → {micro}: with {dp} data-parallel rank(s) "
                      f"each gets {per_rank} of the {g} sequences; gradient accumulation keeps the global batch")
+    replicate = par.replicate
     if par.fsdp and dp % par.replicate:
         replicate = math.gcd(dp, par.replicate)
         patch["parallelism"]["replicate"] = replicate
         notes.append(f"parallelism.replicate {par.replicate} → {replicate}: it must divide the {dp} local "
                      f"data-parallel rank(s)")
+    shard = dp // replicate if par.fsdp else 1
+    if shard % par.expert:  # a divisor of expert still divides the experts
+        expert = math.gcd(shard, par.expert)
+        patch["parallelism"]["expert"] = expert
+        notes.append(f"parallelism.expert {par.expert} → {expert}: it must divide the {shard} local FSDP shard "
+                     f"rank(s)")
     n_mb = par.pipeline_microbatches
     if par.pipeline > 1 and n_mb is not None and (per_rank % n_mb or n_mb < par.pipeline):
         patch["parallelism"]["pipelineMicrobatches"] = None
