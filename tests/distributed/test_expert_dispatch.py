@@ -67,3 +67,14 @@ def test_dispatch_and_combine_lose_and_duplicate_no_row(tmp_path, world):
     sent = torch.stack([torch.tensor(r["counts"]) for r in results]).sum(0)
     for rank, r in enumerate(results):
         assert r["received"] == sent[rank * n_local:(rank + 1) * n_local].tolist()
+
+
+def test_counts_a_peer_cannot_have_sent_are_refused():
+    from kiln.errors import KilnError
+    from kiln.trainer.parallel.expert import check_counts
+
+    check_counts(torch.tensor([[3, 1], [0, 4]]), rows=4)  # every source sends at most its own 4 rows
+    with pytest.raises(KilnError, match=r"announced \[4, 5\] rows .* each at most 4"):
+        check_counts(torch.tensor([[3, 1], [0, 5]]), rows=4)
+    with pytest.raises(KilnError, match="announced"):
+        check_counts(torch.tensor([[-1, 1], [0, 1]]), rows=4)

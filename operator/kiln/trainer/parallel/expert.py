@@ -31,6 +31,17 @@ def exchange_counts(counts: Tensor, group) -> Tensor:
     return received.view(ep, -1)
 
 
+def check_counts(received: Tensor, rows: int) -> None:
+    """Every rank routes a microbatch of the same shape, so no source sends more rows than this rank has itself:
+    counts off the network that say otherwise would make this rank allocate what a peer dictates."""
+    per_source = received.sum(1)
+    if (received < 0).any() or (per_source > rows).any():
+        from kiln.errors import KilnError
+
+        raise KilnError(f"expert parallelism: the ranks of the EP group announced {per_source.tolist()} rows for "
+                        f"this rank's experts, each at most {rows} (a microbatch's routed rows); refusing them")
+
+
 def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
@@ -43,6 +54,7 @@ def dispatch(x: Tensor, counts: Tensor, group) -> tuple[Tensor, Tensor, tuple]:
     `combine` needs to send the results back)."""
     ep = dist.get_world_size(group)
     received = exchange_counts(counts, group)  # (EP sources, local experts)
+    check_counts(received, x.shape[0])
     input_splits = counts.view(ep, -1).sum(1).tolist()
     output_splits = received.sum(1).tolist()
     routed = _all_to_all(x, output_splits, input_splits, group)

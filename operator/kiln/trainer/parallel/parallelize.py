@@ -14,6 +14,7 @@ Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the siz
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -45,6 +46,10 @@ def build_mesh(layout: Layout, device_type: str):
         )
         mesh["efsdp", "ep"]._flatten("dp_shard")
         mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+        # mesh["dp_shard"] is now a flattened dim, and torch warns (once per rank) that slicing one from the root
+        # "will be deprecated in PT 2.11"; this torch still supports it and the rest of the trainer slices by
+        # name. When torch drops it: keep the meshes _flatten returns instead, as TorchTitan does.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
     else:
         mesh = init_device_mesh(
             device_type,
