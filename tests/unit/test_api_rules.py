@@ -97,7 +97,8 @@ INVALID = [
      "not supported with elastic.faultTolerance.mode replicaGroups"),
     ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
      "needs scheduling.queue"),
-    # expert parallelism: BASE is dense, tensor 2 x pipeline 2 (dp 4 at 2 nodes x 8)
+    # mixtures of experts and expert parallelism: BASE is dense, tensor 2 x pipeline 2 (dp 4 at 2 nodes x 8)
+    ({"model": {"preset": "tiny-moe"}}, "spec.parallelism:", "mixture-of-experts model (model.moe) trains with"),
     ({"parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1}, "spec.parallelism.expert:",
      "needs a mixture-of-experts model"),
     ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 3, "parallelism.tensor": 1, "parallelism.pipeline": 1,

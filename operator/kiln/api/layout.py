@@ -273,6 +273,13 @@ def _expert_composes(s, shape, nodes, ppn):
     return None
 
 
+def _moe_model_parallel(s, shape, nodes, ppn):
+    t, p = s.parallelism.tensor, s.parallelism.pipeline
+    if shape.experts and (t > 1 or p > 1):
+        return f"got experts={shape.experts} with tensor={t}, pipeline={p}"
+    return None
+
+
 def _expert_shard(s, shape, nodes, ppn):
     e, shard = s.parallelism.expert, shard_size(s, nodes * ppn)
     if shard is not None and shard % e:
@@ -306,6 +313,10 @@ LAYOUT_RULES: list[LayoutRule] = [
                "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide the "
                "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
                _ft_groups, True),
+    LayoutRule("moe-without-tensor-pipeline", "parallelism",
+               "a mixture-of-experts model (model.moe) trains with parallelism.tensor 1 and pipeline 1 for now: no "
+               "tensor-parallel plan for the experts, and a pipeline stage's router losses would miss the loss",
+               _moe_model_parallel, False),
     LayoutRule("expert-needs-moe", "parallelism.expert",
                "parallelism.expert > 1 needs a mixture-of-experts model (model.moe, or a preset or model.from with experts)", _expert_model, False),
     LayoutRule("expert-divides-experts", "parallelism.expert",

@@ -41,6 +41,8 @@ LAYOUT_CEL = {
     "ft-groups-divide-dp":
         "!has(self.elastic.faultTolerance) || self.elastic.faultTolerance.mode != 'replicaGroups' || "
         f"{_AT_EACH}{_DP} % self.elastic.faultTolerance.groups == 0)",
+    "moe-without-tensor-pipeline":
+        f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
     "expert-needs-moe": f"self.parallelism.expert == 1 || !{EXPERTS_KNOWN} || {EXPERTS} > 0",
     "expert-divides-experts": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || {EXPERTS} % self.parallelism.expert == 0",
     "expert-composes":
@@ -55,8 +57,8 @@ LAYOUT_CEL = {
 # Rules that hold whatever the world are checked by every run; those about the world the spec names
 # (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own
 # world of one node x N processes (kiln.api.layout.fit_local).
-_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "expert-needs-moe", "expert-divides-experts",
-               "expert-composes"}
+_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "moe-without-tensor-pipeline", "expert-needs-moe",
+               "expert-divides-experts", "expert-composes"}
 
 
 def _layout_rule(r: LayoutRule) -> Rule:

@@ -255,10 +255,6 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
 
     compression = spec.parallelism.gradient_compression
     check_supported(compression, fsdp=spec.parallelism.fsdp, tensor=layout.tp)
-    if getattr(model.dims, "moe", None) is not None and (layout.tp > 1 or layout.pp > 1):
-        # no TP plan for the experts yet, and a pipeline stage's router losses would not reach the loss
-        raise KilnError(f"model.moe: a mixture of experts trains with parallelism.tensor 1 and pipeline 1 for now "
-                        f"(got tensor {layout.tp}, pipeline {layout.pp})")
     if layout.pp > 1:
         split_for_stage(model, layout.pp, mesh["pp"].get_local_rank())
     if layout.tp > 1 or layout.pp > 1:
