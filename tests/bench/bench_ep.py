@@ -2,7 +2,7 @@
 same two gloo ranks as plain FSDP data parallelism, no all-to-all) in the same run.
 
 Model: the `tiny-moe` preset (8 experts, top-2, 4 MoE layers), fp32, no compile, the reference kernels. Two gloo
-ranks (processes on this machine); each step is the trainer's own (kiln.trainer.run.accumulate_step, then gradient
+ranks (processes on this machine); each step is the trainer's own (kiln.trainer.parallel.microbatches.accumulate_step, then gradient
 clipping and AdamW), on --batch sequences per rank. The EP 1 and EP 2 models step alternately, so both see the
 same machine load. Timed on every rank, between barriers: the whole step, and at EP 2 each all-to-all (the
 exchange of the per-expert counts, the rows out and back in forward, and their reverses in backward; the bench
@@ -33,7 +33,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     from kiln.trainer.optim import build_optimizer, clip_grad_norm_
     from kiln.trainer.parallel import expert
     from kiln.trainer.parallel.parallelize import build_mesh, parallelize, plan_layout
-    from kiln.trainer.run import accumulate_step
+    from kiln.trainer.parallel.microbatches import accumulate_step
 
     spent = {"a2a_s": 0.0}
     rows_a2a = expert._all_to_all
