@@ -1,9 +1,9 @@
-"""Expert parallelism changes where experts run, not the numbers: one global batch through the trainer's own
-step (kiln.trainer.parallel.microbatches.accumulate_step, loss with the router losses) on real gloo ranks at EP 1
-and at EP 2 (world 2: each rank holds 2 of the 4 experts), and at EP 2 x FSDP 2 (world 4: experts sharded over the EP pair and FSDP over
-the other pair), gives the same loss and the same full gradient of every parameter (tolerance 1e-4 relative: the
-layouts differ only in the order of floating-point sums; a gradient summed over the wrong ranks or divided by the
-wrong count is off by a factor of 2, a lost or duplicated token by far more than 1e-4).
+"""Expert parallelism changes where experts run, not the numbers: one global batch through the trainer's own step
+(kiln.trainer.parallel.microbatches.accumulate_step, loss with the router losses) on real gloo ranks at EP 1 and at
+EP 2 (world 2: each rank holds 2 of the 4 experts), and at EP 2 x FSDP 2 (world 4: experts sharded over the EP pair
+and FSDP over the other pair), gives the same loss and the same full gradient of every parameter (tolerance 1e-4
+relative: the layouts differ only in the order of floating-point sums; a gradient summed over the wrong ranks or
+divided by the wrong count is off by a factor of 2, a lost or duplicated token by far more than 1e-4).
 
 Then the trainer end to end: a run saved at EP 2 resumes at EP 1 (experts resharded by DCP) and continues the loss
 curve of an uninterrupted EP 2 run.
