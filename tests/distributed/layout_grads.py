@@ -13,14 +13,15 @@ from tests.support.runs import MICRO_MODEL
 LAYOUTS = {"dp2-fsdp-accum2": {"fsdp": True}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
 
 
-def layout_spec(parallelism: dict, global_batch: int, micro_batch: int, seed: int):
+def layout_spec(parallelism: dict, global_batch: int, micro_batch: int, seed: int, model: dict = MICRO_MODEL,
+                world: int = 2):
     from kiln.api import TrainingSpec
 
     return TrainingSpec.model_validate({
         "apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "l"},
-        "spec": {"model": MICRO_MODEL, "training": {"globalBatchSize": global_batch, "microBatchSize": micro_batch,
-                                                    "precision": "fp32", "seed": seed},
-                 "parallelism": {"compile": False, **parallelism}, "resources": {"processesPerNode": 2}},
+        "spec": {"model": model, "training": {"globalBatchSize": global_batch, "microBatchSize": micro_batch,
+                                              "precision": "fp32", "seed": seed},
+                 "parallelism": {"compile": False, **parallelism}, "resources": {"processesPerNode": world}},
     }).spec
 
 
@@ -37,9 +38,9 @@ def reference_model(global_batch: int, micro_batch: int, seed: int):
 
 
 def layout_grads(rank: int, world: int, out: str, make_batch, global_batch: int, micro_batch: int,
-                 seed: int) -> dict:
-    """Each layout's global loss; gradients to out/<layout>-<rank>.pt. `make_batch(vocab, seq)`: the global batch,
-    (inputs, targets) or with packed rows (inputs, targets, doc_ids)."""
+                 seed: int, layouts: dict = LAYOUTS, model_spec: dict = MICRO_MODEL) -> dict:
+    """Each of `layouts`' global loss; gradients to out/<layout>-<rank>.pt. `make_batch(vocab, seq)`: the global
+    batch, (inputs, targets) or with packed rows (inputs, targets, doc_ids)."""
     from torch.distributed.tensor import DTensor
 
     from kiln.trainer.model import hf_folder as hf, kernels
@@ -51,8 +52,8 @@ def layout_grads(rank: int, world: int, out: str, make_batch, global_batch: int,
     from kiln.trainer.parallel.microbatches import accumulate_step
 
     losses = {}
-    for name, parallelism in LAYOUTS.items():
-        s = layout_spec(parallelism, global_batch, micro_batch, seed)
+    for name, parallelism in layouts.items():
+        s = layout_spec(parallelism, global_batch, micro_batch, seed, model_spec, world)
         dims = hf.resolve_dims(s)
         layout = plan_layout(s, dims, world)
         assert layout.grad_accum * layout.dp * micro_batch == global_batch

@@ -105,6 +105,10 @@ def specs(draw) -> dict:
                                    "heads": st.sampled_from([2, 4, 8]), "vocabSize": st.just(256),
                                    "seqLen": st.just(64)}, optional={"kvHeads": st.sampled_from([1, 2, 4])}),
             st.fixed_dictionaries({}, optional={"dim": st.just(64), "layers": st.just(2)}),
+            st.fixed_dictionaries({"preset": st.just("tiny-moe")}, optional={  # mixtures of experts
+                "moe": st.fixed_dictionaries({}, optional={"experts": st.sampled_from([2, 3, 4, 8])})}),
+            st.fixed_dictionaries({"from": st.just("s3://m/mixtral/")}, optional={
+                "moe": st.fixed_dictionaries({"experts": st.sampled_from([4, 6])})}),
         )),
         "training": {"steps": draw(st.integers(1, 100)), "globalBatchSize": draw(st.sampled_from([1, 4, 8, 12, 16, 64])),
                      "microBatchSize": draw(st.sampled_from([1, 2, 4])), "warmupSteps": draw(st.integers(0, 120))},
@@ -122,6 +126,8 @@ def specs(draw) -> dict:
         spec["resources"]["processesPerNode"] = draw(st.sampled_from([1, 2, 4, 8]))
     if draw(st.booleans()):
         spec["parallelism"]["pipelineMicrobatches"] = draw(st.sampled_from([1, 2, 3, 4]))
+    if draw(st.booleans()):  # expert parallelism (a dense model refuses it)
+        spec["parallelism"]["expert"] = draw(st.sampled_from([1, 2, 3, 4]))
     if draw(st.booleans()):
         spec["parallelism"]["fsdp"] = False  # replicate then means nothing: no rule on it
     if draw(st.booleans()):

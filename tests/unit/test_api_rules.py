@@ -69,6 +69,19 @@ INVALID = [
      "not supported with elastic.faultTolerance.mode replicaGroups"),
     ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
      "needs scheduling.queue"),
+    # mixtures of experts and expert parallelism: BASE is dense, tensor 2 x pipeline 2 (dp 4 at 2 nodes x 8)
+    ({"model": {"preset": "tiny-moe"}}, "spec.parallelism:", "mixture-of-experts model (model.moe) trains with"),
+    ({"parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1}, "spec.parallelism.expert:",
+     "needs a mixture-of-experts model"),
+    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 3, "parallelism.tensor": 1, "parallelism.pipeline": 1,
+      "elastic.plan": [], "elastic.minNodes": 3, "elastic.maxNodes": 3, "resources.nodes": 3,
+      "training.globalBatchSize": 48}, "spec.parallelism.expert:", "must divide model.moe.experts"),
+    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2}, "spec.parallelism.expert:",
+     "tensor = pipeline = 1"),
+    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1,
+      "parallelism.fsdp": False}, "spec.parallelism.expert:", "needs parallelism.fsdp"),
+    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 8, "parallelism.tensor": 1, "parallelism.pipeline": 1,
+      "parallelism.replicate": 2}, "spec.parallelism.expert:", "must divide the FSDP shard size"),
 ]
 
 

@@ -48,14 +48,16 @@ def trainer_accepts(spec: TrainingSpecSpec, nodes: int, ppn: int) -> bool:
        pipeline=st.sampled_from([1, 2, 3, 4]), replicate=st.sampled_from([1, 2, 3, 4]), fsdp=st.booleans(),
        gbs=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 48, 96]), micro=st.sampled_from([1, 2, 3, 4]),
        pmb=st.sampled_from([None, 1, 2, 3, 4, 6, 8]), heads=st.sampled_from([(4, 2), (6, 3), (8, 8), (12, 4)]),
-       layers=st.integers(1, 8))
+       layers=st.integers(1, 8), expert=st.sampled_from([1, 1, 2, 3, 4]), experts=st.sampled_from([None, 2, 4, 6]))
 def test_validate_trainer_and_elastic_controller_accept_the_same_worlds(nodes, ppn, tensor, pipeline, replicate,
-                                                                        fsdp, gbs, micro, pmb, heads, layers):
-    parallelism = {"tensor": tensor, "pipeline": pipeline, "replicate": replicate, "fsdp": fsdp}
+                                                                        fsdp, gbs, micro, pmb, heads, layers,
+                                                                        expert, experts):
+    parallelism = {"tensor": tensor, "pipeline": pipeline, "replicate": replicate, "fsdp": fsdp, "expert": expert}
     if pmb is not None:
         parallelism["pipelineMicrobatches"] = pmb
+    moe = {"moe": {"experts": experts, "topK": 2, "ffnDim": 16}} if experts else {}
     spec = {"model": {"dim": 16 * heads[0], "layers": layers, "heads": heads[0], "kvHeads": heads[1],
-                      "vocabSize": 256, "seqLen": 16},
+                      "vocabSize": 256, "seqLen": 16, **moe},
             "training": {"steps": 10, "globalBatchSize": gbs, "microBatchSize": micro},
             "parallelism": parallelism, "resources": {"nodes": nodes, "gpusPerNode": ppn}}
     validated = validate_accepts(spec)
@@ -126,6 +128,16 @@ def test_a_cluster_spec_runs_on_one_machine_with_the_same_global_batch():
 def test_kiln_run_refuses_only_what_cannot_run_and_names_the_flag(nproc, message):
     with pytest.raises(KilnError, match=message):
         layout.fit_local(unchecked(CLUSTER), nproc)
+
+
+def test_expert_parallelism_written_for_the_cluster_falls_back_locally():
+    spec = {**CLUSTER, "model": {"preset": "tiny-moe"}, "parallelism": {"expert": 8}}  # cluster: 32 shard ranks
+    assert validate_accepts(spec)
+    lay, notes = local(spec, 4)  # 4 local shard ranks: the experts spread over 4 of them
+    assert (lay.dp_shard, lay.ep) == (4, 4)
+    assert notes == ["parallelism.expert 8 → 4: it must divide the 4 local FSDP shard rank(s)"]
+    lay, notes = local(spec, 1)  # one process holds every expert
+    assert lay.ep == 1 and notes[-1] == "parallelism.expert 8 → 1: it must divide the 1 local FSDP shard rank(s)"
 
 
 def test_pipeline_microbatches_written_for_the_cluster_fall_back_locally():

@@ -37,6 +37,7 @@ class Layout:
     micro_batch: int
     grad_accum: int  # microbatches per optimizer step on one data-parallel rank
     pp_microbatches: int  # microbatches the pipeline schedule splits a rank's batch into (1 without pp)
+    ep: int = 1  # expert parallel: borrowed from dp_shard (each EP rank still reads its own data)
 
     @property
     def dp(self) -> int:
@@ -44,7 +45,7 @@ class Layout:
 
     def as_dict(self) -> dict:
         return {"world": self.world, "pp": self.pp, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp}
+                "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Shape:
     heads: int | None = None
     kv_heads: int | None = None
     layers: int | None = None
+    experts: int | None = 0  # 0: a dense model; None: unknown (model.from, until its config.json is read)
 
 
 class LayoutError(KilnError):
@@ -86,12 +88,34 @@ def model_value(spec: "TrainingSpecSpec", field: str) -> int | None:
     return None
 
 
+def model_experts(spec: "TrainingSpecSpec") -> int | None:
+    """The spec's number of experts (model.moe.experts, else its preset's): 0 for a dense model, None while
+    unknown (model.from's config.json says)."""
+    m = spec.model
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.experts is not None:
+        return moe.experts
+    if m.from_ is not None:
+        return None
+    return (PRESETS[m.preset].get("moe") or {}).get("experts", 0) if m.preset is not None else 0
+
+
 def spec_shape(spec: "TrainingSpecSpec") -> Shape:
-    return Shape(model_value(spec, "heads"), model_value(spec, "kv_heads"), model_value(spec, "layers"))
+    return Shape(model_value(spec, "heads"), model_value(spec, "kv_heads"), model_value(spec, "layers"),
+                 model_experts(spec))
 
 
 def dims_shape(dims: "ModelDims") -> Shape:
-    return Shape(dims.heads, dims.kv_heads, dims.layers)
+    moe = getattr(dims, "moe", None)
+    return Shape(dims.heads, dims.kv_heads, dims.layers, moe.experts if moe is not None else 0)
+
+
+def shard_size(spec: "TrainingSpecSpec", world: int) -> int | None:
+    """FSDP's shard size, dp_shard = data-parallel size / replicate (1 without fsdp); None when dp does not divide."""
+    dp, par = data_parallel(spec, world), spec.parallelism
+    if dp is None or (par.fsdp and dp % par.replicate):
+        return None
+    return dp // par.replicate if par.fsdp else 1
 
 
 def data_parallel(spec: "TrainingSpecSpec", world: int) -> int | None:
@@ -227,6 +251,42 @@ def _ft_groups(s, shape, nodes, ppn):
     return None
 
 
+def _expert_model(s, shape, nodes, ppn):
+    e = s.parallelism.expert
+    if e > 1 and shape.experts == 0:
+        return f"got expert={e} with a dense model"
+    return None
+
+
+def _expert_divides_experts(s, shape, nodes, ppn):
+    e, n = s.parallelism.expert, shape.experts
+    if n and n % e:
+        return f"got expert={e}, experts={n}; valid expert: {divisors(n)}"
+    return None
+
+
+def _expert_composes(s, shape, nodes, ppn):
+    par = s.parallelism
+    if par.expert > 1 and (par.tensor > 1 or par.pipeline > 1 or not par.fsdp or replica_groups_on(s)):
+        return (f"got expert={par.expert} with tensor={par.tensor}, pipeline={par.pipeline}, fsdp={par.fsdp}, "
+                f"faultTolerance {'replicaGroups' if replica_groups_on(s) else 'off'}")
+    return None
+
+
+def _moe_model_parallel(s, shape, nodes, ppn):
+    t, p = s.parallelism.tensor, s.parallelism.pipeline
+    if shape.experts and (t > 1 or p > 1):
+        return f"got experts={shape.experts} with tensor={t}, pipeline={p}"
+    return None
+
+
+def _expert_shard(s, shape, nodes, ppn):
+    e, shard = s.parallelism.expert, shard_size(s, nodes * ppn)
+    if shard is not None and shard % e:
+        return f"got expert={e}, FSDP shard size={shard} at {_at(nodes, ppn)}; valid expert: {divisors(shard)}"
+    return None
+
+
 LAYOUT_RULES: list[LayoutRule] = [
     LayoutRule("tensor-divides-heads", "parallelism.tensor",
                "parallelism.tensor must divide model.heads and model.kvHeads", _tensor_heads, False),
@@ -253,6 +313,22 @@ LAYOUT_RULES: list[LayoutRule] = [
                "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide the "
                "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
                _ft_groups, True),
+    LayoutRule("moe-without-tensor-pipeline", "parallelism",
+               "a mixture-of-experts model (model.moe) trains with parallelism.tensor 1 and pipeline 1 for now: no "
+               "tensor-parallel plan for the experts, and a pipeline stage's router losses would miss the loss",
+               _moe_model_parallel, False),
+    LayoutRule("expert-needs-moe", "parallelism.expert",
+               "parallelism.expert > 1 needs a mixture-of-experts model (model.moe, or a preset or model.from with experts)", _expert_model, False),
+    LayoutRule("expert-divides-experts", "parallelism.expert",
+               "parallelism.expert must divide model.moe.experts: every expert-parallel rank holds as many experts",
+               _expert_divides_experts, False),
+    LayoutRule("expert-composes", "parallelism.expert",
+               "parallelism.expert > 1 needs parallelism.fsdp, tensor = pipeline = 1 and no elastic.faultTolerance "
+               "replica groups: expert parallelism borrows FSDP's shard ranks and is not yet composed with the others",
+               _expert_composes, False),
+    LayoutRule("expert-divides-shard", "parallelism.expert",
+               "parallelism.expert must divide the FSDP shard size (world / (tensor × pipeline × replicate)): the "
+               "expert-parallel ranks are data-parallel ranks", _expert_shard, True),
 ]
 
 
@@ -296,7 +372,7 @@ def plan(spec: "TrainingSpecSpec", nodes: int, ppn: int | None = None, shape: Sh
     if par.pipeline > 1:
         per_rank = tr.global_batch_size // dp
         n_mb = par.pipeline_microbatches or default_pipeline_microbatches(per_rank, par.pipeline, accum)
-    return Layout(world, par.pipeline, replicate, shard, par.tensor, tr.micro_batch_size, accum, n_mb)
+    return Layout(world, par.pipeline, replicate, shard, par.tensor, tr.micro_batch_size, accum, n_mb, par.expert)
 
 
 # ---- one machine: `kiln run SPEC --nproc N` ----
@@ -305,8 +381,8 @@ def fit_local(spec: "TrainingSpecSpec", nproc: int) -> tuple[dict, list[str]]:
     """What changes when a spec written for any cluster runs here as one node x `nproc` processes.
 
     Returns (a camelCase patch of the spec, notes to print). The global batch is kept: the micro-batch
-    shrinks to a divisor when it no longer fits, and gradient accumulation makes up the rest; replicate and
-    pipelineMicrobatches, written for the cluster's data-parallel size, fall back to what fits. Refused, with
+    shrinks to a divisor when it no longer fits, and gradient accumulation makes up the rest; replicate, expert
+    and pipelineMicrobatches, written for the cluster's data-parallel size, fall back to what fits. Refused, with
     the flag named, only what cannot run on `nproc` processes at that global batch.
     """
     par, tr = spec.parallelism, spec.training
@@ -334,11 +410,18 @@ def fit_local(spec: "TrainingSpecSpec", nproc: int) -> tuple[dict, list[str]]:
         patch["training"]["microBatchSize"] = micro
         notes.append(f"training.microBatchSize {tr.micro_batch_size} → {micro}: with {dp} data-parallel rank(s) "
                      f"each gets {per_rank} of the {g} sequences; gradient accumulation keeps the global batch")
+    replicate = par.replicate
     if par.fsdp and dp % par.replicate:
         replicate = math.gcd(dp, par.replicate)
         patch["parallelism"]["replicate"] = replicate
         notes.append(f"parallelism.replicate {par.replicate} → {replicate}: it must divide the {dp} local "
                      f"data-parallel rank(s)")
+    shard = dp // replicate if par.fsdp else 1
+    if shard % par.expert:  # a divisor of expert still divides the experts
+        expert = math.gcd(shard, par.expert)
+        patch["parallelism"]["expert"] = expert
+        notes.append(f"parallelism.expert {par.expert} → {expert}: it must divide the {shard} local FSDP shard "
+                     f"rank(s)")
     n_mb = par.pipeline_microbatches
     if par.pipeline > 1 and n_mb is not None and (per_rank % n_mb or n_mb < par.pipeline):
         patch["parallelism"]["pipelineMicrobatches"] = None

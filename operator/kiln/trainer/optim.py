@@ -46,12 +46,25 @@ def build_optimizer(model_parts: list[nn.Module], cfg: TrainingConfig, device: t
         for p in part.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-    # no empty group (LoRA trains only matrices): DCP's flattened optimizer state cannot load one
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    # no empty group (LoRA trains only matrices): DCP's flattened optimizer state cannot load one. One group per
+    # mesh (by_mesh), and the flattened state keys each parameter by name: a checkpoint loads at any EP degree.
+    groups = [{"params": ps, "weight_decay": wd} for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+              for ps in by_mesh(params)]
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=(0.9, 0.95), eps=1e-8, fused=fused,
                              foreach=None if fused else True)
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by the DeviceMesh of the DTensors among them (plain tensors together), in first-seen
+    order. One group without expert parallelism; with it, the experts live on another mesh than the other weights
+    (kiln.trainer.parallel.expert) and DTensor refuses a foreach or fused op whose inputs span two meshes."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -77,9 +90,12 @@ def clip_grad_norm_(
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # DTensor reduces a norm over one mesh: each mesh's (by_mesh) is made whole on its own, then they combine.
+    norms = []
+    for group in by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm() if norms else torch.tensor(0.0)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
@@ -91,7 +107,8 @@ def clip_grad_norm_(
         if fold:  # 1 / torch's clip coefficient (max_norm / (norm + 1e-6), at most 1)
             optimizer.grad_scale = 1.0 / (max_norm / (total + 1e-6)).clamp(max=1.0)
         else:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+            for group in by_mesh(params):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 

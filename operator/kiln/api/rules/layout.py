@@ -6,11 +6,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kiln.api.layout import LAYOUT_RULES, LayoutRule, processes_per_node, spec_shape
+from kiln.api.presets import PRESETS
 from kiln.api.rules.common import MP, NODE_COUNTS, PPN, Rule, cel_model, cel_model_known, node_counts
 
 if TYPE_CHECKING:
     from kiln.api.spec import TrainingSpecSpec
 
+
+# kiln.api.layout.model_experts: 0 for a dense model; known unless model.from's config.json sets it
+_MOE_EXPERTS = "(has(self.model.moe) && has(self.model.moe.experts))"
+EXPERTS_KNOWN = f"(!has(self.model.from) || {_MOE_EXPERTS})"
+EXPERTS = (f"({_MOE_EXPERTS} ? self.model.moe.experts : (has(self.model.preset) ? {{"
+           + ", ".join(f"'{name}': {(dims.get('moe') or {}).get('experts', 0)}" for name, dims in PRESETS.items())
+           + "}[self.model.preset] : 0))")
 
 # The apiserver's copy of each kiln.api.layout rule, over every planned node count where it depends on it.
 _AT_EACH = f"{NODE_COUNTS}.all(n, (n * {PPN}) % {MP} != 0 || "
@@ -33,11 +41,24 @@ LAYOUT_CEL = {
     "ft-groups-divide-dp":
         "!has(self.elastic.faultTolerance) || self.elastic.faultTolerance.mode != 'replicaGroups' || "
         f"{_AT_EACH}{_DP} % self.elastic.faultTolerance.groups == 0)",
+    "moe-without-tensor-pipeline":
+        f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
+    "expert-needs-moe": f"self.parallelism.expert == 1 || !{EXPERTS_KNOWN} || {EXPERTS} > 0",
+    "expert-divides-experts": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || {EXPERTS} % self.parallelism.expert == 0",
+    "expert-composes":
+        "self.parallelism.expert == 1 || (self.parallelism.fsdp && self.parallelism.tensor == 1 && "
+        "self.parallelism.pipeline == 1 && !(has(self.elastic.faultTolerance) && "
+        "self.elastic.faultTolerance.mode == 'replicaGroups'))",
+    # kiln.api.layout.shard_size: dp / replicate with fsdp (an indivisible one is replicate's rule), else 1
+    "expert-divides-shard":
+        f"self.parallelism.fsdp ? {_AT_EACH}{_DP} % self.parallelism.replicate != 0 || "
+        f"({_DP} / self.parallelism.replicate) % self.parallelism.expert == 0) : self.parallelism.expert == 1",
 }
 # Rules that hold whatever the world are checked by every run; those about the world the spec names
 # (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own
 # world of one node x N processes (kiln.api.layout.fit_local).
-_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers"}
+_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "moe-without-tensor-pipeline", "expert-needs-moe",
+               "expert-divides-experts", "expert-composes"}
 
 
 def _layout_rule(r: LayoutRule) -> Rule:

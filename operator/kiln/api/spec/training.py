@@ -45,6 +45,11 @@ class ParallelismSpec(ApiModel):
     replicate: int = Field(
         1, ge=1, le=INT32_MAX, description="HSDP: replicate over this many groups, shard within each (usually = nodes)."
     )
+    expert: int = Field(
+        1, ge=1, le=INT32_MAX, description="Expert-parallel degree of a mixture-of-experts model: each expert lives on "
+        "one of this many ranks, tokens travel to it by all-to-all. Borrowed from FSDP's shard ranks (divides world / "
+        "(tensor x pipeline x replicate)) and divides model.moe.experts.",
+    )
     compile: bool = Field(True, description="torch.compile each transformer block.")
     activation_checkpoint: Literal["none", "selective", "full"] = Field(
         "none", description="Recompute activations in backward to save memory: none | selective | full."

@@ -6,12 +6,15 @@ Mesh dimensions, outermost first: pp x dp_replicate x dp_shard x tp = world size
   HSDP (replicated across groups, sharded within). `fsdp: false` puts the whole dp on dp_replicate:
   plain replication with all-reduced gradients.
 - pp: `torch.distributed.pipelining`, one stage per rank, 1F1B schedule over microbatches.
+- ep (parallelism.expert > 1): borrowed from dp_shard, which splits into efsdp x ep (flattened back into
+  dp_shard and dp); a mixture of experts' experts live on the ep ranks (kiln.trainer.parallel.expert).
 Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the sizes.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -35,14 +38,27 @@ def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int, processes_p
 def build_mesh(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(
-        device_type,
-        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-    )
-    # Flattened views (TorchTitan does the same): mesh["dp"] is all of data parallel; with TP, DTensor finds
-    # "dp_shard_tp" and reduces the gradient norm over FSDP x TP in one collective instead of two.
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if layout.ep > 1:  # EP borrowed from FSDP's shard ranks: dp_shard = efsdp x ep (kiln.trainer.parallel.expert)
+        mesh = init_device_mesh(
+            device_type,
+            (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.tp),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
+        )
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+        mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+        # mesh["dp_shard"] is now a flattened dim, and torch warns (once per rank) that slicing one from the root
+        # "will be deprecated in PT 2.11"; this torch still supports it and the rest of the trainer slices by
+        # name. When torch drops it: keep the meshes _flatten returns instead, as TorchTitan does.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+    else:
+        mesh = init_device_mesh(
+            device_type,
+            (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
+        # Flattened views (TorchTitan does the same): mesh["dp"] is all of data parallel; with TP, DTensor finds
+        # "dp_shard_tp" and reduces the gradient norm over FSDP x TP in one collective instead of two.
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if layout.tp > 1:
         mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     return mesh
@@ -214,6 +230,10 @@ def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str, compressi
     # Pipeline schedules run several microbatches forward before backward: keep params gathered meanwhile.
     # One shard per parameter (dp_shard 1): resharding frees no memory and costs a second gather in backward.
     reshard = layout.pp == 1 and layout.dp_shard > 1
+    if layout.ep > 1:
+        from kiln.trainer.parallel.expert import shard_experts
+
+        shard_experts(model, mesh, layout, mp, reshard)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -230,21 +250,21 @@ def uses_fsdp(layout: Layout, precision: str) -> bool:
 
 
 def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) -> nn.Module:
-    """Split for the pipeline, then TP, LoRA adapters, activation checkpointing, compile, FSDP: TorchTitan's order."""
+    """Split for the pipeline, then TP, EP, LoRA adapters, activation checkpointing, compile, FSDP: TorchTitan's order."""
     from kiln.trainer.parallel.compression import apply_replicate, check_supported
 
     compression = spec.parallelism.gradient_compression
     check_supported(compression, fsdp=spec.parallelism.fsdp, tensor=layout.tp)
-    if getattr(model.dims, "moe", None) is not None and (layout.tp > 1 or layout.pp > 1):
-        # no TP plan for the experts yet, and a pipeline stage's router losses would not reach the loss
-        raise KilnError(f"model.moe: a mixture of experts trains with parallelism.tensor 1 and pipeline 1 for now "
-                        f"(got tensor {layout.tp}, pipeline {layout.pp})")
     if layout.pp > 1:
         split_for_stage(model, layout.pp, mesh["pp"].get_local_rank())
     if layout.tp > 1 or layout.pp > 1:
         model.fused_loss = False  # the loss is computed from (replicated) logits, see Transformer
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
+    if layout.ep > 1:
+        from kiln.trainer.parallel.expert import apply_ep
+
+        apply_ep(model, mesh["ep"])
     if spec.model.adapter is not None:  # after TP (an adapter follows its base's plan), before FSDP (shards it)
         from kiln.trainer.model.lora import apply_lora
 
