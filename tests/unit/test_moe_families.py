@@ -17,7 +17,7 @@ from kiln.errors import KilnError
 from kiln.trainer.model import hf_folder as hf, kernels
 from kiln.trainer.model.moe import MoE
 from tests.hf_models import MOE_FAMILIES, save_model
-from tests.unit.test_model_families import SEQ, STEPS, batches, exported, imported
+from tests.support.families import SEQ, STEPS, batches, exported, imported
 
 
 @pytest.fixture(autouse=True)
