@@ -380,7 +380,7 @@ class Run:
             return
         try:
             hang_report.report(store, rank=self.rank, world=self.world, step=self.last_step, why=why,
-                               status=self.reporter)
+                               status=self.reporter, device_type=self.device.type)
         except Exception as err:  # a diagnosis must never be what fails the run
             print(f"kiln: hang: could not write the stacks: {err}", file=sys.stderr, flush=True)
 
