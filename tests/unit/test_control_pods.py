@@ -214,8 +214,8 @@ def test_a_users_env_overrides_a_presets_value_once():
 
 def test_gpu_pods_size_the_nccl_flight_recorder_and_a_users_env_may_change_it():
     assert env_of(pod_of(planned(with_({}))))["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"  # dumped on a hang
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env_of(pod_of(planned({"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec",
-                                                                  "metadata": {"name": "cpu"}, "spec": {}})))
+    cpu = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "cpu"}, "spec": {}}
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env_of(pod_of(planned(cpu)))
     pod = pod_of(planned(with_({"pod": {"env": [{"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "0"}]}})))
     assert [e.get("value") for e in pod["containers"][0]["env"] if e["name"] == "TORCH_NCCL_TRACE_BUFFER_SIZE"] == ["0"]
 
