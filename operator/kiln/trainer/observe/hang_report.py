@@ -17,6 +17,10 @@ enter, with their sequence numbers and state) to `flight-recorder/rank-<N>` besi
 buffer is sized by TORCH_NCCL_TRACE_BUFFER_SIZE, which the operator sets in GPU pods), gloo's on CPU. The files
 are torch's own pickle format, for `python -m torch.distributed.flight_recorder.fr_trace <folder> --prefix
 rank-` (kiln never loads them). The NCCL dump runs only on GPUs, which this project's CI has not.
+
+A replica group's rank that its own hang watch takes out (kiln.trainer.membership.hang_watch) writes the same
+two files first (`write_own`, bounded in time: the group leaves the quorum right after), with no gathering:
+the other groups step on and the operator restarts nothing.
 """
 
 from __future__ import annotations
@@ -93,15 +97,23 @@ def suspects(dumps: dict[int, str]) -> list[int]:
     return sorted(set(dumps) - waiting)
 
 
+def write_own(store, *, rank: int, step: int, why: str, device_type: str = "cpu", group: int | None = None) -> str:
+    """This rank's flight recorder and stacks, in that order (when rank 0 sees a rank's stacks, its record is
+    there too); returns the folder. A replica group's ranks write under `<attempt>-group-<g>/` (each group is its
+    own torchrun job, with ranks from 0)."""
+    folder = f"{INCIDENTS}{attempt()}{'' if group is None else f'-group-{group}'}/"
+    record = flight_record(device_type)
+    if record is not None:
+        store.put_bytes(f"{folder}{FLIGHT_RECORDER}rank-{rank}", record)
+    store.put_bytes(f"{folder}rank-{rank}.txt", f"step {step}: {why}\n{stacks()}".encode())
+    return folder
+
+
 def report(store, *, rank: int, world: int, step: int, why: str, status=None, device_type: str = "cpu",
            gather_s: float = GATHER_S, clock=time.monotonic, sleep=time.sleep) -> dict | None:
     """Write this rank's flight recorder and stacks; on rank 0 gather the others' stacks, name the suspects, say
     it and write status.hang. Returns rank 0's report (None on the other ranks)."""
-    folder = f"{INCIDENTS}{attempt()}/"
-    record = flight_record(device_type)
-    if record is not None:  # first: when rank 0 sees a rank's stacks, its record is there too
-        store.put_bytes(f"{folder}{FLIGHT_RECORDER}rank-{rank}", record)
-    store.put_bytes(f"{folder}rank-{rank}.txt", f"step {step}: {why}\n{stacks()}".encode())
+    folder = write_own(store, rank=rank, step=step, why=why, device_type=device_type)
     if rank != 0:
         return None
     deadline = clock() + gather_s
