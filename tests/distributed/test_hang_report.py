@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.ft_helpers import die_with_parent
 from tests.distributed.ranks import wait_until
 from tests.distributed.trainer_helpers import env, write_spec
 
@@ -27,8 +28,9 @@ def test_a_rank_that_hangs_is_named_and_every_ranks_stacks_are_in_the_store(tmp_
     # The rule gives no verdict before 5 step times; rank 1 hangs in step 12, and 3 s without progress (the
     # floor) is a hang at this model's millisecond steps.
     log = (tmp_path / "log").open("w")
+    # the ranks run in sessions of their own (torchrun's), which killpg does not reach: they die with torchrun
     proc = subprocess.Popen(cmd, env=env(KILN_TEST_HANG_AT="12", KILN_TEST_HANG_RANK="1",
-                                         KILN_HANG_FLOOR_SECONDS="3"),
+                                         KILN_HANG_FLOOR_SECONDS="3", **die_with_parent()),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         line = wait_until("rank 0's hang line", lambda: next(
