@@ -17,6 +17,7 @@ import pytest
 
 from kiln.trainer.membership.hang_watch import HANG_EXIT_CODE, HANG_FLOOR_ENV
 from kiln.trainer.membership.replica_groups import LIGHTHOUSE_WAIT_ENV
+from kiln.trainer.observe.hang_report import main_stack
 from tests.distributed.ft_helpers import Group, bring_back, lighthouse_server, records
 from tests.support.ranks import wait_until
 from tests.support.runs import write_spec
@@ -72,6 +73,13 @@ def test_a_hung_group_leaves_the_quorum_the_other_steps_on_and_its_restart_heals
     assert re.search(rf"exitcode\s*:\s*{HANG_EXIT_CODE}\b", log1), log1[-3000:]
     run0, run1, back = records(g0.out), records(g1.out), records(g1b.out)
     assert [r["step"] for r in run1] == list(range(1, HANG_AT)), "group 1 logged every step before its hang"
+    # before it left, the hung group's rank wrote its stacks (where it hangs) to the run's store; no other did
+    (folder,) = (tmp_path / "ckpt" / "incidents" / "hang").iterdir()
+    assert folder.name.endswith("-group-1"), folder.name
+    stacks = (folder / "rank-0.txt").read_text()
+    assert stacks.startswith(f"step {HANG_AT}: no training step completed for"), stacks[:300]
+    assert "ft_group_entry.py" in main_stack(stacks), stacks  # its main thread, where the test made it wait
+    assert (folder / "flight-recorder" / "rank-0").stat().st_size > 0  # gloo's flight recorder
 
     # Group 0 took every step once: with group 1 up to the hung step (its vote was in), then alone, then with
     # the restarted group 1 to the end.

@@ -116,7 +116,9 @@ class Node:
 
     @property
     def node_selector(self) -> dict:
-        return {"kubernetes.io/hostname": self.name}
+        """Its pool's label, not its hostname: kiln's admin policy refuses picking a node by name by default
+        (KILN_POLICY_ALLOW_NODE_NAMES), and the chart's operator runs with that default."""
+        return dict(LABELS)
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         """containerd's `ctr`, in the kubelet's namespace (k8s.io)."""

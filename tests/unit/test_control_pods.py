@@ -142,7 +142,7 @@ def test_every_variable_kiln_sets_is_reserved():
             names = set(env_of(worker(job)["template"]["spec"]))
             unreserved = {n for n in names if not (n in contract.RESERVED_ENV
                                                    or n.startswith(contract.RESERVED_ENV_PREFIXES))}
-            assert not unreserved, unreserved
+            assert unreserved <= set(contract.GPU_POD_ENV), unreserved  # defaults a user may change
 
 
 @pytest.mark.parametrize("volume, says", [
@@ -215,6 +215,14 @@ def test_a_users_env_overrides_a_presets_value_once():
                                 "pod": {"env": [{"name": "NCCL_IB_DISABLE", "value": "1"}]}})))
     values = [e.get("value") for e in pod["containers"][0]["env"] if e["name"] == "NCCL_IB_DISABLE"]
     assert values == ["1"]
+
+
+def test_gpu_pods_size_the_nccl_flight_recorder_and_a_users_env_may_change_it():
+    assert env_of(pod_of(planned(with_({}))))["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"  # dumped on a hang
+    cpu = {"apiVersion": "kiln.dev/v1alpha1", "kind": "TrainingSpec", "metadata": {"name": "cpu"}, "spec": {}}
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env_of(pod_of(planned(cpu)))
+    pod = pod_of(planned(with_({"pod": {"env": [{"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "0"}]}})))
+    assert [e.get("value") for e in pod["containers"][0]["env"] if e["name"] == "TORCH_NCCL_TRACE_BUFFER_SIZE"] == ["0"]
 
 
 def test_a_presets_device_and_capability_go_through_the_policy():

@@ -85,3 +85,58 @@ def test_the_operator_moves_a_run_off_a_node_the_preflight_check_named_only_wher
     stays = failover.step(spec, status, {}, pods, views[:1])  # nowhere else to start: stays, says why once
     assert not stays.move and stays.events[0][1] == "GPUDegraded" and "pre-flight" in stays.events[0][2]
     assert failover.step(spec, {"step": 0, "preflight": {"slow": []}}, {}, pods, views).move == {}
+
+
+def _gpu_spec(nodes: int, **elastic):
+    from kiln.api.spec import TrainingSpecSpec
+
+    return TrainingSpecSpec.model_validate({"resources": {"nodes": nodes, "gpusPerNode": 2, "gpuType": "NVIDIA-H200"},
+                                            "elastic": elastic})
+
+
+def test_a_preflight_slow_node_fails_the_run_only_where_its_elastic_bounds_cannot_do_without_it():
+    from kiln.trainer.observe.preflight import cannot_leave
+
+    nodes, rates = ["a", "a", "b", "b"], [100.0, 100.0, 100.0, 20.0]  # 2 pods x 2 ranks: rank 3's GPU is slow
+    median, slow = judge(rates, nodes, 0.8)
+    result = {"gflops": rates, "nodes": nodes, "slow": slow, "min_relative_speed": 0.8}
+    why = cannot_leave(result, _gpu_spec(2))  # 2 nodes, no elastic bounds: it cannot start on node a alone
+    assert why.startswith("resources.preflight: rank 3 on node b at 0.2 of the others' median")
+    assert "without node(s) b, 1 of the run's 2 node(s) remain and it needs at least 2" in why
+    assert "elastic.minNodes" in why and "resources.preflight.enabled false" in why  # the two fixes
+    assert cannot_leave(result, _gpu_spec(2, minNodes=1)) is None  # it can: the operator moves it off b
+    assert cannot_leave({**result, "slow": []}, _gpu_spec(2)) is None
+    # both pods on one (slow) machine: nothing is left without it, whatever the bounds
+    same = {**result, "nodes": ["a"] * 4, "slow": judge(rates, ["a"] * 4, 0.8)[1]}
+    assert "0 of the run's 2 node(s) remain and it needs at least 1" in cannot_leave(same, _gpu_spec(2, minNodes=1))
+
+
+def _straggler_tick(nodes: str, state: dict | None = None):
+    from kiln.control import elastic, failover
+
+    spec = _gpu_spec(2, minNodes=2)
+    views = [elastic.NodeView(n, labels={elastic.GPU_PRODUCT_LABEL: "NVIDIA-H200"}, gpus_free=2) for n in nodes]
+    pods = [{"metadata": {"name": f"w-{n}"}, "spec": {"nodeName": n}} for n in "ab"]
+    status = {"step": 40, "stragglers": [{"rank": 3, "node": "b", "relative": 2.4, "value": 0.6, "step": 40}]}
+    return failover.step(spec, status, state or {}, pods, views)
+
+
+def test_the_operator_replaces_a_stragglers_node_at_a_commit_where_the_run_can_start_without_it():
+    moves = _straggler_tick("abc")  # node c is free: the run keeps its 2 nodes without b
+    assert moves.move == {"b": "Degrading: straggler: rank 3's own step time at 2.4x the other ranks' median "
+                                "(named at step 40)"}
+    assert moves.state["gpuAvoid"] == moves.move and moves.state["gpuFailover"]["step"] == 40  # new pods avoid b
+    assert moves.events[0][:2] == ("Warning", "GPUFailover") and "a commit is requested" in moves.events[0][2]
+    assert moves.condition[:2] == ("False", "MovingOffNode")  # priced as gpuFailover by the ledger
+
+
+def test_a_straggler_the_run_cannot_leave_trains_on_and_the_condition_says_why():
+    stays = _straggler_tick("ab")  # minNodes 2 and no other node: it cannot start without b
+    assert not stays.move and "gpuAvoid" not in stays.state
+    assert stays.events == [("Warning", "GPUDegraded", stays.state["gpuStaying"])]  # once
+    status, reason, message = stays.condition
+    assert (status, reason) == ("False", "GPUDegrading")
+    assert "node b: Degrading: straggler: rank 3" in message
+    assert message.endswith("the run trains on there: only 1 other node(s) could host a worker, the run needs 2")
+    again = _straggler_tick("ab", stays.state)  # the next tick: no second Event, the condition still says why
+    assert again.events == [] and again.condition == stays.condition

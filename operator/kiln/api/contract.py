@@ -37,6 +37,11 @@ FT_SECRET_KEY = "secret"  # its one key: 32 random bytes, hex
 FT_QUORUM_TICK_MS = 20
 FT_POD_ENV = (FT_LIGHTHOUSE, FT_GROUP, FT_SECRET_FILE)  # set in a group's pods only (kiln.control.plan), read by kiln.trainer.membership.replica_groups
 
+# GPU pods: PyTorch's NCCL flight recorder keeps the last this-many collectives of each process group, which the
+# hang report dumps beside the stacks (kiln.trainer.observe.hang_report). A default, not kiln's own: pod.env may
+# set another size (0 turns the recorder off).
+GPU_POD_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+
 # Tracking credentials, each read by reference from spec.tracking.*.credentialsSecret (optional keys: a Secret may
 # hold a token or a user and password).
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")

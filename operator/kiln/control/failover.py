@@ -13,7 +13,11 @@ prices as `gpuFailover` (kiln.control.goodput).
 The pre-flight check before step 1 (kiln.trainer.observe.preflight) takes the same path: a node with a rank
 below resources.preflight.minRelativeSpeed in status.preflight.slow is read as a Degrading node
 (`preflight_entries`), so the run leaves it when it can start elsewhere (elastic bounds and free capacity) and
-otherwise stays there with a GPUDegraded Event saying why.
+otherwise stays there with a GPUDegraded Event saying why (a pre-flight node that the elastic bounds cannot do
+without fails the run in the trainer first, on GPUs: kiln.trainer.observe.preflight.cannot_leave). A straggler
+(status.stragglers: a rank slower than the others for resources.stragglers.window reports in a row) is read the
+same way (`straggler_entries`): its node is left at a commit when the run can start without it, and otherwise
+the run trains on and the GPUHealthy condition says why it stays.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ MOVING = "MovingOffNode"  # GPUHealthy reason while the run moves; goodput's `gp
 class Verdict:
     move: dict[str, str]  # node → why it is left (empty: stay where the run is)
     reason: str  # one line: what was decided and why (the Event's message on a move)
+    staying: str = ""  # on a stay: why the run trains on where it is (the GPUHealthy condition says it)
 
 
 def bad_nodes(reported: Iterable[dict], running_on: Iterable[str], avoided: Iterable[str]) -> dict[str, str]:
@@ -59,8 +64,8 @@ def decide(reported: Iterable[dict], running_on: Iterable[str], avoided: Iterabl
     failing = any(e.get("state") == GPU_FAILING and e["node"] in bad for e in reported)
     where = "; ".join(f"node {n}: {why}" for n, why in sorted(bad.items()))
     if capacity_without < needed and not failing:
-        return Verdict({}, f"staying on degrading GPUs ({where}): only {capacity_without} other node(s) could "
-                           f"host a worker, the run needs {needed}")
+        why = f"only {capacity_without} other node(s) could host a worker, the run needs {needed}"
+        return Verdict({}, f"staying on {', '.join(sorted(bad))} ({where}): {why}", f"the run trains on there: {why}")
     room = "" if capacity_without >= needed else \
         f"; only {capacity_without} other node(s) have room for the {needed} needed: the pods wait for capacity"
     return Verdict(bad, f"moving off {', '.join(sorted(bad))} ({where}): a commit is requested (the pods get "
@@ -73,12 +78,13 @@ def moved_off(reported: Iterable[dict], leaving: Iterable[str]) -> bool:
     return bool(reported) and not any(e["node"] in leaving for e in reported)
 
 
-def condition(reported: Iterable[dict], moving: dict | None = None,
-              moved: dict | None = None) -> tuple[str, str, str] | None:
+def condition(reported: Iterable[dict], moving: dict | None = None, moved: dict | None = None,
+              staying: str | None = None) -> tuple[str, str, str] | None:
     """The GPUHealthy condition (status, reason, message), or None before any report.
 
     moving: {"nodes": {node: why}, "step": …} while a move is under way; moved: the last finished one, named
-    in the message so the condition keeps saying why the run left a node.
+    in the message so the condition keeps saying why the run left a node; staying: why the run stays on a bad
+    node (decide's reason), said while the node is still reported bad.
     """
     reported = list(reported)
     if moving:
@@ -93,7 +99,8 @@ def condition(reported: Iterable[dict], moving: dict | None = None,
     bad = [e for e in reported if e.get("state") in GPU_MOVE_STATES]
     if bad:
         reason = "GPUFailing" if any(e["state"] == GPU_FAILING for e in bad) else "GPUDegrading"
-        return "False", reason, "; ".join(f"node {e['node']}: {_why(e)}" for e in bad) + after
+        stays = f"; {staying}" if staying else ""
+        return "False", reason, "; ".join(f"node {e['node']}: {_why(e)}" for e in bad) + stays + after
     unknown = [e for e in reported if e.get("state") == GPU_UNKNOWN]
     if unknown:
         return "Unknown", "GPUHealthUnknown", "; ".join(f"node {e['node']}: {_why(e)}" for e in unknown) + after
@@ -120,7 +127,7 @@ def step(spec: TrainingSpecSpec, status: dict, state: dict, pods: Iterable[dict]
     """One tick's GPU-health decision for a running run, from its status (gpuHealth, step), the elastic state
     (gpuAvoid: nodes left for their GPUs; gpuFailover: a move under way; gpuMoved: the last one finished),
     its pods and the nodes (free GPUs as the elastic loop counts them)."""
-    reported = list(status.get("gpuHealth") or []) + preflight_entries(status)
+    reported = list(status.get("gpuHealth") or []) + preflight_entries(status) + straggler_entries(status)
     moving = state.get("gpuFailover")
     pods = list(pods)
     live = {(p.get("metadata") or {}).get("name"): (p.get("spec") or {}).get("nodeName") for p in pods
@@ -151,8 +158,8 @@ def step(spec: TrainingSpecSpec, status: dict, state: dict, pods: Iterable[dict]
                     condition=condition(reported, started))
     if verdict.reason and verdict.reason != state.get("gpuStaying"):  # said once, not every tick
         return Step(state={"gpuStaying": verdict.reason}, events=[("Warning", "GPUDegraded", verdict.reason)],
-                    condition=condition(reported, moved=moved))
-    return Step(condition=condition(reported, moved=moved))
+                    condition=condition(reported, moved=moved, staying=verdict.staying))
+    return Step(condition=condition(reported, moved=moved, staying=verdict.staying))
 
 
 def preflight_entries(status: dict) -> list[dict]:
@@ -163,6 +170,19 @@ def preflight_entries(status: dict) -> list[dict]:
             slow[s["node"]] = s
     return [{"node": node, "state": GPU_DEGRADING,
              "message": f"pre-flight: rank {s['rank']}'s matmul at {s['relative']} of the other ranks' median"}
+            for node, s in sorted(slow.items())]
+
+
+def straggler_entries(status: dict) -> list[dict]:
+    """status.stragglers (ranks the trainer named: slow for resources.stragglers.window reports in a row) as
+    Degrading gpuHealth-like entries, one per node (its slowest rank)."""
+    slow: dict[str, dict] = {}
+    for s in status.get("stragglers") or []:
+        if s.get("node") and (s["node"] not in slow or s["relative"] > slow[s["node"]]["relative"]):
+            slow[s["node"]] = s
+    return [{"node": node, "state": GPU_DEGRADING,
+             "message": f"straggler: rank {s['rank']}'s own step time at {s['relative']}x the other ranks' median"
+                        + (f" (named at step {s['step']})" if s.get("step") is not None else "")}
             for node, s in sorted(slow.items())]
 
 

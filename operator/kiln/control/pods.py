@@ -8,6 +8,7 @@ and that level forbids (https://kubernetes.io/docs/concepts/security/pod-securit
 
 from __future__ import annotations
 
+from kiln.api.contract import GPU_POD_ENV
 from kiln.api.pod import PodSettings, Volume
 from kiln.api.spec import TrainingSpecSpec
 from kiln.control.k8s import K8S_MODELS as k
@@ -20,9 +21,11 @@ LEVEL_LABEL = "pod-security.kubernetes.io/enforce"
 
 
 def env(s: TrainingSpecSpec) -> list:
-    """The network preset's variables, each replaced by pod.env's of the same name, then pod.env's others."""
+    """The defaults of GPU pods (the NCCL flight recorder's size) and the network preset's variables, each
+    replaced by pod.env's of the same name, then pod.env's others."""
     own = {e.name for e in s.pod.env}
-    out = [k.V1EnvVar(name=name, value=value) for name, value in preset(s.network).env.items() if name not in own]
+    defaults = {**(GPU_POD_ENV if s.resources.gpus_per_node else {}), **preset(s.network).env}
+    out = [k.V1EnvVar(name=name, value=value) for name, value in defaults.items() if name not in own]
     for e in s.pod.env:
         source = None
         if e.value_from is not None:

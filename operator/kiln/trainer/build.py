@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from kiln.api import contract
 from kiln.api.layout import replica_group_spec
+from kiln.errors import KilnError
 from kiln.trainer.data.loader import GlobalBatchLoader, open_data, open_source
 from kiln.trainer.model import documents, hf_folder as hf, kernels, moe
 from kiln.trainer.model.loss import PipelineLoss
@@ -99,6 +100,10 @@ def run_preflight(run: Run) -> None:
                                      matmul=run.hooks.preflight_matmul) if check.enabled else None
     if run.preflight is not None and run.rank == 0:
         preflight.say(run.preflight)
+    # a slow node the elastic bounds cannot do without fails the run (every rank: the same result), on GPUs
+    why = preflight.cannot_leave(run.preflight, run.spec) if run.preflight and run.device.type == "cuda" else None
+    if why is not None:
+        raise KilnError(why)
 
 
 def build_data(run: Run) -> None:

@@ -386,9 +386,14 @@ class Run:
             print(f"kiln: hang: {why.partition('; ')[0]} (no checkpoint store for the stacks)", file=sys.stderr,
                   flush=True)
             return
+        group = getattr(self.members, "group", None)  # a replica group leaves alone: its own stacks only
         try:
-            hang_report.report(store, rank=self.rank, world=self.world, step=self.last_step, why=why,
-                               status=self.reporter)
+            if group is not None:
+                hang_report.write_own(store, rank=self.rank, step=self.last_step, why=why,
+                                      device_type=self.device.type, group=group)
+            else:
+                hang_report.report(store, rank=self.rank, world=self.world, step=self.last_step, why=why,
+                                   status=self.reporter, device_type=self.device.type)
         except Exception as err:  # a diagnosis must never be what fails the run
             print(f"kiln: hang: could not write the stacks: {err}", file=sys.stderr, flush=True)
 

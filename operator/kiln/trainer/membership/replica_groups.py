@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -53,6 +54,7 @@ START_WAIT_ENV = "KILN_FT_START_WAIT_SECONDS"  # default 120
 # the step's quorum, reconnecting meanwhile, for up to this long before the trainer fails. Without retries the
 # manager dropped the failed request and the quorum hung until its timeout, then every group failed at once.
 LIGHTHOUSE_WAIT_ENV = "KILN_FT_LIGHTHOUSE_WAIT_SECONDS"  # default 300
+STACKS_WAIT_S = 10.0  # a hung group's ranks write their stacks (kiln.trainer.observe.hang_report) for this long at most
 QUORUM_RETRY_S = 0.5  # torchft waits quorum_timeout / (retries + 1) between tries; this sets the retries
 
 
@@ -294,10 +296,16 @@ class ReplicaGroups:
         return {"ft_weights_digest": self.weights_digest()}
 
     def watch_hangs(self, on_hang: Callable[[str], None]) -> HangWatch:
-        """From the first step on: a loop with no progress takes this group out of the quorum (not `on_hang`: the
-        group's restart heals from a live peer; kiln.trainer.membership.hang_watch). The watch that torchft's
-        waits above pause."""
-        self.watch.start(lambda why: leave(self.group, why, lambda: self.manager.shutdown(wait=False)))
+        """From the first step on: a loop with no progress takes this group out of the quorum, after `on_hang`
+        (this rank's stacks to the store; at most STACKS_WAIT_S) and no run restart: the group's restart heals
+        from a live peer (kiln.trainer.membership.hang_watch). The watch that torchft's waits above pause."""
+        def verdict(why: str) -> None:
+            record = threading.Thread(target=on_hang, args=(why,), name="kiln-ft-hang-stacks", daemon=True)
+            record.start()
+            record.join(STACKS_WAIT_S)  # a slow store must not keep the hung group in the others' quorum
+            leave(self.group, why, lambda: self.manager.shutdown(wait=False))
+
+        self.watch.start(verdict)
         return self.watch
 
     def close(self) -> None:

@@ -10,7 +10,17 @@ Rank 0 then waits (at most `GATHER_S`) for the other ranks' files and names the 
 thread is not inside a torch.distributed call while others are. A collective hangs when one rank never reaches
 it, so the ranks waiting in one are the victims and the ones elsewhere (a data read, a deadlock, a wedged kernel
 launch) are whom they wait for. Rank 0 prints one line and writes `status.hang` (the trainer's field: when, the
-step, the stacks' URI, the suspects). GPU runs: PyTorch's NCCL flight recorder is not dumped here yet.
+step, the stacks' URI, the suspects).
+
+Before its stacks, each rank also writes PyTorch's flight recorder (the last collectives c10d saw this process
+enter, with their sequence numbers and state) to `flight-recorder/rank-<N>` beside them: NCCL's on GPUs (its
+buffer is sized by TORCH_NCCL_TRACE_BUFFER_SIZE, which the operator sets in GPU pods), gloo's on CPU. The files
+are torch's own pickle format, for `python -m torch.distributed.flight_recorder.fr_trace <folder> --prefix
+rank-` (kiln never loads them). The NCCL dump runs only on GPUs, which this project's CI has not.
+
+A replica group's rank that its own hang watch takes out (kiln.trainer.membership.hang_watch) writes the same
+two files first (`write_own`, bounded in time: the group leaves the quorum right after), with no gathering:
+the other groups step on and the operator restarts nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ INCIDENTS = "incidents/hang/"
 GATHER_S = 60.0  # rank 0 waits this long for the other ranks' stacks before it names suspects from what came
 POLL_S = 1.0
 MAIN_MARK = "kiln-main-thread: "
+FLIGHT_RECORDER = "flight-recorder/"  # rank-<N>: the rank's flight recorder dump (fr_trace's --prefix rank-)
 _IN_COLLECTIVE = re.compile(r"torch/distributed/")  # c10d, FSDP's and DTensor's collectives, pipelining's p2p
 
 
@@ -55,6 +66,18 @@ def stacks() -> str:
         return f.read()
 
 
+def flight_record(device_type: str) -> bytes | None:
+    """This process's flight recorder dump (torch's pickle): NCCL's on CUDA, gloo's otherwise; None when this
+    torch has none to give."""
+    import torch._C._distributed_c10d as c10d
+
+    try:
+        data = c10d._dump_nccl_trace() if device_type == "cuda" else c10d._dump_fr_trace(backend="gloo")
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return bytes(data) or None
+
+
 def main_stack(text: str) -> str:
     """The main thread's part of a `stacks()` dump."""
     mark = next((line for line in text.splitlines() if line.startswith(MAIN_MARK)), None)
@@ -74,12 +97,23 @@ def suspects(dumps: dict[int, str]) -> list[int]:
     return sorted(set(dumps) - waiting)
 
 
-def report(store, *, rank: int, world: int, step: int, why: str, status=None, gather_s: float = GATHER_S,
-           clock=time.monotonic, sleep=time.sleep) -> dict | None:
-    """Write this rank's stacks; on rank 0 gather the others', name the suspects, say it and write status.hang.
-    Returns rank 0's report (None on the other ranks)."""
-    folder = f"{INCIDENTS}{attempt()}/"
+def write_own(store, *, rank: int, step: int, why: str, device_type: str = "cpu", group: int | None = None) -> str:
+    """This rank's flight recorder and stacks, in that order (when rank 0 sees a rank's stacks, its record is
+    there too); returns the folder. A replica group's ranks write under `<attempt>-group-<g>/` (each group is its
+    own torchrun job, with ranks from 0)."""
+    folder = f"{INCIDENTS}{attempt()}{'' if group is None else f'-group-{group}'}/"
+    record = flight_record(device_type)
+    if record is not None:
+        store.put_bytes(f"{folder}{FLIGHT_RECORDER}rank-{rank}", record)
     store.put_bytes(f"{folder}rank-{rank}.txt", f"step {step}: {why}\n{stacks()}".encode())
+    return folder
+
+
+def report(store, *, rank: int, world: int, step: int, why: str, status=None, device_type: str = "cpu",
+           gather_s: float = GATHER_S, clock=time.monotonic, sleep=time.sleep) -> dict | None:
+    """Write this rank's flight recorder and stacks; on rank 0 gather the others' stacks, name the suspects, say
+    it and write status.hang. Returns rank 0's report (None on the other ranks)."""
+    folder = write_own(store, rank=rank, step=step, why=why, device_type=device_type)
     if rank != 0:
         return None
     deadline = clock() + gather_s

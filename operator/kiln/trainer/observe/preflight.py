@@ -7,7 +7,9 @@ the world group times an all-reduce (bus bandwidth, as nccl-tests defines it). A
 a slow rank does not lower its own yardstick; with two ranks the other's rate). Rank 0 prints one line, puts
 the result in the first step's record (metrics.jsonl: `preflight`) and in status.preflight with its seconds in
 trainerTime.preflightSeconds (the goodput ledger's `preflight`); the operator takes it from there
-(kiln.control.preflight). The matmul itself is a parameter: a test gives one rank more work per repetition.
+(kiln.control.failover), moving the run off a slow rank's node when it can start without it. When the spec's
+elastic bounds cannot do without that node, the check fails the run instead (`cannot_leave`), on GPUs: CPU ranks
+that share a machine with other work give noisy rates, so there a slow rank is only named. The matmul itself is a parameter: a test gives one rank more work per repetition.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from kiln.api import layout
 
 # A matmul of ~0.3 GFLOP on CPU (milliseconds) and ~0.5 TFLOP on a GPU; bf16 where the GPU has tensor cores.
 CPU_N, GPU_N = 512, 8192
 REPS = 5
 BANDWIDTH_BYTES = 8 << 20  # one all-reduce of 8 MiB: long enough to be bandwidth, not latency
 BANDWIDTH_REPS = 3
+
+if TYPE_CHECKING:
+    from kiln.api.spec import TrainingSpecSpec
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,6 +106,29 @@ def say(result: dict) -> None:
     print(f"kiln: preflight: {len(result['gflops'])} rank(s), median matmul {result['median_gflops']} GFLOP/s{bw}, "
           f"{result['seconds']} s; " + (f"slow: {slow}" if slow else "no slow rank"),
           file=sys.stderr if slow else sys.stdout, flush=True)
+
+
+def cannot_leave(result: dict, spec: "TrainingSpecSpec") -> str | None:
+    """Why the run cannot go on: a slow rank's node holds pods (ranks // processes per node, as torchrun numbers
+    them) that the run cannot start without, by its elastic bounds (resources.nodes, elastic.minNodes and the
+    layout's rules). None when no rank is slow or the run can start on the other nodes (the operator then moves
+    it; kiln.control.failover). Replica groups' jobs are of a fixed size and not moved: None. Pure."""
+    if not result["slow"] or layout.replica_groups_on(spec):
+        return None
+    ppn, nodes = layout.processes_per_node(spec), result["nodes"]
+    slow_nodes = sorted({s["node"] for s in result["slow"]})
+    pods = len(nodes) // ppn
+    left = pods - len({rank // ppn for rank, node in enumerate(nodes) if node in slow_nodes})
+    counts = layout.runnable_node_counts(spec)
+    if counts and left >= counts[0]:
+        return None
+    slow = "; ".join(f"rank {s['rank']} on node {s['node']} at {s['relative']} of the others' median"
+                     for s in result["slow"])
+    fewest = f"at least {counts[0]}" if counts else "a node count its layout allows"
+    return (f"resources.preflight: {slow} (below minRelativeSpeed {result['min_relative_speed']}); without "
+            f"node(s) {', '.join(slow_nodes)}, {left} of the run's {pods} node(s) remain and it needs {fewest} "
+            "(resources.nodes, elastic.minNodes): replace the node, lower elastic.minNodes, or set "
+            "resources.preflight.enabled false")
 
 
 def status_entry(result: dict, *, step: int, checked_at: str) -> dict:
