@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/ep.json")
     args = parser.parse_args()
 
-    from tests.distributed.ranks import run_ranks
+    from tests.support.ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         results = run_ranks(_rank, 2, tmp, vars(args))

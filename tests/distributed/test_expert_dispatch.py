@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.distributed.layout_grads import layout_grads
-from tests.distributed.ranks import run_ranks
-from tests.distributed.trainer_helpers import MICRO_MODEL, torchrun_train, write_spec
+from tests.support.ranks import run_ranks
+from tests.support.runs import MICRO_MODEL, torchrun_train, write_spec
 
 pytestmark = pytest.mark.distributed
 

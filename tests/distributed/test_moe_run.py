@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.distributed.trainer_helpers import MICRO_MODEL, torchrun_train, write_spec
+from tests.support.runs import MICRO_MODEL, torchrun_train, write_spec
 
 pytestmark = pytest.mark.distributed
 
