@@ -180,7 +180,7 @@ def _dedup_peak(tmp_path: Path, tokenizer_file, per_file: int) -> tuple[int, int
 
 def test_dedup_memory_per_worker_does_not_grow_with_the_corpus(tmp_path, tokenizer_file, monkeypatch):
     monkeypatch.setattr(runs, "CHUNK_RECORDS", 16)  # the merge's bound, far below a partition of this corpus
-    small, small_runs = _dedup_peak(tmp_path, tokenizer_file, 400)
-    large, large_runs = _dedup_peak(tmp_path, tokenizer_file, 800)
-    assert large_runs >= 1.9 * small_runs  # the state to merge did double
-    assert large <= small * 1.1 + 2048, (small, large)  # the peak did not
+    small, small_runs = _dedup_peak(tmp_path, tokenizer_file, 1500)
+    large, large_runs = _dedup_peak(tmp_path, tokenizer_file, 3000)
+    assert large_runs >= 1.9 * small_runs  # the state to merge did double (a partition's runs: ~50-70 KB more)
+    assert large <= small + 8192, (small, large)  # the peak did not (holding a partition whole fails this)
