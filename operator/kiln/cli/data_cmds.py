@@ -24,6 +24,25 @@ def prepare_progress(console):
                                                            shards=shards, refresh=True)
 
 
+def quality_options(pr: argparse.ArgumentParser) -> None:
+    """kiln.trainer.data.quality's filters (DataTrove's), in one process and with --workers."""
+    pr.add_argument("--gopher", action="store_true", help="drop what DataTrove's Gopher quality heuristics drop")
+    pr.add_argument("--c4", action="store_true", help="DataTrove's C4 quality filter (drops documents, removes lines)")
+    pr.add_argument("--languages", nargs="+", default=None, help="keep documents in these languages (fastText "
+                    "language ID, DataTrove's LanguageFilter), e.g. en de; needs --language-model")
+    pr.add_argument("--language-model", default=None, help="a fastText language-ID model (lid.176.bin) at "
+                    "file:///path or s3://: kiln downloads nothing")
+    pr.add_argument("--language-threshold", type=float, default=0.65, help="least language score kept (default 0.65)")
+
+
+def quality_settings(args: argparse.Namespace) -> dict | None:
+    """kiln.trainer.data.quality's settings from the flags; None when no quality filter is asked for."""
+    if not (args.gopher or args.c4 or args.languages):
+        return None
+    return {"gopher": args.gopher, "c4": args.c4, "languages": args.languages, "language_model": args.language_model,
+            "language_threshold": args.language_threshold}
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from kiln.trainer.data.prepare import prepare
 
@@ -43,7 +62,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         result = prepare(args.input, tokenizer_uri=args.tokenizer, output=args.output, text_field=args.text_field,
                          min_chars=args.min_chars, dedup=args.dedup, minhash_threshold=args.minhash_threshold,
                          eos=args.eos, shard_tokens=args.shard_tokens, endpoint=args.endpoint, format=args.format,
-                         progress=progress,
+                         quality=quality_settings(args), progress=progress,
                          **({} if args.max_doc_bytes is None else {"max_doc_bytes": args.max_doc_bytes}))
     if result is not None:
         removed = ", ".join(f"{k} {v}" for k, v in sorted(result.removed.items())) or "nothing"

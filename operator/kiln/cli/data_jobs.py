@@ -224,6 +224,7 @@ def progress_bar(console):
 def cmd_prepare_workers(args) -> int:
     from rich.console import Console
 
+    from kiln.cli.data_cmds import quality_settings
     from kiln.storage import open_store
 
     js = settings_from(args)
@@ -234,7 +235,7 @@ def cmd_prepare_workers(args) -> int:
     plan = stages.plan(args.input, args.output, tokenizer_uri=args.tokenizer, workers=args.workers,
                        partitions=args.partitions, text_field=args.text_field, min_chars=args.min_chars,
                        dedup=args.dedup, minhash_threshold=args.minhash_threshold, eos=args.eos,
-                       shard_tokens=args.shard_tokens, endpoint=js.endpoint,
+                       shard_tokens=args.shard_tokens, quality=quality_settings(args), endpoint=js.endpoint,
                        **({} if args.max_doc_bytes is None else {"max_doc_bytes": args.max_doc_bytes}))
     with progress_bar(Console(stderr=True)) as update:
         done = run(_batch(args), out, plan, js, detach=args.detach, keep=args.keep, on_progress=update)

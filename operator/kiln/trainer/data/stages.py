@@ -37,6 +37,7 @@ from kiln.storage.store import ObjectNotFound
 from kiln.trainer.data import prepare_clean as clean
 from kiln.trainer.data import prepare_read as read
 from kiln.trainer.data import prepare_write as write
+from kiln.trainer.data import quality
 from kiln.trainer.data.runs import merged_groups, read_run, write_run
 from kiln.trainer.data.shards import DOCS_PREFIX, DOCS_SUFFIX, TOKENS_PREFIX
 
@@ -50,7 +51,7 @@ READ_ERRORS = ("undecodable", "invalid_json", "missing_field", "too_large")  # r
 def plan(inputs: list[str], output: str, *, tokenizer_uri: str, workers: int, partitions: int = 16,
          text_field: str | None = None, min_chars: int = 1, dedup: str = "exact", minhash_threshold: float = 0.8,
          eos: str | None = None, shard_tokens: int = 100_000_000, max_doc_bytes: int = read.MAX_DOC_BYTES,
-         endpoint: str | None = None) -> dict:
+         quality: dict | None = None, endpoint: str | None = None) -> dict:
     """The plan at OUTPUT/work/plan.json (written once; a rerun must give the same settings and workers): the
     settings, the input files in order, and how many indexes each stage has."""
     from kiln.trainer.data.tokenizer import load_tokenizer, vocab_size
@@ -68,6 +69,8 @@ def plan(inputs: list[str], output: str, *, tokenizer_uri: str, workers: int, pa
     settings = {"inputs": inputs, "tokenizer": tokenizer_uri, "vocab_size": vocab_size(tokenizer),
                 "text_field": text_field or "text", "min_chars": min_chars, "dedup": dedup, "eos": eos,
                 "shard_tokens": shard_tokens, "max_doc_bytes": max_doc_bytes, "partitions": partitions}
+    if quality:
+        settings["quality"] = quality
     bands = rows = 0
     if dedup == "minhash":
         from datasketch import MinHashLSH
@@ -129,18 +132,18 @@ def _mine(p: dict, index: int, n: int) -> range:
 
 
 def _scan(out: ObjectStore, p: dict, w: int, endpoint) -> dict:
-    s = p["settings"]
+    filters = quality.make_filters(p["settings"].get("quality") or {}, endpoint)
     totals = Counter()
     for f in _mine(p, w, len(p["files"])):
         key = f"{WORK}scan/{f:06d}.json"
         if not out.exists(key):  # an interrupted index keeps its finished files
-            out.put_bytes(key, json.dumps(_scan_file(out, p, f, endpoint)).encode())
+            out.put_bytes(key, json.dumps(_scan_file(out, p, f, filters, endpoint)).encode())
         done = json.loads(out.get_bytes(key))
         totals.update(documents=done["documents_in"], bytes=done["bytes"])
     return dict(totals)
 
 
-def _scan_file(out: ObjectStore, p: dict, f: int, endpoint) -> dict:
+def _scan_file(out: ObjectStore, p: dict, f: int, filters: list, endpoint) -> dict:
     s = p["settings"]
     root, key = p["files"][f]
     store = open_store(root if root.endswith("/") else root + "/", endpoint=endpoint)
@@ -156,6 +159,10 @@ def _scan_file(out: ObjectStore, p: dict, f: int, endpoint) -> dict:
                 text = clean.normalise(doc)
                 if len(text) < s["min_chars"]:
                     removed["too_short"] += 1
+                    continue
+                text, why = quality.apply(filters, text)
+                if text is None:
+                    removed[why] += 1
                     continue
                 texts.write(json.dumps(text, ensure_ascii=False).encode() + b"\n")
                 name = NAME.pack(f, kept)
@@ -329,7 +336,7 @@ def _manifest(out: ObjectStore, p: dict, _: int, endpoint) -> dict:
         "tokenizer": s["tokenizer"], "vocab_size": s["vocab_size"], "dtype": str(write.token_dtype(s["vocab_size"])),
         "eos": s["eos"], "text_field": s["text_field"], "min_chars": s["min_chars"], "dedup": s["dedup"],
         "inputs": s["inputs"], **({"minhash_threshold": s["minhash_threshold"]} if s["dedup"] == "minhash" else {}),
-        "partitions": s["partitions"],
+        **({"quality": s["quality"]} if "quality" in s else {}), "partitions": s["partitions"],
         "documents_in": sum(d["documents_in"] for d in scans), "documents_out": sum(d["documents"] for d in toks),
         "tokens": sum(d["tokens"] for d in toks), "removed": dict(sorted(removed.items())), "shards": shards,
     }
