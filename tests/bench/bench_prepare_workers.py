@@ -1,14 +1,14 @@
 """`kiln data prepare` in one process against its cluster stages (`--workers N`) on this machine, in the same run.
 
-Corpus and tokenizer: bench_prepare's (pydoc paragraphs, numbered per copy; a byte-level BPE), at two sizes
-(--copies and twice that). For each size: the one-process `prepare` (in this process), then the stages
+Corpus and tokenizer: bench_prepare's (pydoc paragraphs, numbered per copy; a byte-level BPE), --files files at
+two sizes (--copies copies per file, then twice that: the same files, twice the documents). For each size: the one-process `prepare` (in this process), then the stages
 (kiln.trainer.data.stages) with each N of --workers, every index a forked process with its JOB_COMPLETION_INDEX,
 N at a time, as the Indexed Jobs run them (no pod start, no S3: what the stages themselves cost). Reported:
 seconds and documents/s of each, documents/s per worker, each stage's seconds (exact, buckets and cluster are
 the dedup stages), the largest traced (tracemalloc) peak of any exact or buckets index, which holds the dedup
 state, and that the shards and manifest of every N are byte-identical.
 
-    python -m tests.bench.bench_prepare_workers [--copies 2 --workers 1 2 --dedup minhash --out docs/bench/prepare-workers.json]
+    python -m tests.bench.bench_prepare_workers [--files 2 --copies 1 --workers 1 2 --dedup minhash --out docs/bench/prepare-workers.json]
 """
 
 from __future__ import annotations
@@ -28,13 +28,32 @@ from tests.bench.bench_prepare import make_corpus, train_tokenizer
 from tests.bench.report import write_report
 
 
+DEDUP = ("exact", "buckets")  # the merging stages, whose state the corpus must not grow; traced (slower) alone
+
+
 def _index(output: str, stage: str, index: int, peaks: str) -> None:
     from kiln.trainer.data import stages
 
     os.environ["JOB_COMPLETION_INDEX"] = str(index)
-    tracemalloc.start()
+    if stage in DEDUP:
+        tracemalloc.start()
     stages.run_index(output, stage, index)
-    Path(peaks, f"{stage}-{index}").write_text(str(tracemalloc.get_traced_memory()[1]))
+    if stage in DEDUP:
+        Path(peaks, f"{stage}-{index}").write_text(str(tracemalloc.get_traced_memory()[1]))
+
+
+def corpus_of(folder: Path, files: int, copies_per_file: int) -> int:
+    """`files` .jsonl files, each `copies_per_file` of bench_prepare's numbered copies: doubling copies_per_file
+    doubles the documents and leaves the number of files (the merges' runs) as it is."""
+    parts = folder.with_name(folder.name + "-parts")
+    docs = make_corpus(parts, files * copies_per_file)
+    folder.mkdir()
+    chunks = sorted(parts.iterdir())
+    for f in range(files):
+        with open(folder / f"part-{f:04d}.jsonl", "wb") as out:
+            for c in chunks[f * copies_per_file:(f + 1) * copies_per_file]:
+                out.write(c.read_bytes())
+    return docs
 
 
 def run_stages(output: str, workers: int, peaks: Path) -> dict[str, float]:
@@ -70,7 +89,9 @@ def digest(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--copies", type=int, default=2)
+    ap.add_argument("--copies", type=int, default=1, help="copies of the pydoc paragraphs per file (then twice that)")
+    ap.add_argument("--files", type=int, default=2)
+    ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dedup", choices=["exact", "minhash"], default="minhash")
     ap.add_argument("--vocab", type=int, default=4096)
@@ -86,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = f"file://{root / 'tokenizer.json'}"
         for copies in (args.copies, 2 * args.copies):
             corpus = root / f"corpus-{copies}"
-            docs = make_corpus(corpus, copies)
-            size = {"copies": copies, "documents": docs,
+            docs = corpus_of(corpus, args.files, copies)
+            size = {"files": args.files, "copies_per_file": copies, "documents": docs,
                     "corpus_bytes": sum(f.stat().st_size for f in corpus.iterdir()), "runs": {}}
             t0 = time.perf_counter()
             prepare([str(corpus)], tokenizer_uri=tok, output=f"file://{root / f'one-{copies}'}", dedup=args.dedup,
@@ -99,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 out, peaks = root / f"w{n}-{copies}", root / f"peaks-{n}-{copies}"
                 peaks.mkdir()
                 stages.plan([str(corpus)], f"file://{out}", tokenizer_uri=tok, workers=n, dedup=args.dedup,
-                            partitions=n)
+                            partitions=args.partitions)
                 t0 = time.perf_counter()
                 seconds = run_stages(f"file://{out}", n, peaks)
                 total = time.perf_counter() - t0
                 dedup_peaks = [int(p.read_text()) for p in peaks.iterdir()
-                               if p.name.startswith(("exact-", "buckets-"))]
+                               if p.name.startswith(DEDUP)]
                 digests.add(digest(out))
                 size["runs"][n] = {
                     "seconds": total, "documents_per_second": docs / total,
