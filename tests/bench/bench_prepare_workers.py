@@ -92,12 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=1, help="copies of the pydoc paragraphs per file (then twice that)")
     ap.add_argument("--files", type=int, default=2)
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--chunk-records", type=int, default=256, help="records a merge reads from a run at a time "
+                    "(kiln's default is 4,096; below a run's size here, so the merge's bound is what is measured)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dedup", choices=["exact", "minhash"], default="minhash")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--out", default="runs/bench/prepare-workers.json")
     args = ap.parse_args(argv)
-    from kiln.trainer.data import stages
+    from kiln.trainer.data import runs, stages
+
+    runs.CHUNK_RECORDS = args.chunk_records  # the forked workers inherit it
     from kiln.trainer.data.prepare import prepare
 
     sizes = []
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             size["identical_output_for_every_worker_count"] = len(digests) == 1
             sizes.append(size)
-    result = {"benchmark": "prepare-workers", "dedup": args.dedup, "cpus": os.cpu_count(), "sizes": sizes,
+    result = {"benchmark": "prepare-workers", "dedup": args.dedup, "chunk_records": args.chunk_records, "cpus": os.cpu_count(), "sizes": sizes,
               "dedup_peak_ratio_double_corpus": {
                   n: sizes[1]["runs"][n]["dedup_index_peak_traced_bytes"] / sizes[0]["runs"][n]["dedup_index_peak_traced_bytes"]
                   for n in args.workers}}
