@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from kiln.cli.checkpoint_cmds import cmd_eval, cmd_export
-from kiln.cli.data_cmds import cmd_data_prepare
+from kiln.cli.data_cmds import cluster_options, cmd_data_prepare, quality_options, status_parser
 from kiln.cli.local_run import cmd_run
 from kiln.cli.rank_cmds import cmd_torchrun, cmd_train
 
@@ -134,7 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="a .txt file or .jsonl line longer than this is skipped unread and counted as too_large "
                     "(default 32 MiB): what bounds a record's memory")
     pr.add_argument("--endpoint", default=None, help="S3 endpoint URL; keys from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    quality_options(pr)
+    cluster_options(pr)
     pr.set_defaults(func=cmd_data_prepare)
+    status_parser(data_sub)
 
 
 def debug_option(parser: argparse.ArgumentParser) -> None:

@@ -46,7 +46,8 @@ BATCH_CHARS = 8_000_000  # a tokenizer batch is cut here too: 1,000 long documen
 def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: str | None = None, min_chars: int = 1,
             dedup: str = "exact", minhash_threshold: float = 0.8, eos: str | None = None,
             shard_tokens: int = 100_000_000, batch_docs: int = 1000, endpoint: str | None = None,
-            format: str = "text", max_doc_bytes: int = MAX_DOC_BYTES, log=print, progress=None) -> Prepared | None:
+            format: str = "text", max_doc_bytes: int = MAX_DOC_BYTES, quality: dict | None = None, log=print,
+            progress=None) -> Prepared | None:
     """Prepare `inputs` into token shards at `output`; None when `output` already holds a complete result. An
     interrupted run is resumed: its finished shards are kept and their documents are not tokenized again
     (they are read, filtered and hashed again, which rebuilds the dedup set and the counts). `progress`, when
@@ -79,6 +80,8 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
     if format not in FORMATS:
         raise KilnError(f"--format {format}: use one of {', '.join(FORMATS)}")
     chat = format == "chat"
+    if quality and chat:
+        raise KilnError("--gopher, --c4 and --languages filter text documents: not with --format chat")
     text_field = text_field or ("messages" if chat else "text")
     renderer = None
     if chat:
@@ -94,6 +97,11 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         settings["minhash_threshold"] = minhash_threshold
     if chat:
         settings["format"] = format
+    if quality:  # kiln.trainer.data.quality: DataTrove's Gopher, C4 and language filters
+        settings["quality"] = quality
+    from kiln.trainer.data.quality import apply, make_filters
+
+    filters = make_filters(quality or {}, endpoint)
     near = NearDuplicates(minhash_threshold) if dedup == "minhash" else None
     result = Prepared()
     writer = ShardWriter(out, shard_tokens, token_dtype(vocab), result, settings, masked=chat)
@@ -164,6 +172,12 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
                     if len(text) < min_chars:
                         result.removed["too_short"] += 1
                         continue
+                    if filters:
+                        text, why = apply(filters, text)
+                        if text is None:
+                            result.removed[why] += 1
+                            continue
+                        key_text = text
                     if dedup != "none":  # minhash: exact duplicates first (cheap), then near ones
                         digest = hashlib.sha256(key_text.encode()).digest()[:16]
                         if digest in seen:
@@ -202,6 +216,7 @@ def prepare(inputs: list[str], *, tokenizer_uri: str, output: str, text_field: s
         "tokenizer": tokenizer_uri, "vocab_size": vocab, "dtype": str(writer.dtype), "eos": eos,
         "text_field": text_field, "min_chars": min_chars, "dedup": dedup, "inputs": inputs,
         **({"minhash_threshold": minhash_threshold} if near is not None else {}),
+        **({"quality": quality} if quality else {}),
         "documents_in": result.documents_in, "documents_out": result.documents_out, "tokens": result.tokens,
         **({"format": "chat", "chat_template": renderer.source,
             "assistant_tokens": sum(s["assistant_tokens"] for s in result.shards)} if chat else {}),

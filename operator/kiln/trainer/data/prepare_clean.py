@@ -23,6 +23,17 @@ MINHASH_PERMUTATIONS = 128
 SHINGLE_WORDS = 5
 
 
+def minhash(text: str):
+    """The datasketch MinHash of a text's lower-cased word 5-gram shingles (here and in the cluster stages)."""
+    from datasketch import MinHash
+
+    words = text.lower().split()
+    shingles = {" ".join(words[i:i + SHINGLE_WORDS]).encode() for i in range(max(1, len(words) - SHINGLE_WORDS + 1))}
+    m = MinHash(num_perm=MINHASH_PERMUTATIONS, seed=1)
+    m.update_batch(shingles)
+    return m
+
+
 class NearDuplicates:
     """MinHash + LSH (the `datasketch` library) over word 5-gram shingles of the lower-cased text: a document
     whose estimated Jaccard similarity to one already kept reaches `threshold` is a near-duplicate."""
@@ -34,13 +45,7 @@ class NearDuplicates:
         self.kept = 0
 
     def seen_before(self, text: str) -> bool:
-        from datasketch import MinHash
-
-        words = text.lower().split()
-        shingles = {" ".join(words[i:i + SHINGLE_WORDS]).encode()
-                    for i in range(max(1, len(words) - SHINGLE_WORDS + 1))}
-        m = MinHash(num_perm=MINHASH_PERMUTATIONS, seed=1)
-        m.update_batch(shingles)
+        m = minhash(text)
         if self.lsh.query(m):
             return True
         self.lsh.insert(str(self.kept), m)

@@ -35,6 +35,7 @@ from kiln.errors import KilnError
 from kiln.storage import ObjectStore, open_store
 from kiln.storage.bounded import parse_json, read_bytes, read_json_object
 from kiln.storage.store import ObjectNotFound
+from kiln.trainer.data.tokenizer import load_tokenizer, vocab_size  # noqa: F401 - torch-free home, names kept here
 from kiln.trainer.model.hf_names import (  # noqa: F401  (the names reading does not use are re-exported)
     CONFIG, DTYPE_NAMES, DTYPES, GENERATION_CONFIG, INDEX, NAME_MAP, SANDWICH_NAMES, SINGLE, TOKENIZER_FILES, hf_name,
     hf_names, hf_shapes, experts_of,
@@ -272,32 +273,6 @@ def _read_chunk(store: ObjectStore, entries: list[TensorEntry], offsets: tuple[i
 def tokenizer_uri(spec: TrainingSpecSpec) -> str:
     """data.tokenizer, else model.from's tokenizer, else the byte tokenizer."""
     return spec.data.tokenizer or spec.model.from_ or "byte"
-
-
-def load_tokenizer(uri: str, endpoint: str | None = None):
-    """A `tokenizers.Tokenizer` from a tokenizer.json or a folder holding one; None for 'byte'."""
-    if uri == "byte":
-        return None
-    from tokenizers import Tokenizer
-
-    if uri.rstrip("/").endswith(".json"):
-        folder, key = uri.rstrip("/").rsplit("/", 1)
-    else:
-        folder, key = uri, "tokenizer.json"
-    store = open_folder(folder + "/", endpoint, "data.tokenizer")
-    try:
-        raw = read_bytes(store, key, kind="tokenizer.json", what=f"data.tokenizer {uri}")
-    except ObjectNotFound:
-        raise KilnError(f"data.tokenizer {uri}: no {key} in {store.uri} (kiln reads tokenizer.json, the "
-                        f"`tokenizers` library's format; set data.tokenizer to 'byte' or to one)") from None
-    try:
-        return Tokenizer.from_str(raw.decode())
-    except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions for a bad file
-        raise KilnError(f"data.tokenizer {uri}: {key} is not a tokenizer the `tokenizers` library reads ({err})") from None
-
-
-def vocab_size(tokenizer) -> int:
-    return 256 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
 
 
 def check_tokenizer(tokenizer, uri: str, dims: ModelDims) -> None:

@@ -1,0 +1,187 @@
+"""`kiln data prepare --workers N`'s stages (kiln.trainer.data.stages): any worker count gives byte-identical shards
+and manifest, equal to the one-process `prepare` (whose exact dedup is a set and whose near dedup is datasketch's
+MinHashLSH: the oracles), every planted duplicate is removed whichever worker read it, the dedup stages' memory
+does not grow with the corpus, bad input is counted or refused naming the file, and a rerun redoes only what has
+no marker."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import tracemalloc
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kiln.errors import KilnError
+from kiln.storage import open_store
+from kiln.trainer.data import prepare as one
+from kiln.trainer.data import prepare_read
+from kiln.trainer.data import runs, stages
+from kiln.trainer.data.loader import open_source
+from tests.hf_models import save_eos_tokenizer
+
+WORDS = [f"w{i}" for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    return save_eos_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def text(rng: random.Random, words: int = 100) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def near(doc: str) -> str:
+    """The last of 100 words changed: Jaccard of the 5-gram shingles 95/97, far enough above the 0.8 threshold that
+    the LSH bands find the pair all but surely (P(missed) < 1e-6 at these bands)."""
+    words = doc.split()
+    words[-1] = "changed"
+    return " ".join(words)
+
+
+def planted_corpus(folder: Path, per_file: int = 6, seed: int = 0) -> dict:
+    """Four .jsonl files; with 3 workers file f is read by worker f % 3. Planted: an exact copy of a file-0 document
+    in file 2 (another worker) and in file 0 itself, whitespace-only variants, and near copies of a file-1
+    document in file 3 and of a file-2 document in file 0."""
+    rng = random.Random(seed)
+    files = [[text(rng) for _ in range(per_file)] for _ in range(4)]
+    files[2].insert(1, files[0][2])
+    files[0].append("  " + files[0][4] + "\r\n")
+    files[3].insert(0, near(files[1][3]))
+    files[0].insert(3, near(files[2][0]))
+    folder.mkdir()
+    for f, docs in enumerate(files):
+        (folder / f"part-{f}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return {"duplicate": 2, "near_duplicate": 2}
+
+
+def run_workers(output: str, workers: int, endpoint: str | None = None) -> None:
+    """Every index of every stage in its own process with its JOB_COMPLETION_INDEX, `workers` at a time, as the
+    Indexed Jobs run them (forked: no interpreter start per index)."""
+    fork = multiprocessing.get_context("fork")
+    plan = json.loads(open_store(output, endpoint=endpoint).get_bytes(stages.PLAN))
+    for stage in stages.STAGES:
+        indexes = list(range(stages.count(plan, stage)))
+        for at in range(0, len(indexes), workers):
+            procs = [fork.Process(target=_pod, args=(output, stage, i, endpoint)) for i in indexes[at:at + workers]]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+                assert p.exitcode == 0, f"{stage} index failed"
+
+
+def _pod(output: str, stage: str, index: int, endpoint: str | None) -> None:
+    os.environ["JOB_COMPLETION_INDEX"] = str(index)
+    raise SystemExit(stages.main([stage, output, *(["--endpoint", endpoint] if endpoint else [])]))
+
+
+def run_here(output: str, workers: int = 1) -> None:
+    plan = json.loads(Path(output.removeprefix("file://"), stages.PLAN).read_text())
+    for stage in stages.STAGES:
+        for i in range(stages.count(plan, stage)):
+            stages.run_index(output, stage, i)
+
+
+def outputs(folder: Path) -> dict[str, bytes]:
+    """The result a trainer reads: every file but the stages' work/ folder."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def settings(tokenizer_file, dedup):
+    return dict(tokenizer_uri=f"file://{tokenizer_file}", dedup=dedup, eos="<eos>", shard_tokens=50, min_chars=2)
+
+
+@pytest.mark.parametrize("dedup", ["exact", "minhash"])
+def test_any_worker_count_gives_the_one_process_result(tmp_path, tokenizer_file, dedup):
+    planted = planted_corpus(tmp_path / "src")
+    results = {}
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        stages.plan([str(tmp_path / "src")], f"file://{out}", workers=workers, partitions=3,
+                    **settings(tokenizer_file, dedup))
+        (run_workers if workers > 1 else run_here)(f"file://{out}", workers)
+        results[workers] = outputs(out)
+    assert results[1] == results[3]
+    manifest = json.loads(results[3]["manifest.json"])
+    want = planted if dedup == "minhash" else {"duplicate": planted["duplicate"]}
+    assert manifest["removed"] == want and manifest["documents_in"] == 4 * 6 + 4
+    assert len(manifest["shards"]) > 2  # documents cross shard boundaries
+
+    # the oracle: one process, a set of hashes / datasketch's MinHashLSH, gives the same bytes
+    oracle = tmp_path / "one"
+    one.prepare([str(tmp_path / "src")], output=f"file://{oracle}", log=lambda *_: None,
+                **settings(tokenizer_file, dedup))
+    want_files = outputs(oracle)
+    mine = dict(results[3])
+    mine_manifest, want_manifest = json.loads(mine.pop("manifest.json")), json.loads(want_files.pop("manifest.json"))
+    assert mine == want_files
+    assert mine_manifest.pop("partitions") == 3 and mine_manifest == want_manifest
+    # and data.uri reads it as it reads a one-process folder
+    assert open_source(f"file://{tmp_path / 'w3'}", seq_len=8, vocab_size=manifest["vocab_size"], seed=0).get(0) is not None
+
+
+def test_bad_input_is_counted_or_refused_naming_the_file_and_a_rerun_redoes_only_the_unfinished(
+        tmp_path, tokenizer_file, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(b'{"text": "good one"}\n{"text": "bad \xff byte"}\n')
+    pq.write_table(pa.table({"body": ["no text column", "here"]}), src / "b.parquet")
+    (src / "c.jsonl").write_text(json.dumps({"text": "another good one"}) + "\n")
+    (src / "d.txt").write_text("a text file")
+    out = f"file://{tmp_path / 'out'}"
+    stages.plan([str(src)], out, workers=2, partitions=2, **settings(tokenizer_file, "exact"))
+    (src / "c.jsonl").rename(tmp_path / "c.jsonl")  # gone after planning: worker 0 cannot read its second file
+    with pytest.raises(KilnError, match=r"^.*/src/c\.jsonl: cannot read it"):
+        stages.run_index(out, "scan", 0)
+    (tmp_path / "c.jsonl").rename(src / "c.jsonl")
+
+    read = []
+    real = prepare_read.documents
+    monkeypatch.setattr(prepare_read, "documents", lambda stream, key, *a: read.append(key) or real(stream, key, *a))
+    run_here(out)
+    assert read == ["c.jsonl", "b.parquet", "d.txt"]  # a.jsonl, finished before the failure, is not read again
+    before = outputs(tmp_path / "out")
+    manifest = json.loads(before["manifest.json"])
+    assert manifest["removed"] == {"missing_field": 2, "undecodable": 1}
+    assert (manifest["documents_in"], manifest["documents_out"]) == (6, 3)
+
+    run_here(out)  # every marker there: nothing is redone, nothing changes
+    assert read == ["c.jsonl", "b.parquet", "d.txt"] and outputs(tmp_path / "out") == before
+    with pytest.raises(KilnError, match="--workers 3: .* was started with --workers 2"):
+        stages.plan([str(src)], out, workers=3, partitions=2, **settings(tokenizer_file, "exact"))
+
+
+def _dedup_peak(tmp_path: Path, tokenizer_file, per_file: int) -> tuple[int, int]:
+    """(the largest traced peak of any exact or buckets index, the bytes of runs those indexes merged)."""
+    src = tmp_path / f"src{per_file}"
+    src.mkdir()
+    rng = random.Random(per_file)
+    for f in range(3):
+        (src / f"{f}.jsonl").write_text("".join(json.dumps({"text": text(rng, 12)}) + "\n" for _ in range(per_file)))
+    out = f"file://{tmp_path / f'out{per_file}'}"
+    plan = stages.plan([str(src)], out, workers=1, partitions=2, **settings(tokenizer_file, "minhash"))
+    stages.run_index(out, "scan", 0)
+    peak = 0
+    for stage in ("exact", "buckets"):
+        for i in range(stages.count(plan, stage)):
+            tracemalloc.start()
+            stages.run_index(out, stage, i)
+            peak = max(peak, tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+    merged = sum(p.stat().st_size for p in (tmp_path / f"out{per_file}" / "work").rglob("*.run"))
+    return peak, merged
+
+
+def test_dedup_memory_per_worker_does_not_grow_with_the_corpus(tmp_path, tokenizer_file, monkeypatch):
+    monkeypatch.setattr(runs, "CHUNK_RECORDS", 16)  # the merge's bound, far below a partition of this corpus
+    small, small_runs = _dedup_peak(tmp_path, tokenizer_file, 700)
+    large, large_runs = _dedup_peak(tmp_path, tokenizer_file, 1400)
+    assert large_runs >= 1.9 * small_runs  # the state to merge did double (a partition's runs: 25-34 KB more)
+    assert large <= small + 8192, (small, large)  # the peak did not (holding a partition whole fails this)
