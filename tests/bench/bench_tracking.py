@@ -8,7 +8,8 @@ without `tracking.mlflow` pointed at the proxy, in this one process; a step's ti
 consecutive passes just after the optimizer step, so it holds everything the loop does per step, the tracker's
 `offer` included. Reported: the A/B difference of the median (and of the fastest) step times, and the loop's
 own tracking work measured directly (each `Tracking.offer` and `Tracking.commit` call, timed around kiln's own
-code) against the untracked step of the same run; and what reached MLflow (steps logged, records dropped), read
+code) against the untracked step of the same run; the sender thread's CPU time per record (what it could take
+from the step through the interpreter lock); and what reached MLflow (steps logged, records dropped), read
 back from the server itself.
 
     python -m tests.bench.bench_tracking [--pairs 3] [--steps 40] [--delay 0.5] [--out runs/bench/tracking.json]
@@ -63,6 +64,22 @@ def timed_tracking_calls() -> dict[str, list[float]]:
     return spent
 
 
+def sender_cpu_per_record(uri: str, record: dict, spec, n: int) -> float:
+    """CPU seconds the sender thread spends per record (its share of the interpreter, which a step could feel):
+    n records through kiln's Tracking to `uri`, with the main thread idle meanwhile, so the process's CPU time is
+    the sender's (the run's opening, its parameters, included: an upper bound)."""
+    from kiln.trainer.observe.tracking import MlflowTracker, Tracking, flat_params
+
+    params = flat_params(spec.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+    cpu0 = time.process_time()
+    tracking = Tracking([MlflowTracker(uri, "sender-cpu", "sender-cpu")], params=params)
+    for step in range(1, n + 1):
+        tracking.offer({**record, "step": step})
+    tracking.close(timeout=600)
+    assert not tracking.errors and not tracking.dropped, (tracking.errors, tracking.dropped)
+    return (time.process_time() - cpu0) / n
+
+
 def run_block(spec, out: Path) -> tuple[list[float], float]:
     """(each measured step's wall time, seconds from the last step until train() returned)."""
     from kiln.trainer.loop import StepHooks, train
@@ -82,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=40, help="steps per block (the first few are not measured)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--delay", type=float, default=0.5, help="seconds the proxy holds each request")
+    ap.add_argument("--sender-records", type=int, default=20, help="records for the sender's CPU time")
     ap.add_argument("--out", default="runs/bench/tracking.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("MASTER_PORT", "29541")
@@ -119,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                              if "tracking_error" in r}),
                                   "seconds_after_last_step_until_train_returned": end_s}
                     blocks.append(block)
+            sender_cpu = sender_cpu_per_record(proxy.uri, records[-1], make_spec(args.steps, args.batch, proxy.uri, "cpu"),
+                                               args.sender_records)
         finally:
             proxy.stop()
             server.stop()
@@ -138,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ab_overhead_fraction_fastest": (min(steps["tracked"]) - min(steps["untracked"])) / min(steps["untracked"]),
         "offer_s_median": offer, "offer_s_max": max(spent["offer"]), "commit_s_median": commit,
         "direct_overhead_s_per_step": direct, "direct_overhead_fraction": direct / plain,
+        "sender_cpu_s_per_record": sender_cpu, "sender_cpu_fraction_of_step": sender_cpu / plain,
         "blocks": blocks,
         "note": "train() returns after the run's end has sent what was queued (at most 30 s): that wait is after "
                 "the last step, not in any step",

@@ -116,4 +116,5 @@ def test_export_track_of_a_run_never_tracked_says_so_and_keeps_the_export(tmp_pa
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "spec.tracking.mlflow" in last and "tracking/mlflow.json" in last, proc.stderr[-2000:]
+    assert f"the export itself is at file://{export}" in last
     assert (export / "config.json").exists()  # what was exported stays

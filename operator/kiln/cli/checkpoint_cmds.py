@@ -104,7 +104,10 @@ def track_export(doc, result, *, checkpoint_uri: str, endpoint: str | None, fmt:
             folder = Path(tmp)
             for key in result.files:
                 output.get_file(key, folder / key)
-        said = log_export(doc, store=checkpoints, folder=folder, files=result.files, step=result.step, fmt=fmt,
-                          wandb_dir=wandb_dir)
+        try:
+            said = log_export(doc, store=checkpoints, folder=folder, files=result.files, step=result.step, fmt=fmt,
+                              wandb_dir=wandb_dir)
+        except KilnError as err:  # the export itself is written and stays
+            raise KilnError(f"{err}; the export itself is at {result.output}") from None
     for line in said:
         print(f"kiln: tracked: {line}", flush=True)

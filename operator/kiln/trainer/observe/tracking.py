@@ -14,6 +14,7 @@ tracked run already holds are not sent again: its curves have no duplicated and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -287,6 +288,16 @@ def tracked_run_id(store, name: str) -> str:
     return run_id
 
 
+@contextlib.contextmanager
+def _refusal(name: str, where: str):
+    """A tracker's failure while logging an export, as one line naming it."""
+    try:
+        yield
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise KilnError(f"spec.tracking.{name}: {where} did not take the export ({first})") from None
+
+
 def log_export(spec_doc, *, store, folder, files: list[str], step: int, fmt: str,
                wandb_dir: str | None = None) -> list[str]:
     """Log an exported model's `files` (keys under the local `folder`) to each tracker of spec.tracking, into the run's own tracked run (its
@@ -300,24 +311,27 @@ def log_export(spec_doc, *, store, folder, files: list[str], step: int, fmt: str
         run_id = tracked_run_id(store, "mlflow")
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=cfg.mlflow.uri)
-        for key in files:  # the export's own files only, whatever else the folder holds
-            where = "/".join([EXPORT_ARTIFACT_PATH, *key.split("/")[:-1]])
-            client.log_artifact(run_id, str(Path(folder) / key), artifact_path=where)
-        client.set_tag(run_id, "kiln.exported_step", str(step))
-        client.set_tag(run_id, "kiln.exported_format", fmt)
+        with _refusal("mlflow", cfg.mlflow.uri):
+            client = MlflowClient(tracking_uri=cfg.mlflow.uri)
+            for key in files:  # the export's own files only, whatever else the folder holds
+                where = "/".join([EXPORT_ARTIFACT_PATH, *key.split("/")[:-1]])
+                client.log_artifact(run_id, str(Path(folder) / key), artifact_path=where)
+            client.set_tag(run_id, "kiln.exported_step", str(step))
+            client.set_tag(run_id, "kiln.exported_format", fmt)
         said.append(f"mlflow run {run_id}: artifacts {EXPORT_ARTIFACT_PATH}/ (runs:/{run_id}/{EXPORT_ARTIFACT_PATH})")
     if cfg.wandb is not None:
         run_id = tracked_run_id(store, "wandb")
         import wandb
 
-        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode, id=run_id,
-                         resume="allow", dir=wandb_dir, settings=wandb.Settings(console="off", x_disable_stats=True))
-        artifact = wandb.Artifact(f"{spec_doc.metadata.name}-model", type="model",
-                                  metadata={"step": step, "format": fmt})
-        for key in files:
-            artifact.add_file(str(Path(folder) / key), name=key)
-        run.log_artifact(artifact)
-        run.finish()
+        with _refusal("wandb", f"project {cfg.wandb.project}"):
+            run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode, id=run_id,
+                             resume="allow", dir=wandb_dir,
+                             settings=wandb.Settings(console="off", x_disable_stats=True))
+            artifact = wandb.Artifact(f"{spec_doc.metadata.name}-model", type="model",
+                                      metadata={"step": step, "format": fmt})
+            for key in files:
+                artifact.add_file(str(Path(folder) / key), name=key)
+            run.log_artifact(artifact)
+            run.finish()
         said.append(f"wandb run {run_id}: artifact {artifact.name} (type model)")
     return said
