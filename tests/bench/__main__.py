@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 # In the order that shares the machine best: the rig-independent ones first.
-CPU_BENCHMARKS = ["plan", "trainer", "vs_torchtitan", "compression", "stragglers", "eval", "hf", "prepare", "chat", "checkpoint", "restart", "faults", "rig", "operator"]
+CPU_BENCHMARKS = ["plan", "trainer", "vs_torchtitan", "compression", "stragglers", "tracking", "eval", "hf", "prepare", "chat", "checkpoint", "restart", "faults", "rig", "operator"]
 
 
 def main(argv: list[str]) -> int:
