@@ -61,11 +61,9 @@ class DelayProxy:
     process: subprocess.Popen
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        from tests.mlflow_server import stop_process
+
+        stop_process(self.process)
 
 
 def start(target: str, delay: float) -> DelayProxy:
