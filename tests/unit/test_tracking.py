@@ -200,3 +200,34 @@ def test_dropped_records_are_in_the_status_from_the_first_drop():
     assert [b["status"]["step"] for b in sender.bodies] == [1, 3, 4]
     assert sender.bodies[1]["status"]["tracking"] == {"dropped": 1}
     assert sender.bodies[2]["status"]["tracking"] == {"dropped": 2}
+
+
+def test_export_track_to_wandb_offline_logs_a_model_artifact_to_the_runs_own_wandb_run(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kiln.api import TrainingSpec
+    from kiln.trainer.observe.tracking import WandbTracker, log_export
+
+    store = FileStore(tmp_path / "checkpoints")
+    tracking = Tracking([WandbTracker("kiln-test", None, "offline", "t", str(tmp_path))], params={}, store=store)
+    tracking.offer({"step": 1, "loss": 1.0})
+    tracking.close()
+    assert tracking.errors == {}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "stray.txt").write_text("not the export's")
+    doc = TrainingSpec.model_validate({"metadata": {"name": "t"}, "spec": {
+        "tracking": {"wandb": {"project": "kiln-test", "mode": "offline"}}}})
+    said = log_export(doc, store=store, folder=tmp_path / "model", files=["config.json"], step=1, fmt="hf",
+                      wandb_dir=str(tmp_path))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len({p.stem for p in runs}) == 1 and said == [f"wandb run {runs[0].stem[4:]}: artifact t-model (type model)"]
+    # W&B's offline transaction log (protobuf records) of the export's session holds the artifact and its one file
+    log = runs[-1].read_bytes()
+    assert b"t-model" in log and b"config.json" in log and b"stray.txt" not in log
+    wandb_cli = Path(sys.executable).parent / "wandb"
+    proc = subprocess.run([str(wandb_cli), "sync", "--dry-run", *map(str, {p.parent for p in runs})],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"Would sync {len(runs)} run(s)" in proc.stdout + proc.stderr, proc.stderr
