@@ -139,7 +139,7 @@ def test_wandb_offline_writes_a_run_that_wandb_sync_accepts_and_a_restart_contin
                             params={"training.lr": "0.001"}, store=store)
         for step in steps:
             tracking.offer({"step": step, "loss": 1.0 / step})
-        tracking.close()
+        tracking.close(timeout=600)  # returns once W&B finished (a loaded machine can take more than 30 s)
         assert tracking.errors == {} and tracking.dropped == 0
     runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     run_ids = {path.stem.removeprefix("run-") for path in runs}
@@ -213,7 +213,7 @@ def test_export_track_to_wandb_offline_logs_a_model_artifact_to_the_runs_own_wan
     store = FileStore(tmp_path / "checkpoints")
     tracking = Tracking([WandbTracker("kiln-test", None, "offline", "t", str(tmp_path))], params={}, store=store)
     tracking.offer({"step": 1, "loss": 1.0})
-    tracking.close()
+    tracking.close(timeout=600)  # returns once W&B finished: the bound is for a client that never does
     assert tracking.errors == {}
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')

@@ -65,6 +65,11 @@ def numeric_metrics(record: dict) -> dict[str, float]:
     return out
 
 
+def first_line(err: Exception) -> str:
+    """An error as one short line (a tracker's messages can hold a whole HTTP response)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
 class Tracker(Protocol):
     """One experiment tracker's client; every call runs on the sender thread."""
 
@@ -247,9 +252,8 @@ class Tracking:
             fn(*args)
         except Exception as e:  # a tracker never fails the run; its first failure is said once
             if tracker.name not in self.errors:
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-                self.errors[tracker.name] = first_line
-                print(f"kiln: tracking: {tracker.name} is not reachable or refused a call ({first_line}); "
+                self.errors[tracker.name] = said = first_line(e)
+                print(f"kiln: tracking: {tracker.name} is not reachable or refused a call ({said}); "
                       "training goes on, records are dropped and counted while it lasts", file=sys.stderr, flush=True)
 
 
@@ -282,7 +286,10 @@ def tracked_run_id(store, name: str) -> str:
     if store is None or not store.exists(key):
         raise KilnError(f"spec.tracking.{name}: the checkpoint store holds no {key}: this run was never tracked "
                         f"in {name}, so there is no tracked run to log the export to")
-    run_id = json.loads(store.get_bytes(key, length=4096)).get("run_id")
+    try:
+        run_id = json.loads(store.get_bytes(key, length=4096)).get("run_id")
+    except (ValueError, AttributeError):  # the bucket's content is not trusted: not JSON, or not an object
+        run_id = None
     if not isinstance(run_id, str) or not run_id:
         raise KilnError(f"spec.tracking.{name}: {key} in the checkpoint store names no run_id")
     return run_id
@@ -294,15 +301,15 @@ def _refusal(name: str, where: str):
     try:
         yield
     except Exception as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise KilnError(f"spec.tracking.{name}: {where} did not take the export ({first})") from None
+        raise KilnError(f"spec.tracking.{name}: {where} did not take the export ({first_line(err)})") from None
 
 
 def log_export(spec_doc, *, store, folder, files: list[str], step: int, fmt: str,
                wandb_dir: str | None = None) -> list[str]:
-    """Log an exported model's `files` (keys under the local `folder`) to each tracker of spec.tracking, into the run's own tracked run (its
-    id from the checkpoint store): MLflow artifacts under `model/`, a W&B artifact of type model. Returns one
-    line per tracker saying where it went. Unlike training, the caller asked for this: a failure raises."""
+    """Log an exported model's `files` (keys under the local `folder`) to each tracker of spec.tracking, into the
+    run's own tracked run (its id from the checkpoint store): MLflow artifacts under `model/`, a W&B artifact of
+    type model. Returns one line per tracker saying where it went. Unlike training, the caller asked for this: a
+    failure raises, as one line naming the tracker."""
     cfg = spec_doc.spec.tracking
     if cfg is None or (cfg.mlflow is None and cfg.wandb is None):
         raise KilnError("--track: spec.tracking names no tracker (mlflow or wandb) to log the export to")
