@@ -69,17 +69,25 @@ def test_a_tracker_that_is_down_says_so_once_and_training_finishes(tmp_path):
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
 
 
-def test_export_track_logs_the_model_to_the_runs_tracked_run_and_transformers_loads_it_back(mlflow, tmp_path):
+@pytest.fixture(scope="module")
+def tracked_run(mlflow, tmp_path_factory):
+    """A 2-step run tracked in MLflow (experiment "export"), trained once for the export tests."""
+    tmp = tmp_path_factory.mktemp("tracked-run")
+    spec = write_spec(tmp / "spec.yaml", training={"steps": 2},
+                      tracking={"mlflow": {"uri": mlflow.uri, "experiment": "export"}})
+    run(spec, tmp / "out", 2)
+    return spec, tmp / "out"
+
+
+def test_export_track_logs_the_model_to_the_runs_tracked_run_and_transformers_loads_it_back(mlflow, tracked_run,
+                                                                                          tmp_path):
     import hashlib
 
     import torch
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM
 
-    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 2},
-                      tracking={"mlflow": {"uri": mlflow.uri, "experiment": "export"}})
-    out = tmp_path / "out"
-    run(spec, out, 2)
+    spec, out = tracked_run
     export = tmp_path / "export"
     (export / "unrelated.txt").parent.mkdir()
     (export / "unrelated.txt").write_text("not the export's")  # a file already there is not logged
@@ -105,14 +113,12 @@ def test_export_track_logs_the_model_to_the_runs_tracked_run_and_transformers_lo
     torch.testing.assert_close(from_mlflow, from_export, rtol=0, atol=0)
 
 
-def test_export_track_of_a_run_never_tracked_says_so_and_keeps_the_export(tmp_path):
-    spec = write_spec(tmp_path / "spec.yaml", training={"steps": 1})
-    out = tmp_path / "out"
-    run(spec, out, 1)
-    tracked_spec = write_spec(tmp_path / "tracked.yaml", training={"steps": 1},
-                              tracking={"mlflow": {"uri": "http://127.0.0.1:9", "experiment": "none"}})
+def test_export_track_of_a_run_never_tracked_says_so_and_keeps_the_export(tracked_run, tmp_path):
+    spec, out = tracked_run
+    untracked = tmp_path / "untracked"  # the same commits, without the tracked run's id
+    shutil.copytree(out / "checkpoints", untracked / "checkpoints", ignore=shutil.ignore_patterns("tracking"))
     export = tmp_path / "export"
-    proc = kiln("export", str(tracked_spec), "--run-output", str(out), "--output", f"file://{export}", "--track")
+    proc = kiln("export", str(spec), "--run-output", str(untracked), "--output", f"file://{export}", "--track")
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "spec.tracking.mlflow" in last and "tracking/mlflow.json" in last, proc.stderr[-2000:]
