@@ -20,11 +20,16 @@ class MlflowServer:
     log: Path
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """Terminate a server this module's callers started; kill it when it does not exit."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def healthy(uri: str) -> bool:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 # In the order that shares the machine best: the rig-independent ones first.
-CPU_BENCHMARKS = ["plan", "trainer", "moe", "vs_torchtitan", "compression", "stragglers", "eval", "hf", "prepare", "chat", "checkpoint", "restart", "faults", "rig", "operator"]
+CPU_BENCHMARKS = ["plan", "trainer", "moe", "ep", "vs_torchtitan", "compression", "stragglers", "tracking", "eval", "hf",
+                  "prepare", "prepare_workers", "chat", "checkpoint", "restart", "faults", "rig", "operator"]
 
 
 def main(argv: list[str]) -> int:

@@ -4,6 +4,7 @@ with no duplicated or missing steps; a tracker that is down never stops training
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,60 @@ def test_a_tracker_that_is_down_says_so_once_and_training_finishes(tmp_path):
     proc = run(spec, out, 6)
     assert proc.stderr.count("kiln: tracking: mlflow is not reachable") == 1, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+
+
+@pytest.fixture(scope="module")
+def tracked_run(mlflow, tmp_path_factory):
+    """A 2-step run tracked in MLflow (experiment "export"), trained once for the export tests."""
+    tmp = tmp_path_factory.mktemp("tracked-run")
+    spec = write_spec(tmp / "spec.yaml", training={"steps": 2},
+                      tracking={"mlflow": {"uri": mlflow.uri, "experiment": "export"}})
+    run(spec, tmp / "out", 2)
+    return spec, tmp / "out"
+
+
+def test_export_track_logs_the_model_to_the_runs_tracked_run_and_transformers_loads_it_back(mlflow, tracked_run,
+                                                                                          tmp_path):
+    import hashlib
+
+    import torch
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    spec, out = tracked_run
+    export = tmp_path / "export"
+    (export / "unrelated.txt").parent.mkdir()
+    (export / "unrelated.txt").write_text("not the export's")  # a file already there is not logged
+    proc = kiln("export", str(spec), "--run-output", str(out), "--output", f"file://{export}", "--track")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+    client = MlflowClient(mlflow.uri)
+    [tracked] = client.search_runs([client.get_experiment_by_name("export").experiment_id])
+    run_id = tracked.info.run_id  # the training run's own tracked run: no second run was made
+    assert f"kiln: tracked: mlflow run {run_id}" in proc.stdout
+    assert tracked.data.tags["kiln.exported_step"] == "2"
+    exported = {p.name for p in export.iterdir()} - {"unrelated.txt"}
+    assert {a.path.removeprefix("model/") for a in client.list_artifacts(run_id, "model")} == exported
+
+    back = Path(client.download_artifacts(run_id, "model", str(tmp_path / "back")))
+    for name in exported:  # byte for byte what kiln export wrote
+        assert hashlib.sha256((back / name).read_bytes()).digest() == \
+            hashlib.sha256((export / name).read_bytes()).digest(), name
+    tokens = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_mlflow = AutoModelForCausalLM.from_pretrained(back).eval()(tokens).logits
+        from_export = AutoModelForCausalLM.from_pretrained(export).eval()(tokens).logits
+    torch.testing.assert_close(from_mlflow, from_export, rtol=0, atol=0)
+
+
+def test_export_track_of_a_run_never_tracked_says_so_and_keeps_the_export(tracked_run, tmp_path):
+    spec, out = tracked_run
+    untracked = tmp_path / "untracked"  # the same commits, without the tracked run's id
+    shutil.copytree(out / "checkpoints", untracked / "checkpoints", ignore=shutil.ignore_patterns("tracking"))
+    export = tmp_path / "export"
+    proc = kiln("export", str(spec), "--run-output", str(untracked), "--output", f"file://{export}", "--track")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "spec.tracking.mlflow" in last and "tracking/mlflow.json" in last, proc.stderr[-2000:]
+    assert f"the export itself is at file://{export}" in last
+    assert (export / "config.json").exists()  # what was exported stays

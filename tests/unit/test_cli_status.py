@@ -11,7 +11,8 @@ from rich.console import Console
 
 from kiln.cli import cluster_cmds
 from kiln.cli.main import build_parser
-from kiln.cli.cluster_cmds import _print_table, as_data, condition_table, plain_table, queue_table, status_table
+from kiln.cli.cluster_cmds import (_print_table, as_data, condition_table, plain_table, queue_table, status_table,
+                                   tracking_line)
 
 LONG = "llama-8b-pretrain-with-a-very-long-experiment-name-that-goes-on-0123456789"
 
@@ -111,3 +112,9 @@ def test_one_queued_run_shows_its_queue_and_once_admitted_where_kueue_placed_it(
     row = plain_table(*queue_table(_item("q", queue=admitted))).splitlines()[1]
     assert re.split(r"\s{3,}", row)[:4] == ["team-a", "gpus", "h200-racks", "2026-01-01T00:01:00Z"]
     assert row.endswith("kubernetes.io/hostname: node-b0-r0-h0, node-b0-r0-h1")
+
+
+def test_one_run_says_when_its_tracker_failed_or_dropped_records():
+    assert tracking_line(_item("well", **STATUS)) is None  # absent while every record reaches the tracker
+    failing = _item("t", **STATUS, tracking={"dropped": 3, "error": "mlflow: connection refused"})
+    assert tracking_line(failing) == "tracking: 3 record(s) dropped; mlflow: connection refused"

@@ -33,6 +33,7 @@ def test_every_status_field_has_exactly_one_writer():
 
 def test_the_trainer_patches_only_its_own_status_fields():
     record = {"step": 7, "tokens_per_second": 1e4, "mfu": 0.3,  # a replica group's (kiln.trainer.membership.replica_groups) too
+              "tracking_dropped": 2,  # a tracker's trouble (kiln.trainer.observe.tracking)
               "ft_quorum_id": 3, "ft_participants": 1, "ft_groups": 2, "ft_quorum_changes": 1, "ft_heals": 0}
     info = {"lastCheckpoint": {"step": 5, "uri": "s3://ckpt/c/step-00000005/", "time": 0.0}}
     body = status_patch(record, info, 100, seconds_per_step=1.0,

@@ -42,6 +42,7 @@ def test_offers_never_wait_for_a_stuck_tracker_and_drops_are_counted(tmp_path):
         tracking.offer({"step": step, "loss": 1.0})
     assert tracking.dropped == 5
     record = {"step": 9, "loss": 1.0}
+    tracking.annotate(record)
     tracking.offer(record)
     assert record["tracking_dropped"] == 5 and tracking.dropped == 6
     tracker.gate.set()
@@ -58,7 +59,7 @@ def test_a_failing_tracker_is_said_once_and_noted_in_the_records(tmp_path, capsy
         tracking.offer({"step": step, "loss": 1.0})
     tracking.close()
     record = {"step": 4, "loss": 1.0}
-    tracking.offer(record)
+    tracking.annotate(record)
     assert record["tracking_error"] == "gated: connection refused"
     assert capsys.readouterr().err.count("kiln: tracking: gated is not reachable") == 1
 
@@ -138,12 +139,94 @@ def test_wandb_offline_writes_a_run_that_wandb_sync_accepts_and_a_restart_contin
                             params={"training.lr": "0.001"}, store=store)
         for step in steps:
             tracking.offer({"step": step, "loss": 1.0 / step})
-        tracking.close()
+        tracking.close(timeout=600)  # returns once W&B finished (a loaded machine can take more than 30 s)
         assert tracking.errors == {} and tracking.dropped == 0
     runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     run_ids = {path.stem.removeprefix("run-") for path in runs}
     assert len(run_ids) == 1  # the restart wrote to the same W&B run id, kept in the store
     assert (tmp_path / "checkpoints" / "tracking" / "wandb.json").exists()
+    wandb_cli = Path(sys.executable).parent / "wandb"
+    proc = subprocess.run([str(wandb_cli), "sync", "--dry-run", *map(str, {p.parent for p in runs})],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"Would sync {len(runs)} run(s)" in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_a_tracker_that_is_down_is_in_the_status_at_once():
+    from kiln.api.spec import TrainingSpecStatus
+    from kiln.trainer.observe.status_report import StatusReporter
+    from kiln.trainer.observe.tracking import MlflowTracker
+
+    from tests.distributed.ranks import free_port, wait_until
+    from tests.unit.test_status_report import Clock, FakeSender, record
+
+    down = MlflowTracker(f"http://127.0.0.1:{free_port()}", "e", "run")  # the real client; nothing listens
+    tracking = Tracking([down], params={})
+    wait_until("the tracker's first failure", lambda: tracking.errors)
+    clock, sender = Clock(), FakeSender()
+    reporter = StatusReporter(10, sender=sender, every_s=10.0, clock=clock)
+    reporter.update(record(1), {})
+    for step in (2, 3):  # a second after the last report: only the news of the failure goes out, once
+        clock.t += 1.0
+        rec = record(step)
+        tracking.annotate(rec)
+        reporter.update(rec, {})
+    tracking.close()
+    assert [b["status"]["step"] for b in sender.bodies] == [1, 2]
+    status = sender.bodies[1]["status"]["tracking"]
+    assert status["dropped"] == 0 and status["error"].startswith("mlflow: ")
+    TrainingSpecStatus.model_validate(sender.bodies[1]["status"])
+    assert "tracking" not in sender.bodies[0]["status"]  # absent while tracking is well
+
+
+def test_dropped_records_are_in_the_status_from_the_first_drop():
+    from kiln.trainer.observe.status_report import StatusReporter
+
+    from tests.unit.test_status_report import Clock, FakeSender, record
+
+    stuck = GatedTracker()
+    tracking = Tracking([stuck], params={}, capacity=1)
+    clock, sender = Clock(), FakeSender()
+    reporter = StatusReporter(10, sender=sender, every_s=10.0, clock=clock)
+    for step in range(1, 5):  # the sender is stuck in open(): step 1 queued, 2 and 3 dropped
+        clock.t += 1.0
+        rec = record(step)
+        tracking.annotate(rec)
+        reporter.update(rec, {})
+        tracking.offer(rec)
+    reporter.close({})
+    stuck.gate.set()
+    tracking.close()
+    # step 1 (first), step 3 (the first drop, by step 2, noted), not step 4 (one more drop), the end
+    assert [b["status"]["step"] for b in sender.bodies] == [1, 3, 4]
+    assert sender.bodies[1]["status"]["tracking"] == {"dropped": 1}
+    assert sender.bodies[2]["status"]["tracking"] == {"dropped": 2}
+
+
+def test_export_track_to_wandb_offline_logs_a_model_artifact_to_the_runs_own_wandb_run(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kiln.api import TrainingSpec
+    from kiln.trainer.observe.tracking import WandbTracker, log_export
+
+    store = FileStore(tmp_path / "checkpoints")
+    tracking = Tracking([WandbTracker("kiln-test", None, "offline", "t", str(tmp_path))], params={}, store=store)
+    tracking.offer({"step": 1, "loss": 1.0})
+    tracking.close(timeout=600)  # returns once W&B finished: the bound is for a client that never does
+    assert tracking.errors == {}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "stray.txt").write_text("not the export's")
+    doc = TrainingSpec.model_validate({"metadata": {"name": "t"}, "spec": {
+        "tracking": {"wandb": {"project": "kiln-test", "mode": "offline"}}}})
+    said = log_export(doc, store=store, folder=tmp_path / "model", files=["config.json"], step=1, fmt="hf",
+                      wandb_dir=str(tmp_path))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len({p.stem for p in runs}) == 1 and said == [f"wandb run {runs[0].stem[4:]}: artifact t-model (type model)"]
+    # W&B's offline transaction log (protobuf records) of the export's session holds the artifact and its one file
+    log = runs[-1].read_bytes()
+    assert b"t-model" in log and b"config.json" in log and b"stray.txt" not in log
     wandb_cli = Path(sys.executable).parent / "wandb"
     proc = subprocess.run([str(wandb_cli), "sync", "--dry-run", *map(str, {p.parent for p in runs})],
                           capture_output=True, text=True, timeout=120)

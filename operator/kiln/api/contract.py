@@ -71,7 +71,7 @@ POD_ENV = (RUN_NAME, NAMESPACE, METRICS_PORT, SHM_DIR, DATA_CACHE, DATA_CACHE_BY
 OPERATOR_STATUS = frozenset({"phase", "nodes", "conditions", "observedGeneration", "restarts", "goodput",
                              "goodputDetail", "cost", "scaling", "queue", "replicaGroups"})
 TRAINER_STATUS = frozenset({"quorum", "step", "progress", "etaSeconds", "tokensPerSecond", "mfu", "lastCheckpoint",
-                            "trainerTime", "gpuHealth", "hang", "preflight", "stragglers"})
+                            "trainerTime", "gpuHealth", "hang", "preflight", "stragglers", "tracking"})
 
 # The metav1.Condition types the operator sets (kiln.control.status.set_condition refuses any other).
 CONDITION_TYPES = ("SpecAccepted", "Queued", "PodsScheduled", "PodsReady", "Running", "Suspended", "Succeeded",

@@ -83,4 +83,31 @@ def cmd_export(args: argparse.Namespace) -> int:
                            dtype=args.dtype, max_shard_bytes=max_bytes, merge=args.merge)
     print(f"kiln: exported step {result.step} of {uri} to {result.output}: {len(result.files)} files, "
           f"{result.bytes / 1e6:,.1f} MB", flush=True)
+    if args.track:
+        track_export(doc, result, checkpoint_uri=uri, endpoint=args.endpoint or doc.spec.checkpoint.endpoint,
+                     fmt=args.format, wandb_dir=args.run_output)
     return 0
+
+
+def track_export(doc, result, *, checkpoint_uri: str, endpoint: str | None, fmt: str, wandb_dir: str | None) -> None:
+    """`kiln export --track`: the written folder (read back when it is on S3) to the run's tracked run(s)."""
+    import tempfile
+
+    from kiln.storage.store import open_store
+    from kiln.trainer.observe.tracking import log_export
+
+    checkpoints = open_store(checkpoint_uri, endpoint=endpoint)
+    output = open_store(result.output, endpoint=endpoint)
+    with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
+        folder = output.local_path("")
+        if folder is None:  # on S3: a local copy for the tracker's client to upload
+            folder = Path(tmp)
+            for key in result.files:
+                output.get_file(key, folder / key)
+        try:
+            said = log_export(doc, store=checkpoints, folder=folder, files=result.files, step=result.step, fmt=fmt,
+                              wandb_dir=wandb_dir)
+        except KilnError as err:  # the export itself is written and stays
+            raise KilnError(f"{err}; the export itself is at {result.output}") from None
+    for line in said:
+        print(f"kiln: tracked: {line}", flush=True)

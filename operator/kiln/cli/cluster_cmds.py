@@ -185,6 +185,16 @@ def queue_table(item: dict) -> tuple[list[str], list[list[str]]] | None:
          queue.get("admittedAt") or "not yet", where]]
 
 
+def tracking_line(item: dict) -> str | None:
+    """status.tracking (trainer): the records dropped and each failing tracker's first failure; None while the
+    trackers take every record."""
+    tracking = (item.get("status") or {}).get("tracking")
+    if not tracking:
+        return None
+    return f"tracking: {tracking.get('dropped', 0)} record(s) dropped" + \
+        (f"; {tracking['error']}" if tracking.get("error") else "")
+
+
 def group_table(item: dict) -> tuple[list[str], list[list[str]]] | None:
     """elastic.faultTolerance replicaGroups: each group's job, phase, pods and restarts (operator), and the
     last quorum (trainer) in the header; None for a run without replica groups."""
@@ -275,6 +285,8 @@ def status(args) -> int:
         if (queue := queue_table(items[0])) is not None:
             _print_table(console, *queue)
         _print_table(console, *condition_table(items[0]))
+        if (line := tracking_line(items[0])) is not None:
+            print(line)
     return 0
 
 

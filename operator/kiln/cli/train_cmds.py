@@ -100,6 +100,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="dtype of the written weights (default: model.from's, else float32)")
     ex.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
+    ex.add_argument("--track", action="store_true",
+                    help="also log the exported folder to the run's tracked run(s) of spec.tracking (its id from "
+                    "the checkpoint store): MLflow artifacts under model/, a W&B artifact of type model")
     debug_option(ex)
     ex.set_defaults(func=cmd_export)
 

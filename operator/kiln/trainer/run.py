@@ -341,6 +341,8 @@ class Run:
         if "intervalSteps" in ckpt:  # checkpoint freshness in steps, for alerts that follow progress
             record["checkpoint_interval_steps"] = ckpt["intervalSteps"]
             record["steps_since_commit"] = step - (ckpt.get("lastCheckpoint") or {}).get("step", self.start_step)
+        if self.tracking is not None:  # the trackers' drops and failures, for status.tracking and the log
+            self.tracking.annotate(record)
         self.reporter.update(record, ckpt)
         stop = checkpointer.stop_requested(step)
         final = step == tr.steps or stop
@@ -363,7 +365,7 @@ class Run:
             self.tracking.commit(ckpt.get("lastCheckpoint"))
         if step % tr.log_every == 0 or final:
             if self.tracking is not None:
-                self.tracking.offer(record)  # never waits; notes drops and a tracker's failure in the record
+                self.tracking.offer(record)  # never waits
             self.logger.log(record)
         elif "gpu_health" in record or "stragglers" in record:  # gauges follow every reading, logged or not
             self.logger.export(record)

@@ -39,7 +39,7 @@ from kiln.api.spec.tracking import (  # noqa: F401
 )
 from kiln.api.spec.status import (  # noqa: F401
     Phase, PHASES, Condition, CheckpointRef, TrainerTime, GpuHealthState, GpuState, NodeGpuHealth,
-    LostSeconds, SlowRank, PreflightStatus, HangStatus, GpuHours, CostStatus, ScalingPhase, ScalingStatus,
+    LostSeconds, SlowRank, PreflightStatus, HangStatus, TrackingStatus, GpuHours, CostStatus, ScalingPhase, ScalingStatus,
     GoodputDetail, GROUP_QUEUE_MESSAGE_MAX, ReplicaGroupStatus, QuorumStatus, TOPOLOGY_DOMAINS_MAX,
     QueueTopology, QueueStatus, TrainingSpecStatus,
 )

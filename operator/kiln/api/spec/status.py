@@ -135,6 +135,17 @@ class HangStatus(ApiModel):
         description="Ranks not inside a torch.distributed call while the others wait in one: whom they wait for.")
 
 
+class TrackingStatus(ApiModel):
+    """Trainer rank 0's experiment trackers (spec.tracking, kiln.trainer.observe.tracking) once one failed or
+    records were dropped; absent while every tracker takes every record."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    dropped: int = Field(0, ge=0, le=JSON_INT_MAX, description="Records dropped because the queue in front of the "
+                         "trackers (tracking.buffer) was full: a tracker that is down or slower than the steps.")
+    error: str | None = Field(None, max_length=1024, description="Each failing tracker's first failure, "
+                              "'<tracker>: <message>' (said once; training went on).")
+
+
 class GpuHours(ApiModel):
     """GPU-hours (or their price) by cause: what the run's GPUs were held for. The causes add up to the total."""
 
@@ -309,6 +320,8 @@ class TrainingSpecStatus(ApiModel):
     stragglers: list[SlowRank] | None = Field(
         None, max_length=4096, description="Ranks whose own step time stayed above resources.stragglers.factor x the "
         "median for resources.stragglers.window reports (trainer); empty when none is.")
+    tracking: TrackingStatus | None = Field(None, description="Set when an experiment tracker failed or records "
+                                            "were dropped (trainer); absent while tracking is well.")
     hang: HangStatus | None = Field(None, description="The last hang the trainer caught: its stacks and the "
                                     "rank the others waited for.")
     scaling: ScalingStatus | None = Field(None, description="Tokens/s per worker at each node count, relative to the "

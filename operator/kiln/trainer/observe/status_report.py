@@ -54,6 +54,9 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
         status["preflight"] = preflight
     if stragglers is not None:  # kiln.trainer.observe.stragglers: a list, replaced whole by the merge patch
         status["stragglers"] = stragglers
+    tracking = tracking_entry(metrics)
+    if tracking is not None:
+        status["tracking"] = tracking
     if seconds_per_step is not None and math.isfinite(seconds_per_step):
         status["etaSeconds"] = max(0, round((total_steps - step) * seconds_per_step))
     for key, field in (("tokens_per_second", "tokensPerSecond"), ("mfu", "mfu")):
@@ -74,6 +77,15 @@ def status_patch(metrics: dict, checkpoint_info: dict | None, total_steps: int, 
         status["trainerTime"] = {field: round(max(0.0, float(trainer_time[key])), 3) for key, field in
                                  (*TRAINER_TIME, DEGRADED) if key in trainer_time}
     return {"status": status}
+
+
+def tracking_entry(record: dict) -> dict | None:
+    """status.tracking from a record's tracker annotations (kiln.trainer.observe.tracking.Tracking.offer): the
+    drops so far and the trackers' first failures; None while there are none."""
+    dropped, error = int(record.get("tracking_dropped", 0)), record.get("tracking_error")
+    if not dropped and not error:
+        return None
+    return {"dropped": dropped, **({"error": str(error)[:1024]} if error else {})}
 
 
 class StatusReporter:
@@ -99,6 +111,7 @@ class StatusReporter:
         self._preflight: dict | None = None  # status.preflight of this start's check
         self._stragglers: list[dict] | None = None  # the newest record["stragglers"]
         self._sent_stragglers: list | None = None
+        self._sent_tracker_failed: tuple = (False, None)
         self._sender = sender  # None: account only, send nothing
 
     @classmethod
@@ -164,7 +177,8 @@ class StatusReporter:
         # a node's GPUs changing state goes out at once: the operator moves the run off a failing one
         if self._reports() and (now - self._last_sent >= self.every_s or commit != self._sent_commit
                                 or _states(self._gpu_health) != _states(self._sent_health)
-                                or _ranks(self._stragglers) != _ranks(self._sent_stragglers)):
+                                or _ranks(self._stragglers) != _ranks(self._sent_stragglers)
+                                or _tracker_failed(record) != self._sent_tracker_failed):
             self._send(checkpoint_info)
 
     def close(self, checkpoint_info: dict | None = None) -> None:
@@ -195,12 +209,18 @@ class StatusReporter:
         self._sent_health = self._gpu_health
         self._sent_stragglers = self._stragglers
         self._sent_commit = ((checkpoint_info or {}).get("lastCheckpoint") or {}).get("step")
+        self._sent_tracker_failed = _tracker_failed(self._record)
 
 
 def _states(entries: list[dict] | None) -> list | None:
     """What a change of GPU health is judged by: each node's and GPU's state (not the step it was read at)."""
     return None if entries is None else [(e["node"], e["state"], [g["state"] for g in e.get("gpus") or []])
                                          for e in entries]
+
+
+def _tracker_failed(record: dict | None) -> tuple:
+    """What makes a tracker's trouble go out at once: its first drop and each new failure (not every drop)."""
+    return bool((record or {}).get("tracking_dropped")), (record or {}).get("tracking_error")
 
 
 def _ranks(entries: list[dict] | None) -> list | None:

@@ -14,6 +14,7 @@ tracked run already holds are not sent again: its curves have no duplicated and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,10 @@ import queue
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Protocol
+
+from kiln.errors import KilnError
 
 log = logging.getLogger("kiln.tracking")
 
@@ -59,6 +63,11 @@ def numeric_metrics(record: dict) -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
     return out
+
+
+def first_line(err: Exception) -> str:
+    """An error as one short line (a tracker's messages can hold a whole HTTP response)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 class Tracker(Protocol):
@@ -176,13 +185,16 @@ class Tracking:
 
     # ---- the loop's side: never blocks ----
 
-    def offer(self, record: dict) -> None:
-        """Queue a logged record's metrics; drop and count when the queue is full. Annotates the record with the
-        drops so far and each tracker's first failure (metrics.jsonl, the status report and Prometheus read them)."""
+    def annotate(self, record: dict) -> None:
+        """Note in a step's record the drops so far and each tracker's first failure (metrics.jsonl, status.tracking
+        and Prometheus read them)."""
         if self.dropped:
             record["tracking_dropped"] = self.dropped
         if self.errors:
             record["tracking_error"] = "; ".join(f"{k}: {v}" for k, v in sorted(self.errors.items()))
+
+    def offer(self, record: dict) -> None:
+        """Queue a logged record's metrics; drop and count when the queue is full."""
         self._put(("log", record["step"], numeric_metrics(record)))
 
     def commit(self, last_checkpoint: dict | None) -> None:
@@ -240,9 +252,8 @@ class Tracking:
             fn(*args)
         except Exception as e:  # a tracker never fails the run; its first failure is said once
             if tracker.name not in self.errors:
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-                self.errors[tracker.name] = first_line
-                print(f"kiln: tracking: {tracker.name} is not reachable or refused a call ({first_line}); "
+                self.errors[tracker.name] = said = first_line(e)
+                print(f"kiln: tracking: {tracker.name} is not reachable or refused a call ({said}); "
                       "training goes on, records are dropped and counted while it lasts", file=sys.stderr, flush=True)
 
 
@@ -262,3 +273,72 @@ def start(spec_doc, *, store, output_dir) -> Tracking | None:
                                      str(output_dir) if output_dir is not None else None))
     params = flat_params(spec_doc.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
     return Tracking(trackers, params=params, store=store, capacity=cfg.buffer)
+
+
+# ---- `kiln export --track`: the exported model, logged to the run's tracked run ----------------------------------
+
+EXPORT_ARTIFACT_PATH = "model"  # the folder's place among the MLflow run's artifacts
+
+
+def tracked_run_id(store, name: str) -> str:
+    """The id of the run's tracked run in tracker `name`, as its rank 0 kept it in the checkpoint store."""
+    key = RUN_ID_KEY.format(name=name)
+    if store is None or not store.exists(key):
+        raise KilnError(f"spec.tracking.{name}: the checkpoint store holds no {key}: this run was never tracked "
+                        f"in {name}, so there is no tracked run to log the export to")
+    try:
+        run_id = json.loads(store.get_bytes(key, length=4096)).get("run_id")
+    except (ValueError, AttributeError):  # the bucket's content is not trusted: not JSON, or not an object
+        run_id = None
+    if not isinstance(run_id, str) or not run_id:
+        raise KilnError(f"spec.tracking.{name}: {key} in the checkpoint store names no run_id")
+    return run_id
+
+
+@contextlib.contextmanager
+def _refusal(name: str, where: str):
+    """A tracker's failure while logging an export, as one line naming it."""
+    try:
+        yield
+    except Exception as err:
+        raise KilnError(f"spec.tracking.{name}: {where} did not take the export ({first_line(err)})") from None
+
+
+def log_export(spec_doc, *, store, folder, files: list[str], step: int, fmt: str,
+               wandb_dir: str | None = None) -> list[str]:
+    """Log an exported model's `files` (keys under the local `folder`) to each tracker of spec.tracking, into the
+    run's own tracked run (its id from the checkpoint store): MLflow artifacts under `model/`, a W&B artifact of
+    type model. Returns one line per tracker saying where it went. Unlike training, the caller asked for this: a
+    failure raises, as one line naming the tracker."""
+    cfg = spec_doc.spec.tracking
+    if cfg is None or (cfg.mlflow is None and cfg.wandb is None):
+        raise KilnError("--track: spec.tracking names no tracker (mlflow or wandb) to log the export to")
+    said = []
+    if cfg.mlflow is not None:
+        run_id = tracked_run_id(store, "mlflow")
+        from mlflow.tracking import MlflowClient
+
+        with _refusal("mlflow", cfg.mlflow.uri):
+            client = MlflowClient(tracking_uri=cfg.mlflow.uri)
+            for key in files:  # the export's own files only, whatever else the folder holds
+                where = "/".join([EXPORT_ARTIFACT_PATH, *key.split("/")[:-1]])
+                client.log_artifact(run_id, str(Path(folder) / key), artifact_path=where)
+            client.set_tag(run_id, "kiln.exported_step", str(step))
+            client.set_tag(run_id, "kiln.exported_format", fmt)
+        said.append(f"mlflow run {run_id}: artifacts {EXPORT_ARTIFACT_PATH}/ (runs:/{run_id}/{EXPORT_ARTIFACT_PATH})")
+    if cfg.wandb is not None:
+        run_id = tracked_run_id(store, "wandb")
+        import wandb
+
+        with _refusal("wandb", f"project {cfg.wandb.project}"):
+            run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode, id=run_id,
+                             resume="allow", dir=wandb_dir,
+                             settings=wandb.Settings(console="off", x_disable_stats=True))
+            artifact = wandb.Artifact(f"{spec_doc.metadata.name}-model", type="model",
+                                      metadata={"step": step, "format": fmt})
+            for key in files:
+                artifact.add_file(str(Path(folder) / key), name=key)
+            run.log_artifact(artifact)
+            run.finish()
+        said.append(f"wandb run {run_id}: artifact {artifact.name} (type model)")
+    return said
