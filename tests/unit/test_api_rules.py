@@ -205,3 +205,17 @@ def test_crd_is_structural_and_carries_rules_and_subresources():
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Nodes", "Step", "Progress", "Age"]
     phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
     assert phases == ["Pending", "Queued", "Running", "Scaling", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])
+def test_samples_resolve_into_specs_the_operator_renders(sample):
+    """What the operator stores in the run's ConfigMap is the resolved spec, every default explicit: it must be a
+    valid spec itself (a preset's internal fields, such as an MoE's shared gate, are not spec fields)."""
+    from kiln.control.config import OperatorConfig
+    from kiln.control.plan import plan, resolve
+
+    for doc in load_file(sample):
+        config = OperatorConfig(image="registry.test/trainer:1")
+        resolved = resolve(doc, config)
+        assert parse(resolved.model_dump(mode="json", by_alias=True, exclude_none=True)).spec == resolved.spec
+        assert plan(doc, None, config).refused is None

@@ -30,7 +30,7 @@ from kiln.api.contract import SPEC_FILE
 from kiln.api.layout import node_bounds, processes_per_node
 from kiln.api.presets import resolve_model
 from kiln.api.rules import check
-from kiln.api.spec import API_VERSION, KIND, TrainingSpec
+from kiln.api.spec import API_VERSION, KIND, MoESpec, TrainingSpec
 from kiln.control import pods
 from kiln.control.config import OperatorConfig
 # names other modules and tests read here (kept importable from the plan)
@@ -90,7 +90,7 @@ def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
     """The spec with every default made explicit: what the pods run with (and what `kiln render` shows)."""
     s = doc.spec
     # model.from: the dimensions are in the folder's config.json, which the trainer reads (kiln.trainer.model.hf_folder)
-    model = s.model if s.model.from_ else s.model.model_copy(update=resolve_model(s.model).model_dump())
+    model = s.model if s.model.from_ else s.model.model_copy(update=resolved_model_fields(s.model))
     lo, hi = node_bounds(s)
     uri = s.checkpoint.uri or f"file://{config.scratch_dir}/checkpoints/"
     spec = s.model_copy(update={
@@ -105,6 +105,15 @@ def resolve(doc: TrainingSpec, config: OperatorConfig) -> TrainingSpec:
         meta["namespace"] = doc.metadata.namespace
     return TrainingSpec.model_validate({"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
                                         "spec": spec.model_dump(by_alias=True, exclude_none=True)})
+
+
+def resolved_model_fields(model) -> dict:
+    """The preset's dimensions as spec fields. Of the MoE shape only what `model.moe` can say: the rest (Qwen's
+    shared gate, its dense layers) comes with the preset, which the resolved spec keeps."""
+    dims = resolve_model(model).model_dump()
+    if dims.get("moe") is not None:
+        dims["moe"] = MoESpec.model_validate({k: v for k, v in dims["moe"].items() if k in MoESpec.model_fields})
+    return dims
 
 
 def dump(doc: TrainingSpec) -> dict:
