@@ -9,6 +9,8 @@ A world is `nodes` x `processes per node`. Every side asks this module, so they 
 - kiln.trainer.parallel.parallelize.plan_layout: the world torchrun started (`plan`);
 - `kiln run SPEC --nproc N`: one node x N processes (`fit_local`).
 Pure and torch-free: plain values in, a Layout or a problem naming the field out.
+One module on purpose (~430 lines): every side must read the same arithmetic, and splitting it would invite
+a second copy of a rule.
 """
 
 from __future__ import annotations
