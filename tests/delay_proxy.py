@@ -17,7 +17,7 @@ import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.distributed.ranks import free_port, wait_until
+from tests.support.ranks import free_port, wait_until
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 

@@ -12,8 +12,8 @@ import pytest
 from kiln.storage import open_store
 from kiln.trainer.data import prepare as one
 from kiln.trainer.data import stages
-from tests.integration.test_hf_s3 import s3_prefix  # noqa: F401 - fixture
-from tests.unit.test_data_stages import outputs, planted_corpus, run_workers, settings, tokenizer_file  # noqa: F401
+from tests.support.s3 import s3_prefix  # noqa: F401 - fixture
+from tests.support.data_stages import outputs, planted_corpus, run_workers, settings, tokenizer_file  # noqa: F401
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
 

@@ -4,25 +4,17 @@ are the very tensors of the source."""
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
+
 import torch
 import yaml
 
 from kiln.storage import open_store
 from tests.hf_models import VOCAB, save_model
+from tests.support.s3 import s3_prefix  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow]
-
-
-@pytest.fixture
-def s3_prefix(rig, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", rig.s3_access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", rig.s3_secret_key)
-    uri = f"s3://{rig.s3_bucket}/test-hf/{uuid.uuid4().hex}/"
-    yield uri
-    open_store(uri, endpoint=rig.s3_endpoint).delete_prefix("")
 
 
 def test_import_from_s3_and_export_to_s3_round_trip(rig, s3_prefix, tmp_path):

@@ -1,5 +1,5 @@
 """A versitygw of a test's own (posix backend in a temp dir, its own keys) that the test may stop and start
-again: an S3 endpoint that goes away under a checkpoint."""
+again: an S3 endpoint that goes away under a checkpoint; and `s3_prefix`, a fresh prefix in the rig's S3."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import os
 import signal
 import subprocess
 import urllib.request
+import uuid
+
+import pytest
+
+from kiln.storage import open_store
 
 from tests.support.ranks import free_port, wait_until
 
@@ -65,3 +70,12 @@ class PrivateS3:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+@pytest.fixture
+def s3_prefix(rig, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", rig.s3_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", rig.s3_secret_key)
+    uri = f"s3://{rig.s3_bucket}/test-hf/{uuid.uuid4().hex}/"
+    yield uri
+    open_store(uri, endpoint=rig.s3_endpoint).delete_prefix("")

@@ -15,7 +15,7 @@ from kiln.cli import data_jobs
 from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.trainer.data import stages
-from tests.unit.test_data_stages import outputs, planted_corpus, run_here, settings, tokenizer_file  # noqa: F401
+from tests.support.data_stages import outputs, planted_corpus, run_here, settings, tokenizer_file  # noqa: F401
 
 JS = data_jobs.JobSettings(namespace="team-a", image="registry.example/kiln-trainer:site", output="s3://data/out/",
                            endpoint="http://minio:9000", credentials_secret="team-s3")

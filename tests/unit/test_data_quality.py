@@ -13,7 +13,7 @@ from kiln.cli.main import main
 from kiln.errors import KilnError
 from kiln.trainer.data import prepare as one
 from kiln.trainer.data import stages
-from tests.unit.test_data_stages import outputs, run_here, tokenizer_file  # noqa: F401
+from tests.support.data_stages import outputs, run_here, tokenizer_file  # noqa: F401
 
 ENGLISH = [
     "The cat sat on the mat, and it was a very good day for all of the people who live in the town.",

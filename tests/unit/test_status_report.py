@@ -16,14 +16,11 @@ from kiln.api.spec import TrainingSpecStatus
 from kiln.trainer.observe import status_report
 from kiln.trainer.observe.status_report import StatusReporter, StatusSender, status_patch
 from tests.support.ranks import SAFETY_TIMEOUT_S, wait_until
+from tests.support.status import Clock, FakeSender, record
 
 STATUS_FIELDS = {f.alias for f in TrainingSpecStatus.model_fields.values()}
 OPERATOR_FIELDS = {"phase", "nodes", "conditions", "restarts", "observedGeneration", "goodput", "goodputDetail"}
 COMMITTED = {"lastCheckpoint": {"step": 100, "uri": "s3://ckpt/run/step-00000100/", "time": 1_795_000_000.5}}
-
-
-def record(step: int, step_s: float = 1.0, **extra) -> dict:
-    return {"step": step, "loss": 2.0, "step_s": step_s, "tokens_per_second": 4096.0 / step_s, "mfu": 0.41, **extra}
 
 
 def test_patch_body_carries_the_trainer_fields_under_their_wire_names():
@@ -57,28 +54,6 @@ def test_patch_body_keeps_values_inside_the_crd_bounds():
                           trainer_time={"productive_s": -0.0, "checkpoint_stall_s": 0.0, "rollback_s": 0.0})["status"]
     assert "mfu" not in status and "etaSeconds" not in status  # NaN/inf are not JSON, the apiserver refuses them
     TrainingSpecStatus.model_validate(status)
-
-
-class FakeSender:
-    """Records what would be patched (the real StatusSender is exercised against the rig and a closed port)."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        self.closed = False
-
-    def submit(self, body: dict) -> None:
-        self.bodies.append(body)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_reports_are_rate_limited_but_every_commit_and_the_end_go_out():

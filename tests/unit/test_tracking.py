@@ -156,8 +156,8 @@ def test_a_tracker_that_is_down_is_in_the_status_at_once():
     from kiln.trainer.observe.status_report import StatusReporter
     from kiln.trainer.observe.tracking import MlflowTracker
 
-    from tests.distributed.ranks import free_port, wait_until
-    from tests.unit.test_status_report import Clock, FakeSender, record
+    from tests.support.ranks import free_port, wait_until
+    from tests.support.status import Clock, FakeSender, record
 
     down = MlflowTracker(f"http://127.0.0.1:{free_port()}", "e", "run")  # the real client; nothing listens
     tracking = Tracking([down], params={})
@@ -181,7 +181,7 @@ def test_a_tracker_that_is_down_is_in_the_status_at_once():
 def test_dropped_records_are_in_the_status_from_the_first_drop():
     from kiln.trainer.observe.status_report import StatusReporter
 
-    from tests.unit.test_status_report import Clock, FakeSender, record
+    from tests.support.status import Clock, FakeSender, record
 
     stuck = GatedTracker()
     tracking = Tracking([stuck], params={}, capacity=1)
