@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 from datetime import timedelta
 
 import pytest
@@ -21,10 +22,36 @@ from tests.support.ranks import free_port, wait_until
 SECRET = bytes(range(32))
 
 
+HEARTBEAT_S = 0.1  # torchft's Manager heartbeats to the lighthouse every 100 ms while it lives
+
+
 def join(address: str, replica: str, timeout_s: float = 10.0):
-    client = LighthouseClient(address, timedelta(seconds=timeout_s))
-    return client.quorum(replica_id=replica, timeout=timedelta(seconds=timeout_s), address=f"{replica}:1",
-                         store_address=f"{replica}:2", step=0, world_size=1, shrink_only=False)
+    """A group's quorum request, heartbeating until it returns, as a group's torchft ManagerServer does. The
+    lighthouse's split-brain rule forms a quorum only from more than half of the heartbeating groups, and a quorum
+    request is a single heartbeat: a group that stopped (an earlier join here) counts until its heartbeat times
+    out, and a joiner that never heartbeats again times out with it, so its quorum would never form. Once the
+    call returns the group goes silent, like a group that left: its heartbeat times out at the lighthouse."""
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        client = None
+        while not stop.is_set():
+            try:  # through the same tunnel: refused like the quorum request while the secret does not match
+                client = client or LighthouseClient(address, timedelta(seconds=1))
+                client.heartbeat(replica, timedelta(seconds=1))
+            except Exception:
+                client = None
+            stop.wait(HEARTBEAT_S)
+
+    beating = threading.Thread(target=heartbeat, name=f"heartbeat-{replica}", daemon=True)
+    beating.start()
+    try:
+        client = LighthouseClient(address, timedelta(seconds=timeout_s))
+        return client.quorum(replica_id=replica, timeout=timedelta(seconds=timeout_s), address=f"{replica}:1",
+                             store_address=f"{replica}:2", step=0, world_size=1, shrink_only=False)
+    finally:
+        stop.set()
+        beating.join()
 
 
 @pytest.fixture
