@@ -87,8 +87,8 @@ def test_only_a_holder_of_the_secret_joins_the_quorum(lighthouse):
 def test_the_operators_lighthouse_admits_only_holders_of_the_mounted_secret(tmp_path, monkeypatch):
     """The operator's path: the lighthouse Deployment's own command (`kiln-lighthouse ... --secret_file`), a
     group reaching it as the trainer does (KILN_FT_SECRET_FILE: the Secret mounted into its pod). Each end reads
-    its file at every handshake, so a re-created Secret locks out holders of the old value as soon as the files
-    change (the kubelet updates a mounted Secret's files)."""
+    its file at every handshake, so a re-created Secret locks out holders of the old value from every connection
+    opened after the files change (the kubelet updates a mounted Secret's files); one already open stays."""
     [deployment] = of(rendered(), "Deployment")
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     lighthouse_file, group_file, port = tmp_path / "lighthouse", tmp_path / "group", free_port()
