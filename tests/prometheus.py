@@ -194,6 +194,10 @@ NO_SAMPLES_ON_CPU = {
     "kiln_train_mfu": "not reported on CPU: no known peak (kiln.trainer.observe.metrics.mfu_note); GPU runs only",
     "kiln_data_source_share": "runs that mix data.sources only; these runs read one data.uri",
     "kiln_gpu_health": "GPU nodes only (NVML)",
+    "kiln_operator_run_cost": "only where the platform set a price for the run's gpuType (KILN_GPU_PRICES); the "
+                              "rig's runs request no GPU type",
+    "kiln_train_straggler": "a series only for a rank named a straggler; a healthy run has none "
+                            "(tests/distributed/test_slow_rank.py names one)",
     **{f"kiln_train_moe_{m}": "mixture-of-experts runs only (model.moe); the rig's runs train a dense model"
        for m in ("balance", "load_cv", "busiest_expert_tokens", "idlest_expert_tokens", "aux_loss", "z_loss")},
 }
