@@ -46,3 +46,11 @@ def exported(model: torch.nn.Module, base: dict, out: Path):
     reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return reloaded
+
+
+def step(*pairs) -> None:
+    """One optimizer step of kiln's model and of the reference, each from its own loss: (optimizer, loss) pairs."""
+    for optimizer, loss in pairs:
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

@@ -16,7 +16,7 @@ from kiln.api.load import parse
 from kiln.errors import KilnError
 from kiln.trainer.model import hf_folder as hf, kernels
 from tests.hf_models import FAMILIES, save_model
-from tests.support.families import STEPS, batches, exported, imported
+from tests.support.families import STEPS, batches, exported, imported, step
 
 @pytest.fixture(autouse=True)
 def reference_kernels():
@@ -53,10 +53,7 @@ def test_training_steps_match_transformers_and_export_reloads_bit_for_bit(tmp_pa
         inputs, targets = batch[:, :-1], batch[:, 1:]
         loss = model(inputs, targets)
         ref_loss = torch.nn.functional.cross_entropy(reference(inputs).logits.flatten(0, 1), targets.flatten())
-        for opt_, loss_ in ((opt, loss), (opt_ref, ref_loss)):
-            opt_.zero_grad()
-            loss_.backward()
-            opt_.step()
+        step((opt, loss), (opt_ref, ref_loss))
         ours.append(loss.item())
         theirs.append(ref_loss.item())
     assert ours == pytest.approx(theirs, rel=1e-5, abs=0)

@@ -17,7 +17,7 @@ from kiln.errors import KilnError
 from kiln.trainer.model import hf_folder as hf, kernels
 from kiln.trainer.model.moe import MoE
 from tests.hf_models import MOE_FAMILIES, save_model
-from tests.support.families import SEQ, STEPS, batches, exported, imported
+from tests.support.families import SEQ, STEPS, batches, exported, imported, step
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +58,7 @@ def test_training_steps_with_the_aux_loss_match_transformers_and_export_reloads(
         out = reference(inputs, output_router_logits=True)
         ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
         ref_loss = ce + coef * out.aux_loss
-        for opt_, loss_ in ((opt, loss), (opt_ref, ref_loss)):
-            opt_.zero_grad()
-            loss_.backward()
-            opt_.step()
+        step((opt, loss), (opt_ref, ref_loss))
         ours.append(loss.item())
         theirs.append(ref_loss.item())
         aux.append(model.router_load.read()["moe_aux_loss"])
