@@ -180,8 +180,9 @@ def import_image(tar_path: str | Path) -> list[str]:
     """See `Node.import_image`."""
     names = oci.archive_image_names(Path(tar_path))
     _run([_bin("ctr"), "--address", str(containerd_socket()), "--namespace", K8S_NAMESPACE,
-          # The kubelet runs the unpacked snapshots; the layer blobs would be a second ~7 GB copy of the trainer.
-          "images", "import", "--snapshotter", "overlayfs", "--discard-unpacked-layers", str(tar_path)],
+          # The kubelet runs the unpacked snapshots; the layer blobs would be a second ~7 GB copy of the trainer
+          # (ctr discards them only when it imports itself, --local, not through the transfer service).
+          "images", "import", "--local", "--snapshotter", "overlayfs", "--discard-unpacked-layers", str(tar_path)],
          timeout=1800)
     present = set(_run([_bin("ctr"), "--address", str(containerd_socket()), "--namespace", K8S_NAMESPACE,
                         "images", "list", "--quiet"]).stdout.split())
