@@ -229,7 +229,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
 def _hang_check(kube: Kube, body: dict, doc: TrainingSpec, state: dict, pods: list[dict], now_s: float,
                 tuning: Tuning, post) -> dict:
     """Track the step trainer rank 0 reports; restart the job's pods when it stopped moving (with budget)."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    namespace = body["metadata"]["namespace"]
     step = (body.get("status") or {}).get("step")
     prog = dict(state.get("progress") or {})
     if step is None or not pods:
