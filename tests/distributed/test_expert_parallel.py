@@ -16,11 +16,11 @@ import torch
 
 from tests.distributed.layout_grads import layout_grads
 from tests.support.ranks import run_ranks
-from tests.support.runs import MICRO_MODEL, torchrun_train, write_spec
+from tests.support.runs import torchrun_train, write_spec
+from tests.support.specs import MICRO_MOE_MODEL as MOE_MODEL
 
 pytestmark = pytest.mark.distributed
 
-MOE_MODEL = {**MICRO_MODEL, "moe": {"experts": 4, "topK": 2, "ffnDim": 32, "auxLossCoef": 0.01, "zLossCoef": 0.001}}
 SEED = 5
 
 

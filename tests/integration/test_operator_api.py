@@ -172,8 +172,10 @@ def valid_specs(draw) -> dict:
     lo, hi = draw(st.integers(1, nodes)), draw(st.integers(nodes, 6))
     plan_nodes = draw(st.lists(st.integers(lo, hi), max_size=3))
     counts = [nodes, *plan_nodes]
-    if any((n * ppn) % (tensor * pipeline) for n in counts) or "moe" in dims:  # a mixture of experts: FSDP (and EP) only
+    if any((n * ppn) % (tensor * pipeline) for n in counts):
         pipeline, tensor = 1, 1
+    if "moe" in dims:  # a mixture of experts: no pipeline yet (kiln.api.layout's moe-without-pipeline)
+        pipeline = 1
     mbs = draw(st.sampled_from([1, 2, 4]))
     lcm = 1
     for n in counts:

@@ -95,3 +95,6 @@ def small_run(name: str, **spec) -> dict:
 
 # A model smaller than the `tiny` preset, so a 4-rank gloo run of a few steps takes seconds on two cores.
 MICRO_MODEL = {"preset": "tiny", "dim": 64, "layers": 2, "heads": 4, "kvHeads": 2, "seqLen": 32, "ffnDim": 128}
+# MICRO_MODEL's attention with 4 experts (top-2) in every layer, and both router losses on: the MoE layout tests'.
+MICRO_MOE_MODEL = {**MICRO_MODEL, "moe": {"experts": 4, "topK": 2, "ffnDim": 32, "auxLossCoef": 0.01,
+                                          "zLossCoef": 0.001}}

@@ -70,15 +70,13 @@ INVALID = [
     ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
      "needs scheduling.queue"),
     # mixtures of experts and expert parallelism: BASE is dense, tensor 2 x pipeline 2 (dp 4 at 2 nodes x 8)
-    ({"model": {"preset": "tiny-moe"}}, "spec.parallelism:", "mixture-of-experts model (model.moe) trains with"),
+    ({"model": {"preset": "tiny-moe"}}, "spec.parallelism.pipeline:", "mixture-of-experts model (model.moe) trains with"),
     ({"parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1}, "spec.parallelism.expert:",
      "needs a mixture-of-experts model"),
     ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 3, "parallelism.tensor": 1, "parallelism.pipeline": 1,
       "elastic.plan": [], "elastic.minNodes": 3, "elastic.maxNodes": 3, "resources.nodes": 3,
       "training.globalBatchSize": 48}, "spec.parallelism.expert:", "must divide model.moe.experts"),
-    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2}, "spec.parallelism.expert:",
-     "tensor = pipeline = 1"),
-    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1,
+    ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2, "parallelism.pipeline": 1,
       "parallelism.fsdp": False}, "spec.parallelism.expert:", "needs parallelism.fsdp"),
     ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 8, "parallelism.tensor": 1, "parallelism.pipeline": 1,
       "parallelism.replicate": 2}, "spec.parallelism.expert:", "must divide the FSDP shard size"),
@@ -96,6 +94,11 @@ def test_each_rule_refuses_with_its_field_path(changes, path, fragment):
 def test_base_spec_is_valid_everywhere():
     doc = parse(BASE)
     check_cluster(doc)  # cluster-only rules too
+
+
+def test_a_mixture_of_experts_takes_tensor_and_expert_parallelism_together():
+    # TP on the attention, the experts over 2 EP ranks of FSDP's shard ranks (kiln.trainer.parallel.parallelize)
+    check_cluster(parse(with_({"model": {"preset": "tiny-moe"}, "parallelism.pipeline": 1, "parallelism.expert": 2})))
 
 
 def test_every_rule_is_exercised_by_a_case():

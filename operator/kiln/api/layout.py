@@ -269,16 +269,16 @@ def _expert_divides_experts(s, shape, nodes, ppn):
 
 def _expert_composes(s, shape, nodes, ppn):
     par = s.parallelism
-    if par.expert > 1 and (par.tensor > 1 or par.pipeline > 1 or not par.fsdp or replica_groups_on(s)):
-        return (f"got expert={par.expert} with tensor={par.tensor}, pipeline={par.pipeline}, fsdp={par.fsdp}, "
+    if par.expert > 1 and (not par.fsdp or replica_groups_on(s)):
+        return (f"got expert={par.expert} with fsdp={par.fsdp}, "
                 f"faultTolerance {'replicaGroups' if replica_groups_on(s) else 'off'}")
     return None
 
 
-def _moe_model_parallel(s, shape, nodes, ppn):
-    t, p = s.parallelism.tensor, s.parallelism.pipeline
-    if shape.experts and (t > 1 or p > 1):
-        return f"got experts={shape.experts} with tensor={t}, pipeline={p}"
+def _moe_pipeline(s, shape, nodes, ppn):
+    p = s.parallelism.pipeline
+    if shape.experts and p > 1:
+        return f"got experts={shape.experts} with pipeline={p}"
     return None
 
 
@@ -315,18 +315,18 @@ LAYOUT_RULES: list[LayoutRule] = [
                "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide the "
                "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
                _ft_groups, True),
-    LayoutRule("moe-without-tensor-pipeline", "parallelism",
-               "a mixture-of-experts model (model.moe) trains with parallelism.tensor 1 and pipeline 1 for now: no "
-               "tensor-parallel plan for the experts, and a pipeline stage's router losses would miss the loss",
-               _moe_model_parallel, False),
+    LayoutRule("moe-without-pipeline", "parallelism.pipeline",
+               "a mixture-of-experts model (model.moe) trains with parallelism.pipeline 1 for now: the "
+               "load-balancing loss multiplies sums over every MoE layer's tokens, which no one stage holds",
+               _moe_pipeline, False),
     LayoutRule("expert-needs-moe", "parallelism.expert",
                "parallelism.expert > 1 needs a mixture-of-experts model (model.moe, or a preset or model.from with experts)", _expert_model, False),
     LayoutRule("expert-divides-experts", "parallelism.expert",
                "parallelism.expert must divide model.moe.experts: every expert-parallel rank holds as many experts",
                _expert_divides_experts, False),
     LayoutRule("expert-composes", "parallelism.expert",
-               "parallelism.expert > 1 needs parallelism.fsdp, tensor = pipeline = 1 and no elastic.faultTolerance "
-               "replica groups: expert parallelism borrows FSDP's shard ranks and is not yet composed with the others",
+               "parallelism.expert > 1 needs parallelism.fsdp and no elastic.faultTolerance replica groups: "
+               "expert parallelism borrows FSDP's shard ranks and is not yet composed with replica groups",
                _expert_composes, False),
     LayoutRule("expert-divides-shard", "parallelism.expert",
                "parallelism.expert must divide the FSDP shard size (world / (tensor × pipeline × replicate)): the "

@@ -41,13 +41,11 @@ LAYOUT_CEL = {
     "ft-groups-divide-dp":
         "!has(self.elastic.faultTolerance) || self.elastic.faultTolerance.mode != 'replicaGroups' || "
         f"{_AT_EACH}{_DP} % self.elastic.faultTolerance.groups == 0)",
-    "moe-without-tensor-pipeline":
-        f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
+    "moe-without-pipeline": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || self.parallelism.pipeline == 1",
     "expert-needs-moe": f"self.parallelism.expert == 1 || !{EXPERTS_KNOWN} || {EXPERTS} > 0",
     "expert-divides-experts": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || {EXPERTS} % self.parallelism.expert == 0",
     "expert-composes":
-        "self.parallelism.expert == 1 || (self.parallelism.fsdp && self.parallelism.tensor == 1 && "
-        "self.parallelism.pipeline == 1 && !(has(self.elastic.faultTolerance) && "
+        "self.parallelism.expert == 1 || (self.parallelism.fsdp && !(has(self.elastic.faultTolerance) && "
         "self.elastic.faultTolerance.mode == 'replicaGroups'))",
     # kiln.api.layout.shard_size: dp / replicate with fsdp (an indivisible one is replicate's rule), else 1
     "expert-divides-shard":
@@ -57,7 +55,7 @@ LAYOUT_CEL = {
 # Rules that hold whatever the world are checked by every run; those about the world the spec names
 # (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own
 # world of one node x N processes (kiln.api.layout.fit_local).
-_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "moe-without-tensor-pipeline", "expert-needs-moe",
+_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "moe-without-pipeline", "expert-needs-moe",
                "expert-divides-experts", "expert-composes"}
 
 

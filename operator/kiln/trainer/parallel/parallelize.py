@@ -23,6 +23,7 @@ from kiln.api import ModelDims
 from kiln.api.layout import Layout, dims_shape, plan as plan_world
 from kiln.api.spec import TrainingSpecSpec
 from kiln.errors import KilnError
+from kiln.trainer.model.moe import MoE
 
 
 def plan_layout(spec: TrainingSpecSpec, dims: ModelDims, world: int, processes_per_node: int | None = None) -> Layout:
@@ -146,11 +147,29 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **(_moe_tp_plan() if isinstance(block.feed_forward, MoE) else {
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            }),
         })
+
+
+def _moe_tp_plan() -> dict:
+    """A mixture of experts under TP: every TP rank runs the whole MoE (router, experts or its EP share of them,
+    shared expert) on the TP group's gathered tokens, as plain tensors, and keeps its own sequence slice of the
+    result. The one all-gather is the dense MLP's; the slice back needs no communication. Router and expert
+    weights stay plain (or EP/FSDP) tensors replicated over tp: the same inputs and the same output gradient
+    give them the same gradient on every TP rank (tests/distributed/test_moe_tensor_parallel.py checks it
+    bit for bit), and the router losses see every token of the microbatch, as at TP 1. docs/trainer.md says
+    why not sequence-sharded routing."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))}
 
 
 # --- activation checkpointing and compile ---------------------------------------------------------------
