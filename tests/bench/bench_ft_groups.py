@@ -29,8 +29,9 @@ The job's timeline is the time each step was first reported by any group. Report
   cost_per_fault   what a fault cost (tests/bench/fault_cost.py): kiln_ledger's timeline (Running over the
                    job's wall, the final counters) priced by status.cost at 2 devices (one per group) in each
                    job's kiln_ledger.cost (GPU-hours by cause, their amount at --price-per-gpu-hour), the
-                   faulty job's less the reference's, per kill. The run stays Running while a group is away, so the ledger puts the
-                   time lost to a fault in `other` (held, not stepping), the steps taken alone in productive
+                   faulty job's less the reference's, per kill. The run stays Running while a group is away,
+                   so the ledger puts the time lost to a fault in `other` (held, not stepping), the steps taken
+                   alone in productive
   val_loss_diff    faulty − reference held-out loss at the end (the faulty job trained fewer samples:
                    a step with one group live averages half the batch); `sample_share` = tokens trained /
                    the reference's

@@ -45,8 +45,8 @@ def test_two_kills_share_the_difference():
     kill = {"trainer_time_at_kill": counters(40, 0), "kill_to_step_s": 5.0, "trainer_time_at_step": counters(40, 0)}
     faulty = {"kills": [{**kill, "at_s": 50.0}, {**kill, "at_s": 55.0}], "wall_s": 110.0,
               "trainer_time": counters(80, 0)}
-    lost = per_fault(priced(timeline(faulty), DEVICES, PRICE, "USD"), priced(timeline(reference), DEVICES, PRICE, "USD"),
-                     2, PRICE, "USD")
+    bad, ref = (priced(timeline(run), DEVICES, PRICE, "USD") for run in (faulty, reference))
+    lost = per_fault(bad, ref, 2, PRICE, "USD")
     assert lost["device_seconds"]["restart"] == 5 * DEVICES and lost["amount"] == 1.0
 
 
