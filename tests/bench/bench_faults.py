@@ -10,6 +10,9 @@ as a slow one. Reported, against a reference run without kills measured in the s
   kill_to_step_s    mean and max time from a kill to the next completed step (restart + restore + one step)
   steps_redone      steps trained twice (done after the last commit before a kill)
   final_loss_diff   faulty - reference final loss (0: the resumes were exact)
+  cost              what the faults cost (tests/bench/fault_cost.py): each run's timeline through the operator's
+                    goodput ledger and status.cost at 2 devices (ranks), GPU-hours by cause and their amount at
+                    --price-per-gpu-hour, and per_fault: the faulty run's less the reference's, per kill
   restart_breakdown where kill → next step goes, from the trainer's own marks (`startup` in the first record
                     of each process): respawn (kill → the new process exists: torchrun sees the dead worker,
                     stops the others, starts a generation), imports (interpreter, torch, kiln), rendezvous
@@ -21,6 +24,7 @@ Each kill's time, killed rank, restored step, recovery time, redone steps and br
 
     python -m tests.bench.bench_faults [--steps 400] [--kill-every 100] [--out runs/bench/faults.json]
     python -m tests.bench.bench_faults --steps 1600 --kill-every 300 --max-kills 5   # 5 kills
+    python -m tests.bench.bench_faults --price-per-gpu-hour 2.5 --currency EUR      # the faults' cost at a price
     python -m tests.bench.bench_faults --steps 100 --kill-every 30 --rounds 2 \
         --variants "before=REV:cold,after=HEAD:warm"      # restart cost before/after, back to back
 --variants runs each NAME=REV:ENTRY in turn (a reference and a faulty run each), with kiln as committed at REV
@@ -40,14 +44,18 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tests.bench.fault_cost import add_price_args, per_fault, priced, timeline
 from tests.bench.report import write_report
 from tests.support.ranks import TORCHRUN_ENV, torchrun_train_with_kills
 from tests.support.runs import write_spec
 
 
+NPROC = 2  # workers (devices) of each run
+
+
 def spec(path: Path, steps: int, interval: int) -> Path:
     """The micro Llama on 2 processes, a step logged each step, a commit every `interval` steps (keep 2)."""
-    return write_spec(path, nproc=2, training={"steps": steps, "globalBatchSize": 8, "microBatchSize": 2,
+    return write_spec(path, nproc=NPROC, training={"steps": steps, "globalBatchSize": 8, "microBatchSize": 2,
                                                "seed": 1, "logEvery": 1},
                       checkpoint={"intervalSteps": interval, "keep": 2})
 
@@ -110,11 +118,13 @@ def run_pair(run_spec: Path, tmp: Path, logs: Path, args, planned: list[int], *,
              entry: str = ENTRIES["cold"]) -> dict:
     """A reference run (no kills) and a faulty one (the planned kills) with one code version and entry."""
     env = {**TORCHRUN_ENV, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-    ref = torchrun_train_with_kills(run_spec, tmp / "ref", log=Path(f"{logs}.reference.log"),
+    ref = torchrun_train_with_kills(run_spec, tmp / "ref", log=Path(f"{logs}.reference.log"), nproc=NPROC,
                                     total_steps=args.steps, torchrun_env=env, entry=entry)
-    faulty = torchrun_train_with_kills(run_spec, tmp / "faulty", log=Path(f"{logs}.faulty.log"),
+    faulty = torchrun_train_with_kills(run_spec, tmp / "faulty", log=Path(f"{logs}.faulty.log"), nproc=NPROC,
                                        kill_at_steps=planned, total_steps=args.steps, max_restarts=100,
                                        torchrun_env=env, entry=entry)
+    price = (args.price_per_gpu_hour, args.currency)
+    costs = {name: priced(timeline(run), NPROC, *price) for name, run in (("reference", ref), ("faulty", faulty))}
     rec = [k["kill_to_step_s"] for k in faulty["kills"] if "kill_to_step_s" in k]
     for k in faulty["kills"]:
         k["breakdown"] = breakdown(k["at_epoch"], k.get("startup"))
@@ -128,6 +138,7 @@ def run_pair(run_spec: Path, tmp: Path, logs: Path, args, planned: list[int], *,
         "mean_kill_to_step_s": sum(rec) / len(rec) if rec else None,
         "max_kill_to_step_s": max(rec) if rec else None,
         "steps_redone": sum(k.get("steps_redone", 0) for k in faulty["kills"]),
+        "cost": {**costs, "per_fault": per_fault(costs["faulty"], costs["reference"], len(faulty["kills"]), *price)},
         "restart_breakdown": summary,
         "cold_start_breakdown": cold,
         # share of a restart's time that is each phase, and a restart against the cold start of the reference
@@ -175,6 +186,7 @@ def main(argv=None) -> dict:
                          "the base of the ratios); each round runs every variant back to back")
     ap.add_argument("--rounds", type=int, default=1, help="with --variants: how many alternating rounds")
     ap.add_argument("--out", default="runs/bench/faults.json")
+    add_price_args(ap)
     args = ap.parse_args(argv)
     planned = kill_steps(args.steps, args.kill_every, args.max_kills)
     logs = Path(args.out).with_suffix("")
@@ -205,7 +217,7 @@ def main(argv=None) -> dict:
               "rounds": rounds, "compare": compare(rounds, base)}
     summary = {"compare": report["compare"],
                "rounds": [{name: {k: v[k] for k in ("rev", "entry", "load_average_before", "mean_kill_to_step_s",
-                                                      "restart_breakdown", "cold_start_breakdown", "goodput",
+                                                      "restart_breakdown", "cold_start_breakdown", "goodput", "cost",
                                                       "final_loss_diff", "both_finished", "all_kills_done")}
                            for name, v in r.items()} for r in rounds]}
     write_report(report, args.out, summary=summary)

@@ -26,6 +26,12 @@ The job's timeline is the time each step was first reported by any group. Report
   kiln_ledger      kiln's own account (kiln.control.goodput over the trainer's counters in the final
                    commit's trainer.json): productive, degraded seconds and goodput over the same wall,
                    against the benchmark's degraded time (Σ gaps ending in a step with one group live)
+  cost_per_fault   what a fault cost (tests/bench/fault_cost.py): kiln_ledger's timeline (Running over the
+                   job's wall, the final counters) priced by status.cost at 2 devices (one per group) in each
+                   job's kiln_ledger.cost (GPU-hours by cause, their amount at --price-per-gpu-hour), the
+                   faulty job's less the reference's, per kill. The run stays Running while a group is away,
+                   so the ledger puts the time lost to a fault in `other` (held, not stepping), the steps taken
+                   alone in productive
   val_loss_diff    faulty − reference held-out loss at the end (the faulty job trained fewer samples:
                    a step with one group live averages half the batch); `sample_share` = tokens trained /
                    the reference's
@@ -45,6 +51,7 @@ import uuid
 from collections import deque
 from pathlib import Path
 
+from tests.bench.fault_cost import add_price_args, ledger, per_fault, priced
 from tests.bench.report import write_report
 from tests.distributed.ft_helpers import Group, lighthouse_server
 from tests.support.ranks import POLL_S, SAFETY_TIMEOUT_S
@@ -227,9 +234,9 @@ class Job:
         return out
 
 
-def kiln_ledger(uri: str, endpoint: str | None, wall_s: float) -> dict:
-    """kiln's own goodput ledger (kiln.control.goodput) over the trainer's counters in the final commit."""
-    from kiln.control.goodput import Ledger, observe
+def kiln_ledger(uri: str, endpoint: str | None, wall_s: float, price: tuple[float, str]) -> dict:
+    """kiln's own goodput ledger (kiln.control.goodput) over the trainer's counters in the final commit, and what
+    it cost (status.cost) at `price` (per GPU-hour, currency) with a device per group."""
     from kiln.storage.commit import read_latest, read_trainer_state
     from kiln.storage.store import open_store
     from kiln.trainer.observe.status_report import DEGRADED, TRAINER_TIME
@@ -240,10 +247,10 @@ def kiln_ledger(uri: str, endpoint: str | None, wall_s: float) -> dict:
         return {"error": f"no commit under {uri}"}
     counters = read_trainer_state(store, latest)["goodput"]
     keys = dict((*TRAINER_TIME, DEGRADED))  # the trainer's counter → its status.trainerTime field
-    ledger = observe(Ledger(observed_at=0.0), wall_s, "Running", {v: float(counters.get(k, 0.0))
-                                                                 for k, v in keys.items()})
-    return {"trainer_time": counters, "productive_s": ledger.productive_s, "degraded_s": ledger.degraded_s,
-            "goodput": ledger.goodput}
+    intervals = [(wall_s, "Running", {v: float(counters.get(k, 0.0)) for k, v in keys.items()})]
+    held = ledger(intervals, GROUPS)
+    return {"trainer_time": counters, "productive_s": held.productive_s, "degraded_s": held.degraded_s,
+            "goodput": held.goodput, "cost": priced(intervals, GROUPS, *price)}
 
 
 def main(argv=None) -> dict:
@@ -258,6 +265,7 @@ def main(argv=None) -> dict:
                     help="the lighthouse's heartbeat timeout (kiln run's: 1000; the operator's Deployment: 2000)")
     ap.add_argument("--endpoint", default=None, help="an S3 endpoint (AWS_* keys from the environment)")
     ap.add_argument("--out", default="runs/bench/ft_groups.json")
+    add_price_args(ap)
     args = ap.parse_args(argv)
     from tests.bench.bench_checkpoint import _server
 
@@ -292,7 +300,8 @@ def main(argv=None) -> dict:
         ref = jobs[0].summary(None)
         faulty = jobs[1].summary(ref["gaps"])
         for name, part in (("reference", ref), ("faulty", faulty)):
-            part["kiln_ledger"] = kiln_ledger(f"{prefix}/{name}/", endpoint, part["wall_s"])
+            part["kiln_ledger"] = kiln_ledger(f"{prefix}/{name}/", endpoint, part["wall_s"],
+                                              (args.price_per_gpu_hour, args.currency))
     finally:
         for gate in logs.glob("gate-*"):  # the standbys' FIFOs (tests.distributed.ft_helpers.Group)
             gate.unlink()
@@ -315,6 +324,9 @@ def main(argv=None) -> dict:
         "kiln_goodput": faulty["kiln_ledger"].get("goodput"),
         "reference_kiln_goodput": ref["kiln_ledger"].get("goodput"),
         "degraded_s": faulty["degraded_s"], "kiln_degraded_s": faulty["kiln_ledger"].get("degraded_s"),
+        "cost_per_fault": (per_fault(faulty["kiln_ledger"]["cost"], ref["kiln_ledger"]["cost"], len(kills),
+                                     args.price_per_gpu_hour, args.currency)
+                           if "cost" in faulty["kiln_ledger"] and "cost" in ref["kiln_ledger"] else None),
         "guard": faulty["guard"], "reference_guard": ref["guard"],
         "heal_s": _quantiles([k["heal_s"] for k in kills if k.get("heal_s") is not None]),
         "heal_gap_s": _quantiles([k["heal_gap_s"] for k in kills if k.get("heal_gap_s") is not None]),

@@ -4,7 +4,9 @@ step of the restarted job, restoring from the ranks' host-memory copies (KILN_SH
     python -m tests.bench.bench_restart                          # file:// store in a temp dir
     python -m tests.bench.bench_restart --s3                     # the rig's S3 (or a private versitygw)
 
-Writes JSON to --out (default runs/bench/restart.json): per-trial times, medians, and store/memory ratios.
+Writes JSON to --out (default runs/bench/restart.json): per-trial times, medians, and store/memory ratios, and
+what a fault cost in each mode (`cost_per_fault`, tests/bench/fault_cost.py): the median kill → step held
+Restarting at 2 devices (ranks), through the operator's goodput ledger and status.cost at --price-per-gpu-hour.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.bench.fault_cost import add_price_args, priced
 from tests.bench.report import write_report
 from tests.support.ranks import complete_lines, fsdp_per_layer, start_ranks, wait_until
 
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="the rig's S3 (or a private versitygw) instead of file://")
     parser.add_argument("--endpoint", default=None)
     parser.add_argument("--out", default="runs/bench/restart.json")
+    add_price_args(parser)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-restart-"))
@@ -166,6 +170,9 @@ def main() -> None:
             k: med["store"][k] / max(med["memory"][k], 1e-9) for k in ("kill_to_step_s", "restore_s")
         },
         "sources": {m: sorted({t["source"] for t in ts}) for m, ts in trials.items()},
+        # the workers are not kiln's trainer (no time counters): kill → first step is all `restart`
+        "cost_per_fault": {m: priced([(med[m]["kill_to_step_s"], "Restarting", {})], WORLD,
+                                     args.price_per_gpu_hour, args.currency) for m in med},
         "raw": trials,
     }
     write_report(results, args.out, summary={k: v for k, v in results.items() if k != "raw"})

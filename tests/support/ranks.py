@@ -173,6 +173,22 @@ def complete_lines(path: Path) -> list[str]:
         return []
 
 
+def trainer_time(lines: list[str]) -> dict[str, float]:
+    """status.trainerTime as rank 0 had it when these metrics lines were the file: the records replayed through
+    kiln's own StatusReporter (a step first done is productive, a save's stall is checkpointStall). A resume
+    truncates the file to its commit, so the lines then carry what that commit carried."""
+    from kiln.trainer.observe.status_report import TRAINER_TIME, StatusReporter
+
+    reporter = StatusReporter(total_steps=0)  # no sender: it only counts
+    for line in filter(str.strip, lines):
+        record = json.loads(line)
+        reporter.update(record, None)
+        if "checkpoint_stall_s" in record:
+            reporter.stalled(record["checkpoint_stall_s"])
+    counted = reporter.state_dict()
+    return {field: counted[key] for key, field in TRAINER_TIME}
+
+
 def last_step(metrics: Path) -> int:
     """The newest step in metrics.jsonl (0: none yet)."""
     lines = [line for line in complete_lines(metrics) if line.strip()]
@@ -217,7 +233,9 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
     worker_group_failures (torchrun logs one per failed group) and per kill: at_s, at_step (the step reported
     when it struck), rank, kill_to_step_s (kill → first step of the new workers), resumed_from_step (the commit
     restored), steps_redone, at_epoch and startup (the new generation's rank 0's epoch marks from its first
-    record, kiln.trainer.loop); `startup` at the top level is the first generation's, t0_epoch the launch.
+    record, kiln.trainer.loop), trainer_time_at_kill and trainer_time_at_step (status.trainerTime then:
+    `trainer_time`); `startup` at the top level is the first generation's, t0_epoch the launch, trainer_time
+    the end's.
 
     Recovery is the first metrics line the *new* workers wrote: a resume rewrites metrics.jsonl (truncated to
     the restored commit, then appended), so a line count can drop and rise again mid-rewrite, and the killed
@@ -273,7 +291,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
                         rank = _rank_of(victim)
                         os.kill(victim, signal.SIGKILL)
                         pending = {"at_s": now - t0, "at_epoch": time.time(), "at_step": step, "rank": rank,
-                                   "old": set(workers),
+                                   "trainer_time_at_kill": trainer_time(lines), "old": set(workers),
                                    "lines": lines}
                         kills.append(pending)
                 continue
@@ -287,7 +305,7 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
             if first_new is None:
                 continue  # restoring, or in the middle of rewriting the file
             pending.update(kill_to_step_s=now - t0 - pending["at_s"], resumed_from_step=first_new,
-                           steps_redone=peak - first_new)
+                           steps_redone=peak - first_new, trainer_time_at_step=trainer_time(lines[:first_new + 1]))
             # the new generation's own marks of where its start went (kiln.trainer.loop: `startup`)
             pending["startup"] = json.loads(lines[first_new]).get("startup")
             pending, peak = None, len(lines)
@@ -305,4 +323,5 @@ def torchrun_train_with_kills(spec: Path, out: Path, *, log: Path, kill_at_steps
     return {"rc": None if timed_out else proc.returncode, "wall_s": wall, "t0_epoch": t0_epoch,
             "startup": records[0].get("startup") if records else None,  # the first generation's start
             "final_step": records[-1]["step"] if records else 0, "kills": kills,
-            "worker_group_failures": failures, "final_loss": records[-1]["loss"] if records else None}
+            "worker_group_failures": failures, "final_loss": records[-1]["loss"] if records else None,
+            "trainer_time": trainer_time(complete_lines(metrics))}
