@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import platform
 import statistics
@@ -178,6 +179,7 @@ class TorchTitanStep:
         self.autocast = args.precision == "bf16"
         self.gen = torch.Generator().manual_seed(0)
         self.losses: list[float] = []
+        self.fwd_bwd_s: list[float] = []  # each step's forward and backward, as kiln's metrics time its own
 
     @staticmethod
     def _forward_loss(model, loss_fn):
@@ -189,9 +191,11 @@ class TorchTitanStep:
         d = self.dims
         batch = torch.randint(0, d.vocab_size, (self.batch, d.seq_len + 1), generator=self.gen).to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:]
+        start = _now(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.forward_loss(inputs, labels)
         loss.backward()
+        self.fwd_bwd_s.append(_now(self.device) - start)
         self.clip(list(self.model.parameters()), 1.0, foreach=True)
         self.opt.step()
         self.opt.zero_grad()
@@ -289,13 +293,28 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
     if device.type == "cuda":
         os.environ.setdefault("LOCAL_RANK", "0")
     result = train(spec, output_dir=out_dir, hooks=hooks, checkpointing=False)
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    kiln_fwd_bwd = [r["fwd_bwd_s"] for r in records if "fwd_bwd_s" in r]
     n_params = sum(p.numel() for p in titan.model.parameters())
     if n_params != count_params(dims):
         raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
     # kiln's first timed step starts after the first TorchTitan step: the last `steps` of each (the loop ran
     # warmup + steps + 1, so both drop their first warmup + 1).
     profile = profiler.table(args.steps) if profiler is not None else None
-    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses, profile
+    outside = loop_outside(kiln_s[-args.steps:], kiln_fwd_bwd[-args.steps:], titan_s[-args.steps:],
+                           titan.fwd_bwd_s[-args.steps:])
+    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses, profile, outside
+
+
+def loop_outside(kiln_s: list[float], kiln_fwd_bwd: list[float], titan_s: list[float],
+                 titan_fwd_bwd: list[float]) -> dict:
+    """Each side's step time outside forward/backward (data, clipping, AdamW on both; kiln's loop adds its
+    guards, metrics, status and checkpoint check), medians per step. kiln's loop overhead: what it spends
+    there beyond TorchTitan's step, as a share of its step."""
+    kiln_out = statistics.median(s - f for s, f in zip(kiln_s, kiln_fwd_bwd))
+    titan_out = statistics.median(s - f for s, f in zip(titan_s, titan_fwd_bwd))
+    return {"kiln_s": kiln_out, "torchtitan_s": titan_out,
+            "kiln_loop_overhead_fraction": (kiln_out - titan_out) / statistics.median(kiln_s)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -332,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        kiln_s, titan_s, titan, kiln_losses, profile = run_interleaved(args, device, Path(tmp))
+        kiln_s, titan_s, titan, kiln_losses, profile, outside = run_interleaved(args, device, Path(tmp))
     load_after = os.getloadavg()
 
     dims = resolve_model(make_spec(args).spec.model)
@@ -358,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Each kiln step against the TorchTitan step right after it: load that drifts over the run moves both
         # steps of a pair alike, so the median of these ratios shakes less than the ratio of medians.
         "median_of_pair_ratios": statistics.median(t / k for k, t in zip(kiln_s, titan_s)),
+        "outside_forward_backward_median_s": outside,
         "first_losses": {"kiln": kiln_losses[:3], "torchtitan": titan.losses[:3]},
     }
     if profile is not None:  # the profiler's own overhead slows both sides: such a run's ratios are not the figures
