@@ -102,36 +102,3 @@ def test_activation_checkpointing_keeps_names_and_gradients(mode):
     ac(x, x).backward()
     for (name, a), b in zip(ref.named_parameters(), ac.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
-
-
-class _Linears(torch.overrides.TorchFunctionMode):
-    """Counts F.linear calls (each one GEMM forward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.nn.functional.linear
-        return func(*args, **(kwargs or {}))
-
-
-def test_qkv_projection_is_one_gemm_with_the_same_outputs_and_gradients_as_three():
-    """Plain wq/wk/wv run as one matmul (the parameters, hence checkpoints and exports, stay three); a module
-    with a hook (as tensor parallelism installs) is called as itself, and both give the same loss and grads."""
-    x, y = tokens(), tokens(seed=1)
-    fused, separate = materialised(), materialised()
-    for block in separate.layers.values():
-        block.attention.wk.register_forward_hook(lambda m, i, o: None)
-    losses, grads = [], []
-    for model, linears_per_block in ((fused, 2 + 3), (separate, 4 + 3)):  # attention (qkv, wo) + MLP (w1, w3, w2)
-        with _Linears() as count:
-            loss = model(x, targets=y)
-        assert count.calls == linears_per_block * DIMS.layers  # (the head: a matmul inside the fused loss)
-        loss.backward()
-        losses.append(loss)
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(losses[0], losses[1])
-    assert grads[0].keys() == grads[1].keys() and "layers.0.attention.wk.weight" in grads[0]
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)

@@ -127,7 +127,9 @@ class Attention(nn.Module):
         `mask` keeps documents apart (kiln.trainer.model.documents; None: plain causal)."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds only its share of the heads.
-        q, k, v = (t.view(bsz, seq, -1, self.head_dim) for t in self.project_qkv(x))
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos.dim() == 3:  # per-token angles: rotate the rows as one long sequence of bsz * seq positions
@@ -144,28 +146,6 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.n_rep, dim=1)
         out = attend(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap, docs=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k and v: one matmul against the three weights concatenated where they are plain nn.Linear
-        weights (one GEMM and one weight-gradient GEMM instead of three: docs/trainer.md's TorchTitan
-        comparison), else each module called (a LoRA adapter, tensor parallelism's hooks and DTensor shards
-        stay theirs). The parameters stay wq/wk/wv: checkpoints and the HF export are unchanged."""
-        linears = (self.wq, self.wk, self.wv)
-        if not all(_plain_linear(m) for m in linears):
-            return tuple(m(x) for m in linears)
-        bias = None if self.wq.bias is None else torch.cat([m.bias for m in linears])
-        qkv = F.linear(x, torch.cat([m.weight for m in linears]), bias)
-        return qkv.split([m.out_features for m in linears], dim=-1)
-
-
-def _plain_linear(m: nn.Module) -> bool:
-    """An nn.Linear whose call is only its matmul: not a subclass (LoRA), no hooks (tensor parallelism's), no
-    DTensor weight (FSDP2 swaps in plain unsharded ones for the forward)."""
-    from torch.distributed.tensor import DTensor
-
-    return (type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-            and not isinstance(m.weight, DTensor))
 
 
 class FeedForward(nn.Module):
