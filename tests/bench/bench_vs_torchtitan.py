@@ -2,10 +2,12 @@
 
 kiln (A): the real training loop (`kiln.trainer.loop.train`, one process: what `kiln.trainer.parallel.parallelize` applies
 at that layout — at one rank in fp32 no FSDP and the whole model compiled as one graph —, the kernels switch,
-its default guards, logging and status). TorchTitan (B): `torchtitan` 0.2.2's
-Llama3 `Transformer`, compiled per block by TorchTitan's own `apply_compile` with its loss compiled, as its
-trainer does, and its step: forward, sum cross-entropy over the tokens, backward, clipping at 1.0, AdamW
-with TorchTitan's defaults (fused), the loss read as a number. Same dimensions (TorchTitan's `debugmodel` on
+its default guards, logging and status). TorchTitan (B), its best configuration of the same model by default:
+`torchtitan` 0.3.0's Llama3 model (fused QKV projection, complex RoPE) compiled as one graph with its loss
+(as kiln compiles its own model at one rank), or with `--torchtitan 0.2.2` that release's model (separate
+q/k/v) compiled per block by TorchTitan's own `apply_compile` with its loss compiled, as its trainer does.
+Its step either way: forward, sum cross-entropy over the tokens, backward, clipping at 1.0, AdamW with
+TorchTitan's defaults (fused), the loss read as a number. Same dimensions (TorchTitan's `debugmodel` on
 CPU: dim 256, 6 layers, 16 heads, vocab 2048, batch 8 x 256; or one of kiln's presets with `--preset`), same
 dtype, same process (so the same thread count), same compile setting; the parameter counts are checked equal.
 
@@ -18,9 +20,11 @@ of the per-pair ratios (each kiln step against the TorchTitan step right after i
 quartiles, max) and the machine's load average before and after.
 
 TorchTitan is installed with `--no-deps` into `$KILN_CACHE_DIR/tools/torchtitan-<ver>` (its pins are not
-kiln's) and put on sys.path by this script only; it is never a kiln dependency. 0.2.2 is the release whose
-Llama3 debug model runs causal SDPA, the attention kiln runs (0.3.0 accepts only flex/varlen attention
-with block-causal masks for language models).
+kiln's) and put on sys.path by this script only; it is never a kiln dependency. Attention: 0.3.0 builds
+its language models only with flex or varlen attention over block-causal (per-document) masks, which kiln
+runs only for packed rows; its inner `ScaledDotProductAttention` module (causal SDPA, the attention kiln
+runs on plain rows, the only one 0.2.2's debug model ran) is put in each block's config in their place, so
+both sides run the same attention kernel and what differs is the rest of the model and the step.
 
     python -m tests.bench.bench_vs_torchtitan                                    # CPU, TorchTitan's debugmodel
     python -m tests.bench.bench_vs_torchtitan --device cuda --preset llama-1b    # one GPU, bf16
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import platform
 import statistics
@@ -49,27 +54,29 @@ from kiln.trainer.observe.metrics import flops_per_token, peak_flops
 from kiln.trainer.model.transformer import count_params
 from tests.bench.report import write_report
 
-TORCHTITAN = "0.2.2"
-# The model module's imports, transitively (torchtitan's package __init__ files reach its config and dataset
-# code); none of them is torch, so kiln's torch serves.
-TORCHTITAN_PACKAGES = [f"torchtitan=={TORCHTITAN}", "tyro==1.0.17", "docstring_parser==0.18.0", "torchdata==0.11.0",
-                       "datasets==5.2.0", "dill==0.4.1", "xxhash==4.1.0", "multiprocess==0.70.19", "pandas==3.1.1"]
+# Per release, the model module's imports, transitively (torchtitan's package __init__ files reach its config
+# and dataset code); none of them is torch, so kiln's torch serves.
+TORCHTITAN_PACKAGES = {
+    "0.3.0": ["torchtitan==0.3.0", "spmd_types==0.2.3", "tyro==1.0.17", "docstring_parser==0.18.0"],
+    "0.2.2": ["torchtitan==0.2.2", "tyro==1.0.17", "docstring_parser==0.18.0", "torchdata==0.11.0",
+              "datasets==5.2.0", "dill==0.4.1", "xxhash==4.1.0", "multiprocess==0.70.19", "pandas==3.1.1"],
+}
 # TorchTitan's llama3 "debugmodel" (its ffn: 2/3 * 4 * dim rounded up to 256 = 768; kv heads = heads).
 DEBUGMODEL = dict(dim=256, layers=6, heads=16, kv_heads=16, vocab_size=2048, seq_len=256, ffn_dim=768,
                   rope_theta=500000.0)
 
 
-def torchtitan_dir() -> Path:
+def torchtitan_dir(version: str) -> Path:
     cache = Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-    return cache / "tools" / f"torchtitan-{TORCHTITAN}"
+    return cache / "tools" / f"torchtitan-{version}"
 
 
-def ensure_torchtitan() -> Path:
+def ensure_torchtitan(version: str) -> Path:
     """Install TorchTitan (no dependencies: kiln's torch is the one measured) once, and import from there."""
-    target = torchtitan_dir()
+    target = torchtitan_dir(version)
     if not (target / "torchtitan").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-                        *TORCHTITAN_PACKAGES], check=True)
+                        *TORCHTITAN_PACKAGES[version]], check=True)
     if str(target) not in sys.path:
         sys.path.append(str(target))  # appended: kiln's own packages (torch, numpy) stay first
     return target
@@ -100,37 +107,71 @@ def make_spec(args) -> TrainingSpec:
     })
 
 
-def torchtitan_args(dims: ModelDims):
-    """TorchTitan's model args with kiln's dims. ffn: TorchTitan rounds 2/3 * 4 * dim up to `multiple_of`,
-    so multiple_of = kiln's ffn_dim gives exactly that width."""
+def llama3_v022(dims: ModelDims, compile_: bool) -> tuple[torch.nn.Module, object]:
+    """0.2.2's Transformer, compiled per block (and its loss) by TorchTitan's own apply_compile. ffn: TorchTitan
+    rounds 2/3 * 4 * dim up to `multiple_of`, so multiple_of = kiln's ffn_dim gives exactly that width."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama3.infra.parallelize import apply_compile
     from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
 
-    return TransformerModelArgs(dim=dims.dim, n_layers=dims.layers, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
+    args = TransformerModelArgs(dim=dims.dim, n_layers=dims.layers, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
                                 vocab_size=dims.vocab_size, multiple_of=dims.ffn_dim, norm_eps=dims.norm_eps,
                                 rope_theta=dims.rope_theta, max_seq_len=dims.seq_len)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if compile_:
+        apply_compile(model, Compile(enable=True, components=["model", "loss"]))
+    return model, (torch.compile(cross_entropy_loss) if compile_ else cross_entropy_loss)
+
+
+def llama3_v030(dims: ModelDims, compile_: bool) -> tuple[torch.nn.Module, object]:
+    """0.3.0's Llama3Model as its debugmodel builds it (fused QKV, complex RoPE, its inits) with kiln's dims and
+    causal SDPA as the inner attention (the module docstring says why). Compiled by the step, as one graph."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers,
+                                          _output_linear_init)
+
+    layers = _build_llama3_layers(
+        fuse_qkv=True, n_layers=dims.layers, dim=dims.dim, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
+        hidden_dim=dims.ffn_dim, attn_backend="flex",
+        rope=ComplexRoPE.Config(dim=dims.head_dim, max_seq_len=dims.seq_len, theta=dims.rope_theta, scaling="none"))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    norm = RMSNorm.Config(normalized_shape=dims.dim, eps=dims.norm_eps, param_init=_NORM_INIT)
+    config = Llama3Model.Config(
+        dim=dims.dim, vocab_size=dims.vocab_size, norm=norm, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=dims.vocab_size, embedding_dim=dims.dim,
+                                        param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dims.dim, out_features=dims.vocab_size,
+                              param_init=_output_linear_init(dims.dim)))
+    for layer in layers:
+        layer.attention_norm = layer.ffn_norm = norm
+    with torch.device("meta"):
+        model = config.build()
+    return model, cross_entropy_loss
 
 
 class TorchTitanStep:
     """TorchTitan's single-device training step (its trainer's train_step without the parallelisms)."""
 
     def __init__(self, dims: ModelDims, args, device: torch.device):
-        from torchtitan.components.loss import cross_entropy_loss
-        from torchtitan.config.job_config import Compile
         from torchtitan.distributed.utils import clip_grad_norm_
-        from torchtitan.models.llama3.infra.parallelize import apply_compile
-        from torchtitan.models.llama3.model.model import Transformer
 
         torch.manual_seed(0)
-        with torch.device("meta"):
-            model = Transformer(torchtitan_args(dims))
-        if not args.no_compile:
-            apply_compile(model, Compile(enable=True, components=["model", "loss"]))
+        build = llama3_v030 if args.torchtitan == "0.3.0" else llama3_v022
+        model, loss_fn = build(dims, not args.no_compile)
         model.to_empty(device=device)
         with torch.no_grad():
-            model.init_weights(buffer_device=device)
+            (model.init_states if hasattr(model, "init_states") else model.init_weights)(buffer_device=device)
         model.train()
         self.model, self.device, self.dims, self.batch = model, device, dims, args.batch
-        self.loss_fn = cross_entropy_loss if args.no_compile else torch.compile(cross_entropy_loss)
+        self.forward_loss = self._forward_loss(model, loss_fn)
+        if args.torchtitan == "0.3.0" and not args.no_compile:  # one graph: model and loss, as kiln at one rank
+            self.forward_loss = torch.compile(self.forward_loss)
         self.clip = clip_grad_norm_
         # TorchTitan's optimizer defaults (lr 8e-4, eps 1e-8, weight decay 0.1, implementation "fused").
         self.opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -138,16 +179,23 @@ class TorchTitanStep:
         self.autocast = args.precision == "bf16"
         self.gen = torch.Generator().manual_seed(0)
         self.losses: list[float] = []
+        self.fwd_bwd_s: list[float] = []  # each step's forward and backward, as kiln's metrics time its own
+
+    @staticmethod
+    def _forward_loss(model, loss_fn):
+        def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return loss_fn(model(inputs), labels) / labels.numel()  # TorchTitan: sum over the global tokens
+        return forward_loss
 
     def __call__(self) -> None:
         d = self.dims
         batch = torch.randint(0, d.vocab_size, (self.batch, d.seq_len + 1), generator=self.gen).to(self.device)
         inputs, labels = batch[:, :-1], batch[:, 1:]
+        start = _now(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            pred = self.model(inputs)
-        loss = self.loss_fn(pred, labels) / labels.numel()  # TorchTitan: sum, divided by the global tokens
-        del pred
+            loss = self.forward_loss(inputs, labels)
         loss.backward()
+        self.fwd_bwd_s.append(_now(self.device) - start)
         self.clip(list(self.model.parameters()), 1.0, foreach=True)
         self.opt.step()
         self.opt.zero_grad()
@@ -245,13 +293,28 @@ def run_interleaved(args, device: torch.device, out_dir: Path) -> tuple[list[flo
     if device.type == "cuda":
         os.environ.setdefault("LOCAL_RANK", "0")
     result = train(spec, output_dir=out_dir, hooks=hooks, checkpointing=False)
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    kiln_fwd_bwd = [r["fwd_bwd_s"] for r in records if "fwd_bwd_s" in r]
     n_params = sum(p.numel() for p in titan.model.parameters())
     if n_params != count_params(dims):
         raise SystemExit(f"shapes differ: TorchTitan has {n_params} parameters, kiln {count_params(dims)}")
     # kiln's first timed step starts after the first TorchTitan step: the last `steps` of each (the loop ran
     # warmup + steps + 1, so both drop their first warmup + 1).
     profile = profiler.table(args.steps) if profiler is not None else None
-    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses, profile
+    outside = loop_outside(kiln_s[-args.steps:], kiln_fwd_bwd[-args.steps:], titan_s[-args.steps:],
+                           titan.fwd_bwd_s[-args.steps:])
+    return kiln_s[-args.steps:], titan_s[-args.steps:], titan, result.losses, profile, outside
+
+
+def loop_outside(kiln_s: list[float], kiln_fwd_bwd: list[float], titan_s: list[float],
+                 titan_fwd_bwd: list[float]) -> dict:
+    """Each side's step time outside forward/backward (data, clipping, AdamW on both; kiln's loop adds its
+    guards, metrics, status and checkpoint check), medians per step. kiln's loop overhead: what it spends
+    there beyond TorchTitan's step, as a share of its step."""
+    kiln_out = statistics.median(s - f for s, f in zip(kiln_s, kiln_fwd_bwd))
+    titan_out = statistics.median(s - f for s, f in zip(titan_s, titan_fwd_bwd))
+    return {"kiln_s": kiln_out, "torchtitan_s": titan_out,
+            "kiln_loop_overhead_fraction": (kiln_out - titan_out) / statistics.median(kiln_s)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -265,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="measured steps of each side")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured steps of each side first (compilation)")
     p.add_argument("--no-compile", action="store_true", help="both sides without torch.compile")
+    p.add_argument("--torchtitan", default="0.3.0", choices=sorted(TORCHTITAN_PACKAGES),
+                   help="0.3.0: fused QKV, one-graph compile (its best configuration); 0.2.2: per-block compile")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"], help="kiln's kernels switch")
     p.add_argument("--profile", action="store_true",
                    help="also torch.profiler over the measured steps: each side's top ops by self time, per step")
@@ -282,11 +347,11 @@ def main(argv: list[str] | None = None) -> dict:
         if need > torch.cuda.get_device_properties(0).total_memory:
             p.error(f"--preset {args.preset}: the two models' weights, gradients and AdamW state alone take "
                     f"{need / 2**30:.0f} GiB, more than this GPU has")
-    ensure_torchtitan()
+    ensure_torchtitan(args.torchtitan)
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        kiln_s, titan_s, titan, kiln_losses, profile = run_interleaved(args, device, Path(tmp))
+        kiln_s, titan_s, titan, kiln_losses, profile, outside = run_interleaved(args, device, Path(tmp))
     load_after = os.getloadavg()
 
     dims = resolve_model(make_spec(args).spec.model)
@@ -296,7 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     for side in (kiln, tt):
         side["mfu"] = side["tokens_per_second"] * flops / peak if peak else None
     result = {
-        "bench": "vs_torchtitan", "torchtitan": TORCHTITAN,
+        "bench": "vs_torchtitan", "torchtitan": args.torchtitan,
+        "torchtitan_compile": ("one graph, model and loss" if args.torchtitan == "0.3.0" else "per block, and the loss"),
         "preset": args.preset, "dims": dims.model_dump(mode="json"),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "precision": args.precision, "batch": args.batch, "seq_len": dims.seq_len, "steps": args.steps,
@@ -311,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Each kiln step against the TorchTitan step right after it: load that drifts over the run moves both
         # steps of a pair alike, so the median of these ratios shakes less than the ratio of medians.
         "median_of_pair_ratios": statistics.median(t / k for k, t in zip(kiln_s, titan_s)),
+        "outside_forward_backward_median_s": outside,
         "first_losses": {"kiln": kiln_losses[:3], "torchtitan": titan.losses[:3]},
     }
     if profile is not None:  # the profiler's own overhead slows both sides: such a run's ratios are not the figures

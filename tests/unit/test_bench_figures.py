@@ -1,11 +1,13 @@
 """Benchmark figures quoted in docs/ can be checked from the repository: every figure table in a section about
 a benchmark names the JSON it comes from, kept under docs/bench/ (tests.bench.report.KEPT_DIR), or says in
-its section that the JSON was not kept; every kept file a doc names exists and says where it was measured."""
+its section that the JSON was not kept; every kept file a doc names exists and says where it was measured, at a
+commit of this history (so the code that produced it can be checked out)."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,14 +67,47 @@ def test_docs_name_kept_benchmark_json():
     assert len(KEPT_NAMED) >= 5  # the parametrized check below would pass vacuously on none
 
 
+def commit_of(result: dict) -> str:
+    """The commit a kept result records: tests/bench/report.py's provenance, or (written before it) the bench's own key."""
+    return result["provenance"]["commit"] if "provenance" in result else result["commit"]
+
+
 @pytest.mark.parametrize("path", KEPT_NAMED)
 def test_every_kept_json_says_where_it_was_measured(path):
     result = json.loads((ROOT / "docs" / "bench" / path).read_text())
     if "provenance" in result:  # tests/bench/report.py's
         prov = result["provenance"]
-        commit, cpus, load = prov["commit"], prov["machine"]["cpus"], prov["machine"]["load_average_1_5_15"]["before"]
+        cpus, load = prov["machine"]["cpus"], prov["machine"]["load_average_1_5_15"]["before"]
     else:  # written before the shared provenance, with the same facts at the top under the bench's own keys
-        commit, cpus = result["commit"], result["cpus"]
+        cpus = result["cpus"]
         load = next(result[k] for k in ("load_average_1m", "load_average", "load_avg_1m_before_after") if k in result)
-    # a short hash: a bench run on a branch, before the rebase that landed it
-    assert re.fullmatch(r"[0-9a-f]{7,40}", commit) and cpus >= 1 and load, path
+    assert re.fullmatch(r"[0-9a-f]{7,40}", commit_of(result)) and cpus >= 1 and load, path
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _no_history() -> str | None:
+    """Why this checkout cannot answer "is that commit in my history", or None when it can."""
+    shallow = _git("rev-parse", "--is-shallow-repository")
+    if shallow.returncode != 0:
+        return "not a git checkout (a source archive): there is no history to look the commits up in"
+    if shallow.stdout.strip() == "true":
+        return "a shallow clone: commits older than its depth are not here (clone with full history to check them)"
+    return None
+
+
+KEPT_FILES = sorted(p.name for p in (ROOT / "docs" / "bench").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", KEPT_FILES)
+def test_every_kept_json_was_measured_at_a_commit_of_this_history(path):
+    """A commit rebased away leaves a hash nobody can check out: each kept result's commit is an ancestor of HEAD."""
+    why = _no_history()
+    if why:
+        pytest.skip(why)
+    commit = commit_of(json.loads((ROOT / "docs" / "bench" / path).read_text()))
+    ancestor = _git("merge-base", "--is-ancestor", commit, "HEAD")
+    assert ancestor.returncode == 0, (f"docs/bench/{path}: its commit {commit} is not in this branch's history "
+                                      f"(re-run the bench at a commit of it and keep that JSON) {ancestor.stderr}")
