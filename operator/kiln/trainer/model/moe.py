@@ -229,6 +229,21 @@ class RouterLoad:
             load.reset()
         return out
 
+    def sum_over(self, group) -> None:
+        """Sum the loads, the losses and the forwards over `group` (the data-parallel ranks: each routed its own
+        share of the batch; tensor-parallel ranks hold the same tokens and must not be in it), in one all-reduce:
+        read() then describes the whole step. The loads are counted where the tokens were routed, before any
+        expert-parallel dispatch, so each token counts once. float64 holds the counts exactly (up to 2^53)."""
+        import torch.distributed as dist
+
+        flat = torch.cat([self.tokens.flatten().double(),
+                          torch.tensor([float(self.aux), float(self.z), float(self.forwards)], dtype=torch.float64,
+                                       device=self.tokens.device)])
+        dist.all_reduce(flat, group=group)
+        n = self.tokens.numel()
+        self.tokens = flat[:n].view(self.tokens.shape).round().long()
+        self.aux, self.z, self.forwards = float(flat[n]), float(flat[n + 1]), int(flat[n + 2])
+
     def read(self) -> dict[str, float] | None:
         """The metrics of the forwards since the last read (None when there were none), then reset: balance (the
         largest max/mean expert load of any layer), the coefficient of variation of the loads (mean over layers),
