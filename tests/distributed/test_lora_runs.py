@@ -139,3 +139,18 @@ def test_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(run, tm
               and not k.endswith(".step")}
     assert dtypes and set(dtypes.values()) == {torch.float32}
     assert len([k for k in dtypes if k.startswith("optim.state.")]) == 2 * 2 * 7 * 2  # exp_avg(_sq) of each
+
+
+def test_lora_on_a_mixture_of_experts_gives_the_one_rank_curve_at_ep2(tmp_path):
+    """A Qwen2-MoE folder (a routed layer with a shared expert, a dense layer) with the default targets, its router
+    and experts frozen: at EP 2 (each rank holds 2 of the 4 frozen experts, tokens sent to them and back by
+    all-to-all, the adapters' gradients flowing back through it) the losses are one rank's (1e-4), and they fall."""
+    folder = tmp_path / "base"
+    save_model(folder, "qwen2_moe")
+    one = torchrun_train(lora_spec(tmp_path / "one.yaml", folder, tmp_path / "ck1", steps=4, nproc=1),
+                         tmp_path / "o1", 1)
+    ep = torchrun_train(lora_spec(tmp_path / "ep.yaml", folder, tmp_path / "ck2", steps=4, nproc=2,
+                                  parallelism={"expert": 2}), tmp_path / "o2", 2)
+    assert [r["ep"] for r in ep] == [2] * 4
+    assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], abs=TOL)
+    assert ep[-1]["loss"] < ep[0]["loss"]

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.api.spec import AdapterSpec
+from kiln.api.presets import Arch
+from kiln.api.spec import LORA_TARGETS, AdapterSpec
 from kiln.errors import KilnError
 from kiln.trainer.model.hf_folder import hf_name
 from kiln.trainer.model.transformer import _copy_into
@@ -92,12 +93,19 @@ def _adapter(in_features: int, out_features: int, like: torch.Tensor, placements
     return layer
 
 
-def target_of(module_name: str) -> str | None:
-    """The transformers name of a kiln module (`layers.3.attention.wq` -> q_proj), None for one it lacks."""
+def target_of(module_name: str, arch: Arch = Arch()) -> str | None:
+    """The transformers name of a kiln module (`layers.3.attention.wq` -> q_proj; a Qwen2-MoE shared expert's
+    `layers.0.feed_forward.shared_experts.w1` -> gate_proj, which needs the family), None for one it lacks."""
     try:
-        return hf_name(module_name + ".weight").removesuffix(".weight").rsplit(".", 1)[-1]
+        return hf_name(module_name + ".weight", arch).removesuffix(".weight").rsplit(".", 1)[-1]
     except KeyError:
         return None
+
+
+def arch_of(model: nn.Module) -> Arch:
+    """The model's family (kiln's Transformer carries its dims), Llama's for any other module."""
+    dims = getattr(model, "dims", None)
+    return dims.arch if dims is not None else Arch()
 
 
 def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -105,8 +113,9 @@ def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype =
     naming spec.model.adapter.targets when a target names no module of the model (checked on the meta
     device, before any memory or GPU time is spent)."""
     wanted, found, projections = set(adapter.targets), set(), set()
+    arch = arch_of(model)
     for name, module in list(model.named_modules()):
-        target = target_of(name) if type(module) is nn.Linear else None
+        target = target_of(name, arch) if type(module) is nn.Linear else None
         if target is None:
             continue
         projections.add(target)
@@ -114,8 +123,11 @@ def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype =
             LoRALinear.adapt(module, adapter.rank, adapter.alpha, adapter.dropout)
             found.add(target)
     if wanted - found:
+        # the router's `gate` and Qwen2-MoE's `shared_expert_gate` are Linears too, but no target names them
+        why = ("; a mixture of experts' routed experts and router take no adapter (docs/models.md)"
+               if getattr(getattr(model, "dims", None), "moe", None) is not None else "")
         raise KilnError(f"spec.model.adapter.targets: {sorted(wanted - found)[0]!r} names no module of this model "
-                        f"(its projections: {', '.join(sorted(projections - {'lm_head'}))})")
+                        f"(its projections: {', '.join(sorted(projections & set(LORA_TARGETS)))}){why}")
     adapters = {id(p) for n, p in model.named_parameters() if is_adapter(n)}
     for module in model.modules():  # the rest frozen, in the run's precision (on meta: no memory yet)
         for key, param in list(module._parameters.items()):

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from kiln.api import ModelDims
+from kiln.api.presets import Arch
 from kiln.api.spec import AdapterSpec, TrainingSpecSpec
 from kiln.errors import KilnError
 from kiln.trainer.model import hf_export, hf_folder as hf
-from kiln.trainer.model.lora import is_adapter
+from kiln.trainer.model.lora import arch_of, is_adapter
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,15 +56,17 @@ def adapter_record(spec: TrainingSpecSpec, dims: ModelDims, *, endpoint: str | N
             "base": base_identity(spec, dims, endpoint=endpoint)}
 
 
-def peft_name(kiln_name: str) -> str:
-    """`layers.0.attention.wq.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+def peft_name(kiln_name: str, arch: Arch = Arch()) -> str:
+    """`layers.0.attention.wq.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`
+    (a shared expert's path is the family's: Qwen2-MoE's `mlp.shared_expert.gate_proj`)."""
     path, _, key = kiln_name.rpartition(".lora_")
-    return "base_model.model." + hf.hf_name(path + ".weight").removesuffix(".weight") + ".lora_" + key
+    return "base_model.model." + hf.hf_name(path + ".weight", arch).removesuffix(".weight") + ".lora_" + key
 
 
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters of a plain (single-process) model under peft's keys, fp32."""
-    return {peft_name(n): p.detach().float().contiguous() for n, p in model.named_parameters() if is_adapter(n)}
+    arch = arch_of(model)
+    return {peft_name(n, arch): p.detach().float().contiguous() for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def peft_config(adapter: AdapterSpec, base_uri: str | None) -> dict:
