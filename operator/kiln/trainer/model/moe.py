@@ -70,13 +70,19 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) rows already sorted by expert (expert 0's rows first); tokens_per_expert: (E,) int64
         counts summing to T, E = the number of experts this module holds (self.w1.shape[0]). Returns (T, dim)."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = self.weights()
         grouped = self.grouped
         if grouped is None:
             grouped = grouped_mm_runs(x.device, x.dtype, w1.shape[-1], w1.shape[-2])
         if grouped:
             return _grouped(x, tokens_per_expert, w1, w2, w3)
         return _loop(x, tokens_per_expert, w1, w2, w3)
+
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of the experts this rank holds, as the GEMMs take them (LoRA adds its update here:
+        kiln.trainer.model.lora.LoRAExperts)."""
+        return _local(self.w1), _local(self.w2), _local(self.w3)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
