@@ -191,6 +191,28 @@ def test_base_identity_names_the_folder_and_changes_with_its_weights_index(folde
     assert json.loads(json.dumps(mine)) == mine  # it goes into trainer.json
 
 
+def trained_against_peft(tmp_path, folder, spec, frozen):
+    """3 AdamW steps of kiln's adapted model (the router losses in the loss), the parameters whose name `frozen`
+    takes checked frozen and unchanged, then the export loaded by peft over transformers' base: (model, kiln's
+    logits, peft's logits, kiln's trainable names, peft's adapter names)."""
+    model = kiln_model(spec)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if frozen(n)}
+    assert before and not any(p.requires_grad for n, p in model.named_parameters() if n in before)
+    train(model, spec)
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+    assert max(float(p.detach().abs().max()) for n, p in model.named_parameters() if ".lora_B." in n) > 1e-3
+    out = tmp_path / "adapter"
+    write_adapter(open_store(f"file://{out}/"), model, spec.model.adapter, spec.model.from_)
+    ref = peft_model(folder, out)
+    tokens = batch(7)[:, :-1]
+    with torch.no_grad():
+        ours, theirs = model(tokens), ref(input_ids=tokens).logits
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    return model, ours, theirs, trained, {n for n, _ in ref.named_parameters() if "lora_" in n}
+
+
 @pytest.mark.parametrize("family,targets", [
     ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # every layer sparse: the attention only
     ("qwen2_moe", None),  # the defaults: attention, the shared expert's and the dense layer's MLP
@@ -207,23 +229,9 @@ def test_lora_on_a_mixture_of_experts_trains_adapters_only_and_peft_gives_kilns_
                                             r"experts\.gate_up_proj, k_proj, o_proj, q_proj, v_proj\)$"):
             apply_lora(build_model(hf.resolve_dims(lora_spec(folder))), lora_spec(folder).model.adapter)
     spec = lora_spec(folder, **({"targets": targets} if targets else {}))
-    model = kiln_model(spec)
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".router." in n or ".experts." in n}
-    assert frozen and not any(p.requires_grad for n, p in model.named_parameters() if n in frozen)
-    train(model, spec)
-    for n, p in model.named_parameters():
-        if n in frozen:
-            assert torch.equal(p, frozen[n]), n
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert max(float(p.detach().abs().max()) for n, p in model.named_parameters() if ".lora_B." in n) > 1e-3
-    out = tmp_path / "adapter"
-    write_adapter(open_store(f"file://{out}/"), model, spec.model.adapter, spec.model.from_)
-    ref = peft_model(folder, out)
-    tokens = batch(7)[:, :-1]
-    with torch.no_grad():
-        ours, theirs = model(tokens), ref(input_ids=tokens).logits
+    model, ours, theirs, trained, loaded = trained_against_peft(
+        tmp_path, folder, spec, lambda n: ".router." in n or ".experts." in n)
     assert (ours - theirs).abs().max() < 1e-4
-    loaded = {n for n, _ in ref.named_parameters() if "lora_" in n}
     # 2 layers x 4 attention projections; Qwen2-MoE adds layer 0's shared expert and layer 1's dense MLP (3 each)
     assert len(loaded) == len(trained) == 2 * (8 + (6 if family == "qwen2_moe" else 0))
     if family == "qwen2_moe":
@@ -245,26 +253,14 @@ def test_lora_on_the_routed_experts_equals_peft_target_parameters(tmp_path, fami
     folder = tmp_path / family
     save_model(folder, family, tokenizer=False)
     spec = lora_spec(folder, targets=targets)
-    model = kiln_model(spec)
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith((".w1", ".w2", ".w3"))}
-    assert base and not any(p.requires_grad for n, p in model.named_parameters() if n in base)
-    train(model, spec)
-    for n, p in model.named_parameters():
-        if n in base:
-            assert torch.equal(p, base[n]), n
+    model, ours, theirs, trained, loaded = trained_against_peft(
+        tmp_path, folder, spec, lambda n: n.endswith((".w1", ".w2", ".w3")))
     experts_b = [p for n, p in model.named_parameters() if ".experts." in n and ".lora_B." in n]
     assert experts_b and min(float(p.detach().abs().max()) for p in experts_b) > 1e-3  # the experts' updates trained
-    out = tmp_path / "adapter"
-    write_adapter(open_store(f"file://{out}/"), model, spec.model.adapter, spec.model.from_)
-    ref = peft_model(folder, out)
-    tokens = batch(7)[:, :-1]
-    with torch.no_grad():
-        ours, theirs = model(tokens), ref(input_ids=tokens).logits
     assert (ours - theirs).abs().max() < 1e-4
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert len({n for n, _ in ref.named_parameters() if "lora_" in n}) == len(trained)
+    assert len(loaded) == len(trained)
     with torch.no_grad():
-        merged = merge_adapters(model)(tokens)
+        merged = merge_adapters(model)(batch(7)[:, :-1])
     assert not any("lora" in n for n, _ in model.named_parameters())
     assert (merged - ours).abs().max() < 1e-4
 
