@@ -316,10 +316,15 @@ class Run:
 
     def _router_metrics(self) -> dict:
         """A mixture of experts' router over this step's microbatches (kiln.trainer.model.moe.RouterLoad), summed
-        over this rank's model parts (pipeline stages hold some layers each); {} for a dense model."""
+        over this rank's model parts (pipeline stages hold some layers each) and over the data-parallel ranks (one
+        all-reduce: the whole global batch's loads); {} for a dense model."""
         loads = [part.router_load for part in self.model_parts if getattr(part, "router_load", None) is not None]
         merged = moe.RouterLoad.merged(loads)
-        return (merged.read() or {}) if merged is not None else {}
+        if merged is None:
+            return {}
+        if self.layout.dp > 1:
+            merged.sum_over(self.mesh["dp"].get_group())
+        return merged.read() or {}
 
     def _finish_step(self, step: int, record: dict) -> None:
         """The step's record, status and checkpoint (when due), and the held-out loss after the last step."""

@@ -14,7 +14,7 @@ from kiln.api.spec.limits import (  # noqa: F401
     MAX_REPLICA_GROUPS,
 )
 from kiln.api.spec.model import (  # noqa: F401
-    PresetName, LORA_TARGETS, LoraTarget, AdapterSpec, MoESpec, ModelSpec,
+    PresetName, LORA_TARGETS, EXPERT_TARGETS, LoraTarget, AdapterSpec, MoESpec, ModelSpec,
 )
 from kiln.api.spec.data import (  # noqa: F401
     DataSource, DataSpec,

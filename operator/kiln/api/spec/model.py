@@ -17,7 +17,10 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names in
 # LoRA's target modules, by their transformers / peft names (q_proj, ...; what `target_modules` says in a peft
 # adapter_config.json): the attention and MLP projections every block has.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LoraTarget = Literal[LORA_TARGETS]  # type: ignore[valid-type]
+# A mixture of experts' routed experts, by the stacked parameters transformers holds them in (peft's
+# `target_parameters`: mlp.experts.gate_up_proj, the gate and up projections fused, and mlp.experts.down_proj).
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+LoraTarget = Literal[LORA_TARGETS + EXPERT_TARGETS]  # type: ignore[valid-type]
 
 
 class AdapterSpec(ApiModel):
@@ -31,9 +34,11 @@ class AdapterSpec(ApiModel):
     alpha: float = Field(32.0, gt=0, le=1e6, description="Scale numerator: the update B A is scaled by alpha / rank.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0: none).")
     targets: list[LoraTarget] = Field(
-        default_factory=lambda: list(LORA_TARGETS), min_length=1, max_length=len(LORA_TARGETS),
+        default_factory=lambda: list(LORA_TARGETS), min_length=1, max_length=len(LORA_TARGETS + EXPERT_TARGETS),
         description="The projections of every block that get an adapter, by their transformers names: q_proj, "
-        "k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLP). Default: all seven.",
+        "k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj (MLP; a mixture of experts' shared "
+        "expert too). Default: all seven. A mixture of experts' routed experts: experts.gate_up_proj, "
+        "experts.down_proj (one adapter per expert, as peft's target_parameters; no dropout).",
     )
 
 

@@ -11,6 +11,10 @@ exactly peft's `LoraLayer` (its `base_model.model.<path>.lora_A.weight` keys map
 and kept in the run's precision (bf16 under training.precision bf16), the adapters in fp32: the optimizer, the
 gradients and the checkpoints (StateDictOptions(ignore_frozen_params)) see the adapters only.
 
+A mixture of experts' routed experts are stacked parameters, not Linears: `LoRAExperts` gives them one adapter per
+expert (targets experts.gate_up_proj, experts.down_proj: peft's `target_parameters` on transformers' stacked
+experts), folded into the weights each forward.
+
 Applied after tensor parallelism and before FSDP2 (kiln.trainer.parallel.parallelize): an adapter is laid out to
 match its base weight's tensor-parallel plan — a column-wise W (out sharded) gets a replicated A and an
 out-sharded B, a row-wise W (in sharded) an in-sharded A and a replicated B — so the update is computed where
@@ -26,10 +30,13 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kiln.api.spec import AdapterSpec
+from kiln.api.presets import Arch
+from kiln.api.spec import EXPERT_TARGETS, LORA_TARGETS, AdapterSpec
 from kiln.errors import KilnError
 from kiln.trainer.model.hf_folder import hf_name
+from kiln.trainer.model.moe import GroupedExperts
 from kiln.trainer.model.transformer import _copy_into
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
@@ -80,6 +87,74 @@ class LoRALinear(nn.Linear):
         return self
 
 
+class LoRAExperts(GroupedExperts):
+    """GroupedExperts with one low-rank update per expert on the targeted stacked weights: peft's LoRA on
+    transformers' `mlp.experts.gate_up_proj` / `down_proj` parameters (its ParamWrapper). `gate_up_proj`: A (experts,
+    rank, dim) shared by the gate and up projections, B (experts, 2 x hidden, rank), its first half w1's (gate), the
+    second w3's (up); `down_proj`: A (experts, rank, hidden), B (experts, dim, rank). The update is folded into the
+    weights each forward, W + scaling · B A per expert, as peft does (no dropout: it cannot be factored out of a
+    folded weight). Made from a GroupedExperts in place by `adapt`; under expert parallelism the adapters are
+    sharded over the experts as the weights are."""
+
+    gate_up_proj: nn.Module | None
+    down_proj: nn.Module | None
+    scaling: float
+
+    @classmethod
+    def adapt(cls, experts: GroupedExperts, targets: set[str], rank: int, alpha: float) -> "LoRAExperts":
+        n, hidden, dim = experts.w1.shape
+        experts.__class__ = cls
+        experts.scaling = alpha / rank
+        pairs = {"gate_up_proj": ((n, rank, dim), (n, 2 * hidden, rank)),
+                 "down_proj": ((n, rank, hidden), (n, dim, rank))}
+        for name, (a, b) in pairs.items():
+            adapter = None
+            if f"experts.{name}" in targets:
+                adapter = nn.Module()
+                adapter.lora_A, adapter.lora_B = _stacked(a, experts.w1), _stacked(b, experts.w1)
+            experts.register_module(name, adapter)
+        return experts
+
+    def delta(self, name: str) -> torch.Tensor | None:
+        """scaling · B A of this rank's experts for one target, None when it has no adapter."""
+        adapter = getattr(self, name)
+        if adapter is None:
+            return None
+        b, a = (t.weight.to_local() if isinstance(t.weight, DTensor) else t.weight
+                for t in (adapter.lora_B, adapter.lora_A))
+        return torch.bmm(b, a) * self.scaling
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w1, w2, w3 = super().weights()
+        if (gate_up := self.delta("gate_up_proj")) is not None:
+            gate_up = gate_up.to(w1.dtype)
+            w1, w3 = w1 + gate_up[:, :w1.shape[1]], w3 + gate_up[:, w1.shape[1]:]
+        if (down := self.delta("down_proj")) is not None:
+            w2 = w2 + down.to(w2.dtype)
+        return w1, w2, w3
+
+    @torch.no_grad()
+    def merge(self) -> GroupedExperts:
+        """Fold the updates into the weights (a plain, single-process model) and become a GroupedExperts again."""
+        w1, w2, w3 = self.weights()
+        for param, merged in ((self.w1, w1), (self.w2, w2), (self.w3, w3)):
+            param.copy_(merged)
+        del self.gate_up_proj, self.down_proj, self.scaling
+        self.__class__ = GroupedExperts
+        return self
+
+
+def _stacked(shape: tuple[int, ...], like: torch.Tensor) -> nn.Module:
+    """A module holding one fp32 `weight` of `shape` (so its name ends in `.lora_A.weight`, as a Linear's), on
+    `like`'s device; sharded on dim 0 (the experts) as `like` is when it is a DTensor."""
+    holder = nn.Module()
+    w = torch.empty(shape, dtype=torch.float32, device=like.device)
+    if isinstance(like, DTensor):
+        w = distribute_tensor(w, like.device_mesh, like.placements, src_data_rank=None)
+    holder.weight = nn.Parameter(w)
+    return holder
+
+
 def _adapter(in_features: int, out_features: int, like: torch.Tensor, placements) -> nn.Linear:
     """An fp32 nn.Linear on `like`'s device; a DTensor on its mesh with `placements` when it is one."""
     layer = nn.Linear(in_features, out_features, bias=False, device=like.device, dtype=torch.float32)
@@ -92,12 +167,19 @@ def _adapter(in_features: int, out_features: int, like: torch.Tensor, placements
     return layer
 
 
-def target_of(module_name: str) -> str | None:
-    """The transformers name of a kiln module (`layers.3.attention.wq` -> q_proj), None for one it lacks."""
+def target_of(module_name: str, arch: Arch = Arch()) -> str | None:
+    """The transformers name of a kiln module (`layers.3.attention.wq` -> q_proj; a Qwen2-MoE shared expert's
+    `layers.0.feed_forward.shared_experts.w1` -> gate_proj, which needs the family), None for one it lacks."""
     try:
-        return hf_name(module_name + ".weight").removesuffix(".weight").rsplit(".", 1)[-1]
+        return hf_name(module_name + ".weight", arch).removesuffix(".weight").rsplit(".", 1)[-1]
     except KeyError:
         return None
+
+
+def arch_of(model: nn.Module) -> Arch:
+    """The model's family (kiln's Transformer carries its dims), Llama's for any other module."""
+    dims = getattr(model, "dims", None)
+    return dims.arch if dims is not None else Arch()
 
 
 def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -105,8 +187,20 @@ def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype =
     naming spec.model.adapter.targets when a target names no module of the model (checked on the meta
     device, before any memory or GPU time is spent)."""
     wanted, found, projections = set(adapter.targets), set(), set()
+    arch = arch_of(model)
+    experts = wanted & set(EXPERT_TARGETS)
+    if experts and adapter.dropout:
+        raise KilnError(f"spec.model.adapter.dropout: got {adapter.dropout} with targets {sorted(experts)}; LoRA on "
+                        f"the routed experts folds its update into their weights (peft's too), so it has no dropout: "
+                        f"set dropout 0")
     for name, module in list(model.named_modules()):
-        target = target_of(name) if type(module) is nn.Linear else None
+        if type(module) is GroupedExperts:
+            projections.update(EXPERT_TARGETS)
+            if experts:
+                LoRAExperts.adapt(module, experts, adapter.rank, adapter.alpha)
+                found.update(experts)
+            continue
+        target = target_of(name, arch) if type(module) is nn.Linear else None
         if target is None:
             continue
         projections.add(target)
@@ -114,8 +208,10 @@ def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype =
             LoRALinear.adapt(module, adapter.rank, adapter.alpha, adapter.dropout)
             found.add(target)
     if wanted - found:
+        # the router's `gate` and Qwen2-MoE's `shared_expert_gate` are Linears too, but no target names them
+        names = sorted(projections & set(LORA_TARGETS + EXPERT_TARGETS))
         raise KilnError(f"spec.model.adapter.targets: {sorted(wanted - found)[0]!r} names no module of this model "
-                        f"(its projections: {', '.join(sorted(projections - {'lm_head'}))})")
+                        f"(its projections: {', '.join(names)})")
     adapters = {id(p) for n, p in model.named_parameters() if is_adapter(n)}
     for module in model.modules():  # the rest frozen, in the run's precision (on meta: no memory yet)
         for key, param in list(module._parameters.items()):
@@ -134,7 +230,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         full = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if ".lora_A." in name:
             gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            bound = 1.0 / math.sqrt(param.shape[1])
+            bound = 1.0 / math.sqrt(param.shape[-1])  # the input features: (rank, in), or (experts, rank, in)
             full.uniform_(-bound, bound, generator=gen)
         _copy_into(param, full)
 
@@ -143,7 +239,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (a plain, single-process model): the merged model."""
     for module in list(model.modules()):
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAExperts)):
             module.merge()
     return model
 

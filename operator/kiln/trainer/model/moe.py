@@ -70,13 +70,19 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (T, dim) rows already sorted by expert (expert 0's rows first); tokens_per_expert: (E,) int64
         counts summing to T, E = the number of experts this module holds (self.w1.shape[0]). Returns (T, dim)."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = self.weights()
         grouped = self.grouped
         if grouped is None:
             grouped = grouped_mm_runs(x.device, x.dtype, w1.shape[-1], w1.shape[-2])
         if grouped:
             return _grouped(x, tokens_per_expert, w1, w2, w3)
         return _loop(x, tokens_per_expert, w1, w2, w3)
+
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of the experts this rank holds, as the GEMMs take them (LoRA adds its update here:
+        kiln.trainer.model.lora.LoRAExperts)."""
+        return _local(self.w1), _local(self.w2), _local(self.w3)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -228,6 +234,21 @@ class RouterLoad:
         for load in loads:
             load.reset()
         return out
+
+    def sum_over(self, group) -> None:
+        """Sum the loads, the losses and the forwards over `group` (the data-parallel ranks: each routed its own
+        share of the batch; tensor-parallel ranks hold the same tokens and must not be in it), in one all-reduce:
+        read() then describes the whole step. The loads are counted where the tokens were routed, before any
+        expert-parallel dispatch, so each token counts once. float64 holds the counts exactly (up to 2^53)."""
+        import torch.distributed as dist
+
+        flat = torch.cat([self.tokens.flatten().double(),
+                          torch.tensor([float(self.aux), float(self.z), float(self.forwards)], dtype=torch.float64,
+                                       device=self.tokens.device)])
+        dist.all_reduce(flat, group=group)
+        n = self.tokens.numel()
+        self.tokens = flat[:n].view(self.tokens.shape).round().long()
+        self.aux, self.z, self.forwards = float(flat[n]), float(flat[n + 1]), int(flat[n + 2])
 
     def read(self) -> dict[str, float] | None:
         """The metrics of the forwards since the last read (None when there were none), then reset: balance (the
