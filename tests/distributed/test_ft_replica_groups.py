@@ -22,7 +22,8 @@ import pytest
 
 from kiln.storage.commit import read_trainer_state
 from kiln.storage.store import open_store
-from tests.distributed.ft_helpers import Group, die_with_parent, kill_and_bring_back, lighthouse_server, records
+from tests.distributed.ft_helpers import (Group, die_with_parent, heartbeating, kill_and_bring_back, lighthouse_server,
+                                          records)
 from tests.support.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
 from tests.support.runs import env, write_spec
 
@@ -239,6 +240,9 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
             g.kill()
         latest = int((tmp_path / "ft" / "ckpt" / "latest").read_text().strip().removeprefix("step-"))
         assert interval <= latest < steps
+        # a restarted job comes back after its lost groups' heartbeats are old, as pods do: until then the
+        # lighthouse would still put them in the first quorum, as peers to heal from
+        wait_until("the lighthouse to see no live group", lambda: heartbeating(lighthouse) == 0)
         Group.release(*again)
         assert [g.finish() for g in again] == [0, 0], again[0].log() + again[1].log()
     finally:
