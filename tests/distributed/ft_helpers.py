@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
+import urllib.request
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +183,16 @@ def bring_back(survivor: Group, replacement: Group, *, ckpt: Path | None = None)
     finally:
         survivor.signal(signal.SIGCONT)
     return frozen_at
+
+
+def heartbeating(lighthouse: str) -> int:
+    """How many groups the lighthouse counts as live now (its /status page: `[N heartbeating]`). A group that
+    was killed stays in the next quorum, with its last step, until its heartbeat is old: a group that joins
+    before then is told to heal from the dead one and waits out torchft's store timeouts (2 × 60 s)."""
+    page = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+    match = re.search(r"\[(\d+) heartbeating\]", page)
+    assert match, f"no heartbeat count on the lighthouse's status page:\n{page[:2000]}"
+    return int(match[1])
 
 
 def lighthouse_server(join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000):

@@ -22,13 +22,15 @@ import pytest
 
 from kiln.storage.commit import read_trainer_state
 from kiln.storage.store import open_store
-from tests.distributed.ft_helpers import Group, die_with_parent, kill_and_bring_back, lighthouse_server, records
+from tests.distributed.ft_helpers import (Group, die_with_parent, heartbeating, kill_and_bring_back, lighthouse_server,
+                                          records)
 from tests.support.ranks import SAFETY_TIMEOUT_S, _children, run_ranks, wait_until
 from tests.support.runs import env, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 500  # room for the returning group: it needs a few seconds of the survivor's steps
+STEPS = 60  # past the freeze (~step 16; kill_and_bring_back holds the survivor until the returning group is
+# back at the lighthouse, so no margin of steps is needed for its start): room to rejoin, heal and step on
 KILL_AT = 10  # group 1 is killed once it reports this step with both groups in the quorum
 ALONE = 5  # group 0 must report this many steps alone before group 1 comes back
 PER_GROUP, SEQ = 2, 32  # globalBatchSize 4 over 2 groups; the micro model's seqLen
@@ -80,8 +82,9 @@ def test_a_killed_group_heals_from_its_peer_while_the_other_keeps_stepping(tmp_p
         # Group 1 is killed at step KILL_AT and group 0 keeps stepping alone while it is down. Group 1's start
         # after the gate (model, warm-up, join) takes longer than group 0's remaining steps on a loaded machine,
         # so group 0 is frozen until group 1 is back at the lighthouse, then goes on: the next quorum holds both.
-        killed_at, alone, _ = kill_and_bring_back(g0, g1, g1b, kill_at=KILL_AT, alone=ALONE,
-                                                  ckpt=tmp_path / "ft" / "ckpt")
+        killed_at, alone, frozen_at = kill_and_bring_back(g0, g1, g1b, kill_at=KILL_AT, alone=ALONE,
+                                                          ckpt=tmp_path / "ft" / "ckpt")
+        assert frozen_at < STEPS, "group 0 finished before group 1 could come back"
         assert g0.finish() == 0, g0.log()
         assert g1b.finish() == 0, g1b.log()
     finally:
@@ -239,6 +242,9 @@ def test_a_whole_job_restart_resumes_every_group_from_the_newest_commit(tmp_path
             g.kill()
         latest = int((tmp_path / "ft" / "ckpt" / "latest").read_text().strip().removeprefix("step-"))
         assert interval <= latest < steps
+        # a restarted job comes back after its lost groups' heartbeats are old, as pods do: until then the
+        # lighthouse would still put them in the first quorum, as peers to heal from
+        wait_until("the lighthouse to see no live group", lambda: heartbeating(lighthouse) == 0)
         Group.release(*again)
         assert [g.finish() for g in again] == [0, 0], again[0].log() + again[1].log()
     finally:
