@@ -102,7 +102,8 @@ def test_one_and_three_workers_on_the_real_node_give_one_result_and_a_deleted_po
     # each deleted pod's index was run again by its Job (kept: --keep), in a pod of its own that succeeded
     assert {d[0] for d in deleted} == set(stages.STAGES) and len(deleted) == len(stages.STAGES) + 1, deleted
     for stage, index, name in deleted:
-        again = [p for p in _stage_pods(rig, runs_ns, out3, stage) if int(p["metadata"]["labels"][INDEX_LABEL]) == index]
+        again = [p for p in _stage_pods(rig, runs_ns, out3, stage)
+                 if int(p["metadata"]["labels"][INDEX_LABEL]) == index]
         assert [p["status"]["phase"] for p in again] == ["Succeeded"] and again[0]["metadata"]["name"] != name, again
     jobs = json.loads(rig.kubectl("get", "jobs", "-n", runs_ns, "-l",
                                   f"{data_jobs.PREPARE_LABEL}={data_jobs.prepare_id(out3)}", "-o", "json").stdout)
