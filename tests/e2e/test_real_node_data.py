@@ -99,14 +99,17 @@ def test_one_and_three_workers_on_the_real_node_give_one_result_and_a_deleted_po
     deleted = _prepare_deleting_pods(
         rig, runs_ns, _prepare_args(src, tok, out3, 3, tmp_path / "spec.yaml", endpoint), out3, endpoint)
 
-    # each deleted pod's index was run again by its Job (kept: --keep), in a pod of its own that succeeded
+    # each deleted pod's index was run again by its Job (kept: --keep), in a pod of its own that succeeded; the
+    # command ends on the manifest's marker, which the last pod writes before its Job sees it succeed
+    selector = f"{data_jobs.PREPARE_LABEL}={data_jobs.prepare_id(out3)}"
+    rig.kubectl("wait", "-n", runs_ns, "--for=condition=Complete", "job", "-l", selector, f"--timeout={TIMEOUT}s",
+                timeout=TIMEOUT + 30)
     assert {d[0] for d in deleted} == set(stages.STAGES) and len(deleted) == len(stages.STAGES) + 1, deleted
     for stage, index, name in deleted:
         again = [p for p in _stage_pods(rig, runs_ns, out3, stage)
                  if int(p["metadata"]["labels"][INDEX_LABEL]) == index]
         assert [p["status"]["phase"] for p in again] == ["Succeeded"] and again[0]["metadata"]["name"] != name, again
-    jobs = json.loads(rig.kubectl("get", "jobs", "-n", runs_ns, "-l",
-                                  f"{data_jobs.PREPARE_LABEL}={data_jobs.prepare_id(out3)}", "-o", "json").stdout)
+    jobs = json.loads(rig.kubectl("get", "jobs", "-n", runs_ns, "-l", selector, "-o", "json").stdout)
     assert all(j["status"].get("succeeded") == j["spec"]["completions"] for j in jobs["items"])
     # every pod ran on the real node (the --spec's nodeSelector and toleration)
     nodes = {p["spec"].get("nodeName") for s in stages.STAGES for p in _stage_pods(rig, runs_ns, out3, s)}
