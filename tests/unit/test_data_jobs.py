@@ -49,6 +49,14 @@ def test_a_training_spec_gives_namespace_image_and_s3_settings_and_flags_overrid
                               kubeconfig=None, output="s3://data/out/", tokenizer="s3://tok/t.json",
                               input=["s3://raw/"])
     assert data_jobs.settings_from(args) == JS
+    # the run's node pool: its stage pods land where its trainer pods would, and the apiserver's names
+    spec.write_text(spec.read_text() + "  resources: {nodeSelector: {pool: data}, tolerations: [{key: kiln.dev/pool, "
+                    "operator: Equal, value: data, effect: NoSchedule, tolerationSeconds: 30}]}\n")
+    pod = data_jobs.render_job(data_jobs.settings_from(args), "scan", completions=2, workers=2)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "data"}
+    assert pod["tolerations"] == [{"key": "kiln.dev/pool", "operator": "Equal", "value": "data", "effect": "NoSchedule",
+                                   "tolerationSeconds": 30}]
+    assert "nodeSelector" not in data_jobs.render_job(JS, "scan", completions=2, workers=2)["spec"]["template"]["spec"]
     args.namespace, args.image = "team-b", "other:1"
     assert (data_jobs.settings_from(args).namespace, data_jobs.settings_from(args).image) == ("team-b", "other:1")
     args.input = ["/local/folder"]

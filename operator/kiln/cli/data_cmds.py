@@ -77,7 +77,8 @@ def cluster_options(pr: argparse.ArgumentParser) -> None:
                     "to N pods (inputs, tokenizer and output on s3://); without it, here in one process")
     pr.add_argument("--partitions", type=int, default=16, help="with --workers: exact-dedup hash partitions")
     pr.add_argument("--spec", default=None, help="with --workers: a TrainingSpec file whose namespace, image, "
-                    "checkpoint.endpoint and checkpoint.credentialsSecret the pods use")
+                    "checkpoint.endpoint, checkpoint.credentialsSecret, "
+                    "resources.nodeSelector and tolerations the pods use")
     pr.add_argument("-n", "--namespace", default=None, help="with --workers: namespace of the Jobs")
     pr.add_argument("--image", default=None, help="with --workers: the pods' image (default: the trainer image)")
     pr.add_argument("--credentials-secret", default=None, help="with --workers: Secret with AWS_ACCESS_KEY_ID / "

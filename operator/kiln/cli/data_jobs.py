@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kiln.errors import KilnError
 from kiln.trainer.data import stages
@@ -36,6 +36,8 @@ class JobSettings:
     pull_policy: str = "IfNotPresent"
     cpu: str = "1"
     memory: str = "2Gi"
+    node_selector: dict[str, str] = field(default_factory=dict)  # the TrainingSpec's node pool, as its pods'
+    tolerations: list[dict] = field(default_factory=list)  # core/v1 Tolerations, camelCase
 
 
 def prepare_id(output: str) -> str:
@@ -73,6 +75,8 @@ def render_job(js: JobSettings, stage: str, completions: int, workers: int) -> d
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {"restartPolicy": "Never", "containers": [container],
+                         **({"nodeSelector": js.node_selector} if js.node_selector else {}),
+                         **({"tolerations": js.tolerations} if js.tolerations else {}),
                          "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                          "volumes": [{"name": "tmp", "emptyDir": {}}]},
             },
@@ -173,25 +177,31 @@ def cleanup(batch, out, js: JobSettings) -> None:
 
 def settings_from(args) -> JobSettings:
     """The namespace, image and S3 settings a TrainingSpec would use: --spec FILE's (metadata.namespace,
-    spec.image, checkpoint.endpoint and checkpoint.credentialsSecret), each overridden by its flag; else the
-    kubeconfig's namespace and the operator's default trainer image."""
+    spec.image, checkpoint.endpoint and checkpoint.credentialsSecret, each overridden by its flag; and
+    resources.nodeSelector and tolerations, so the stage pods land in the run's node pool); else the kubeconfig's
+    namespace and the operator's default trainer image."""
     from kiln.client import default_namespace
     from kiln.control.config import DEFAULT_IMAGE
 
     namespace = image = endpoint = secret = None
+    pool: dict = {}
     if args.spec:
         from kiln.api.load import load_one
 
         doc = load_one(args.spec)
         namespace, image = doc.metadata.namespace, doc.spec.image
         endpoint, secret = doc.spec.checkpoint.endpoint, doc.spec.checkpoint.credentials_secret
+        r = doc.spec.resources
+        pool = {"node_selector": dict(r.node_selector),
+                "tolerations": [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in r.tolerations]}
     for uri, what in [(args.output, "--output"), (args.tokenizer, "--tokenizer"),
                       *((u, "--input") for u in args.input)]:
         if not uri.startswith("s3://"):
             raise KilnError(f"{what} {uri}: with --workers every pod reads and writes the store: use s3://bucket/prefix/")
     return JobSettings(namespace=args.namespace or namespace or default_namespace(args.kubeconfig),
                        image=args.image or image or DEFAULT_IMAGE, output=args.output,
-                       endpoint=args.endpoint or endpoint, credentials_secret=args.credentials_secret or secret)
+                       endpoint=args.endpoint or endpoint, credentials_secret=args.credentials_secret or secret,
+                       **pool)
 
 
 def _batch(args):

@@ -26,7 +26,7 @@ import math
 import os
 import struct
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from kiln.trainer.data import prepare_clean as clean
 from kiln.trainer.data import prepare_read as read
 from kiln.trainer.data import prepare_write as write
 from kiln.trainer.data import quality
-from kiln.trainer.data.runs import merged_groups, read_run, write_run
+from kiln.trainer.data.runs import Spill, merged, merged_groups, read_run, write_run
 from kiln.trainer.data.shards import DOCS_PREFIX, DOCS_SUFFIX, TOKENS_PREFIX
 
 WORK = "work/"
@@ -46,6 +46,7 @@ PLAN = WORK + "plan.json"
 STAGES = ("scan", "exact", "buckets", "cluster", "tokenize", "shards", "manifest")
 NAME = struct.Struct(">II")  # (file number, kept index): big-endian, so byte order is document order
 READ_ERRORS = ("undecodable", "invalid_json", "missing_field", "too_large")  # records that came in, unread
+TOKENIZE_BATCH = 1000  # documents a tokenize index encodes at once
 
 
 def plan(inputs: list[str], output: str, *, tokenizer_uri: str, workers: int, partitions: int = 16,
@@ -148,8 +149,8 @@ def _scan_file(out: ObjectStore, p: dict, f: int, filters: list, endpoint) -> di
     root, key = p["files"][f]
     store = open_store(root if root.endswith("/") else root + "/", endpoint=endpoint)
     removed = Counter()
-    exact = defaultdict(list)
-    bands = defaultdict(list)
+    exact = Spill(out, lambda part, n: f"{WORK}exact/{part:04d}/{f:06d}-{n:04d}.run")
+    bands = Spill(out, lambda band, n: f"{WORK}buckets/{band:04d}/{f:06d}-{n:04d}.run")
     documents = kept = 0
     try:
         size = store.size(key)
@@ -169,18 +170,16 @@ def _scan_file(out: ObjectStore, p: dict, f: int, filters: list, endpoint) -> di
                 kept += 1
                 if s["dedup"] != "none":
                     digest = hashlib.sha256(text.encode()).digest()[:16]
-                    exact[int.from_bytes(digest[:8], "big") % s["partitions"]].append(digest + name)
+                    exact.add(int.from_bytes(digest[:8], "big") % s["partitions"], digest + name)
                 if s["dedup"] == "minhash":
                     values = clean.minhash(text).hashvalues.astype(">u8")
                     for j in range(p["bands"]):
                         band = values[j * p["rows"]:(j + 1) * p["rows"]].tobytes()
-                        bands[j].append(hashlib.blake2b(band, digest_size=8).digest() + name)
+                        bands.add(j, hashlib.blake2b(band, digest_size=8).digest() + name)
     except (OSError, KilnError) as err:  # unreadable: refused, naming it; finished files stay
         raise KilnError(f"{store.url(key)}: cannot read it ({err})") from None
-    for part, records in exact.items():
-        write_run(out, f"{WORK}exact/{part:04d}/{f:06d}.run", records)
-    for band, records in bands.items():
-        write_run(out, f"{WORK}buckets/{band:04d}/{f:06d}.run", records)
+    exact.flush()
+    bands.flush()
     return {"documents_in": documents + sum(removed[k] for k in READ_ERRORS), "kept": kept,
             "removed": dict(removed), "bytes": size}
 
@@ -191,18 +190,20 @@ def _runs(out: ObjectStore, prefix: str) -> list[str]:
 
 def _exact(out: ObjectStore, p: dict, part: int, endpoint) -> dict:
     dropped = 0
-    with out.open_writer(f"{WORK}drop/exact-{part:04d}.bin") as drop:
-        for _, rest in merged_groups(out, _runs(out, f"{WORK}exact/{part:04d}/"), 24, 16):
-            for record in rest:
-                drop.write(record[16:])
-                dropped += 1
+    drops = Spill(out, lambda _, n: f"{WORK}drop/exact-{part:04d}-{n:04d}.run")  # sorted by name for tokenize
+    for _, rest in merged_groups(out, _runs(out, f"{WORK}exact/{part:04d}/"), 24, 16, f"{WORK}merge/exact-{part:04d}/"):
+        for record in rest:
+            drops.add(0, record[16:])
+            dropped += 1
+    drops.flush()
     return {"documents": dropped}
 
 
 def _buckets(out: ObjectStore, p: dict, band: int, endpoint) -> dict:
     pairs = 0
     with out.open_writer(f"{WORK}pairs/{band:04d}.bin") as sink:
-        for first, rest in merged_groups(out, _runs(out, f"{WORK}buckets/{band:04d}/"), 16, 8):
+        for first, rest in merged_groups(out, _runs(out, f"{WORK}buckets/{band:04d}/"), 16, 8,
+                                         f"{WORK}merge/buckets-{band:04d}/"):
             for record in rest:
                 sink.write(first[8:] + record[8:])
                 pairs += 1
@@ -228,20 +229,22 @@ def _cluster(out: ObjectStore, p: dict, _: int, endpoint) -> dict:
             if a != b:
                 parent[max(a, b)] = min(a, b)
     drops = sorted(x for x in parent if root(x) != x)
-    out.put_bytes(f"{WORK}drop/near.bin", b"".join(drops))
+    write_run(out, f"{WORK}drop/near.run", drops)
     return {"documents": len(drops)}
 
 
-def _drops(out: ObjectStore, p: dict, w: int) -> tuple[dict, dict]:
-    """This index's files' dropped kept-indexes: (exact, near), each {file: set}."""
-    exact, near = defaultdict(set), defaultdict(set)
-    for o in out.list(f"{WORK}drop/"):
-        into = near if o.key.endswith("near.bin") else exact
-        for record in read_run(out, o.key, 8):
-            f, i = NAME.unpack(record)
-            if f % p["workers"] == w:
-                into[f].add(i)
-    return exact, near
+class _Dropped:
+    """Dropped names in ascending order, asked about in ascending order (a worker's files, each file's documents):
+    the drops are streamed past, never held."""
+
+    def __init__(self, names):
+        self.names = iter(names)
+        self.head = next(self.names, None)
+
+    def __contains__(self, name: bytes) -> bool:
+        while self.head is not None and self.head < name:
+            self.head = next(self.names, None)
+        return self.head == name
 
 
 def _tokenize(out: ObjectStore, p: dict, w: int, endpoint) -> dict:
@@ -252,7 +255,8 @@ def _tokenize(out: ObjectStore, p: dict, w: int, endpoint) -> dict:
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     tail = [tokenizer.token_to_id(s["eos"])] if s["eos"] is not None else []
     dtype = write.token_dtype(s["vocab_size"]).newbyteorder("<")
-    exact, near = _drops(out, p, w)
+    exact = _Dropped(merged(out, _runs(out, f"{WORK}drop/exact-"), 8, f"{WORK}merge/drop-{w:05d}/"))
+    near = _Dropped(merged(out, _runs(out, f"{WORK}drop/near"), 8, f"{WORK}merge/near-{w:05d}/"))
     totals = Counter()
     for f in _mine(p, w, len(p["files"])):
         key = f"{WORK}tokens/{f:06d}.json"
@@ -274,14 +278,15 @@ def _tokenize(out: ObjectStore, p: dict, w: int, endpoint) -> dict:
                     batch.clear()
 
                 for i, line in enumerate(texts):
-                    if i in exact[f]:
+                    name = NAME.pack(f, i)
+                    if name in exact:
                         removed["duplicate"] += 1
-                    elif i in near[f]:
+                    elif name in near:
                         removed["near_duplicate"] += 1
                     else:
                         batch.append(json.loads(line))
                         kept += 1
-                        if len(batch) >= 1000:
+                        if len(batch) >= TOKENIZE_BATCH:
                             flush()
                 flush()
             out.put_bytes(key, json.dumps({"documents": kept, "tokens": tokens, "removed": dict(removed)}).encode())
