@@ -118,5 +118,7 @@ def test_a_workers_memory_does_not_grow_with_its_input_files_or_documents(tmp_pa
     small, small_runs = _stage_peaks(tmp_path, tokenizer_file, files=4, per_file=150)
     large, large_runs = _stage_peaks(tmp_path, tokenizer_file, files=8, per_file=300)
     assert large_runs >= 3.8 * small_runs  # the state to deduplicate did grow fourfold
+    # 16 KiB: the metadata (8 files' names and runs instead of 4) measured +4 to +8.5 KB across runs; state per file
+    # or document grew the old code's peaks by +23 KB (exact, buckets) to +83 KB (scan) on this corpus.
     for stage in ("scan", "exact", "buckets", "tokenize"):  # cluster holds the near-duplicates (none here)
-        assert large[stage] <= small[stage] + 8192, (stage, small, large)
+        assert large[stage] <= small[stage] + 16384, (stage, small, large)
