@@ -34,7 +34,7 @@ def spec_changed(body: dict, namespace: str, name: str, logger, retry: int, run_
     try:
         with metrics.reconcile("spec", retry=(sync.Wait,)):
             logger.info(sync.reconcile(PROCESS.kube(), body, PROCESS.config, post,
-                                       pods=indexes.pods(run_pods, (namespace, name))))
+                                       pods=lambda: indexes.pods(run_pods, (namespace, name))))
     except sync.Wait as wait:
         delay = sync.backoff_s(retry)
         raise kopf.TemporaryError(f"{namespace}/{name}: {wait}; retry {retry + 1} in {delay:.0f}s",
@@ -53,8 +53,8 @@ def job_changed(type: str, job: dict, key: indexes.Key, run_jobs: kopf.Index, ru
     if not sync.job_unseen(PROCESS.kube(), *key, job):
         return  # the echo of the operator's own apply: the status already shows this job
     with metrics.reconcile("job"):
-        sync.refresh_status(PROCESS.kube(), *key, post, job=indexes.jobs(run_jobs, key, job),
-                            pods=indexes.pods(run_pods, key), pricing=PROCESS.config.pricing)
+        sync.refresh_status(PROCESS.kube(), *key, post, job=lambda: indexes.jobs(run_jobs, key, job),
+                            pods=lambda: indexes.pods(run_pods, key), pricing=PROCESS.config.pricing)
 
 
 def job_deleted(namespace: str, name: str, logger) -> None:
@@ -73,8 +73,8 @@ def job_deleted(namespace: str, name: str, logger) -> None:
 
 def pod_changed(key: indexes.Key, run_jobs: kopf.Index, run_pods: kopf.Index) -> None:
     with metrics.reconcile("pod"):
-        sync.refresh_status(PROCESS.kube(), *key, post, job=indexes.jobs(run_jobs, key),
-                            pods=indexes.pods(run_pods, key), pricing=PROCESS.config.pricing)
+        sync.refresh_status(PROCESS.kube(), *key, post, job=lambda: indexes.jobs(run_jobs, key),
+                            pods=lambda: indexes.pods(run_pods, key), pricing=PROCESS.config.pricing)
 
 
 def phase_seen(type: str, body, namespace: str, name: str, live: Indexes) -> None:

@@ -50,7 +50,8 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     see `foreign`); then one server-side apply per object this operator has not applied with the same
     content before, and at most one status patch. A new run costs 5 reads + 5 applies + 1 status patch;
     suspending a running one, 2 reads (job, ConfigMap) + 2 applies (ConfigMap, job) + 1 status patch.
-    pods: the run's pods as the operator's watch has them (kopf index), or READ to list them.
+    pods: the run's pods as the operator's watch has them (kopf index; a function returning them is called under
+    the run's lock, observed_now), or READ to list them.
     resync: send every object again even if unchanged since this process applied it (the periodic resync:
     server-side apply puts back what someone else deleted or changed in the fields kiln sets).
     A read or apply the apiserver fails ends in SpecAccepted=False naming it, and raises Wait (retried).
@@ -58,6 +59,7 @@ def reconcile(kube: Kube, body: dict, config: OperatorConfig, post: PostEvent, p
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     run = kube.runs[(namespace, name)]
     with run.lock:
+        pods = observed_now(pods)
         run.reconciled_at = time.monotonic()
         try:
             layout = layout_of_stored(body)
@@ -219,12 +221,21 @@ def apply_failure(obj: dict, err: ApiException) -> str:
     return f"applying {obj['kind']} {meta['namespace']}/{meta['name']} failed ({err.status}): {_message(err)}"[:2000]
 
 
+def observed_now(seen):
+    """A watch's view given as a function (`lambda: indexes.pods(...)`) read now, under the run's lock: read
+    before it, by a handler that then waited for the lock, it may be older than the view another handler has
+    written the status from meanwhile, and deriving from it would move the status back (a group Running, then
+    "Restarting" from a stale pod list, counted as a restart; seen on a loaded CI machine)."""
+    return seen() if callable(seen) else seen
+
+
 def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=READ, pods=READ,
                    pricing: Pricing = Pricing()) -> None:
     """Recompute the status after the job or one of its pods changed.
 
     job: the run's PyTorchJobs as the operator's watch has them (a list: with replica groups, one per group),
     the run's one job (a dict), None (no job) or READ to ask the apiserver. pods: as the watch has them, or READ.
+    Either may be a function that returns it, called under the run's lock (observed_now).
     The TrainingSpec is the one this operator last read or wrote the status of (read once after a start).
     That copy holds the newest value of every field derive() computes, since no one else writes those, and
     all of them go through Kube.patch_status; a watch's copy may be older (deriving from an older status
@@ -233,6 +244,7 @@ def refresh_status(kube: Kube, namespace: str, name: str, post: PostEvent, job=R
     (whose reconcile follows, under the same lock, with the new spec).
     """
     with kube.runs[(namespace, name)].lock:
+        job, pods = observed_now(job), observed_now(pods)
         body = kube.last_spec(namespace, name) or kube.trainingspec(namespace, name)
         if body is not None:
             layout = layout_of_stored(body)

@@ -37,12 +37,13 @@ def tick(namespace: str, name: str) -> None:
         if body is not None and time.monotonic() - kube.runs[key].reconciled_at >= kube.resync_seconds:
             with metrics.reconcile("resync", retry=(sync.Wait,)):
                 try:
-                    sync.reconcile(kube, body, config, post, pods=indexes.pods(live.run_pods, key), resync=True)
+                    sync.reconcile(kube, body, config, post, pods=lambda: indexes.pods(live.run_pods, key),
+                                   resync=True)
                 except sync.Wait as wait:  # SpecAccepted says why; the next resync tries again
                     _log.warning("%s/%s: resync: %s", namespace, name, wait)
         with metrics.reconcile("status"):
-            sync.refresh_status(kube, *key, post, job=indexes.jobs(live.run_jobs, key),
-                                pods=indexes.pods(live.run_pods, key), pricing=config.pricing)
+            sync.refresh_status(kube, *key, post, job=lambda: indexes.jobs(live.run_jobs, key),
+                                pods=lambda: indexes.pods(live.run_pods, key), pricing=config.pricing)
     except Exception:  # counted by metrics.reconcile; the next tick tries again
         _log.exception("%s/%s: periodic tick failed", namespace, name)
     finally:
