@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -240,8 +241,6 @@ class RouterLoad:
         share of the batch; tensor-parallel ranks hold the same tokens and must not be in it), in one all-reduce:
         read() then describes the whole step. The loads are counted where the tokens were routed, before any
         expert-parallel dispatch, so each token counts once. float64 holds the counts exactly (up to 2^53)."""
-        import torch.distributed as dist
-
         flat = torch.cat([self.tokens.flatten().double(),
                           torch.tensor([float(self.aux), float(self.z), float(self.forwards)], dtype=torch.float64,
                                        device=self.tokens.device)])
