@@ -174,8 +174,6 @@ def valid_specs(draw) -> dict:
     counts = [nodes, *plan_nodes]
     if any((n * ppn) % (tensor * pipeline) for n in counts):
         pipeline, tensor = 1, 1
-    if "moe" in dims:  # a mixture of experts: no pipeline yet (kiln.api.layout's moe-without-pipeline)
-        pipeline = 1
     mbs = draw(st.sampled_from([1, 2, 4]))
     lcm = 1
     for n in counts:

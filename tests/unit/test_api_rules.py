@@ -70,7 +70,6 @@ INVALID = [
     ({"scheduling": {"topology": {"level": "topology.example.com/rack"}}}, "spec.scheduling.topology:",
      "needs scheduling.queue"),
     # mixtures of experts and expert parallelism: BASE is dense, tensor 2 x pipeline 2 (dp 4 at 2 nodes x 8)
-    ({"model": {"preset": "tiny-moe"}}, "spec.parallelism.pipeline:", "mixture-of-experts model (model.moe) trains with"),
     ({"parallelism.expert": 2, "parallelism.tensor": 1, "parallelism.pipeline": 1}, "spec.parallelism.expert:",
      "needs a mixture-of-experts model"),
     ({"model": {"preset": "tiny-moe"}, "parallelism.expert": 3, "parallelism.tensor": 1, "parallelism.pipeline": 1,
@@ -96,9 +95,10 @@ def test_base_spec_is_valid_everywhere():
     check_cluster(doc)  # cluster-only rules too
 
 
-def test_a_mixture_of_experts_takes_tensor_and_expert_parallelism_together():
-    # TP on the attention, the experts over 2 EP ranks of FSDP's shard ranks (kiln.trainer.parallel.parallelize)
-    check_cluster(parse(with_({"model": {"preset": "tiny-moe"}, "parallelism.pipeline": 1, "parallelism.expert": 2})))
+def test_a_mixture_of_experts_takes_tensor_pipeline_and_expert_parallelism_together():
+    # TP on the attention, the experts over 2 EP ranks of FSDP's shard ranks (kiln.trainer.parallel.parallelize),
+    # the layers over 2 pipeline stages (BASE's tensor 2 x pipeline 2 at 2 nodes x 8)
+    check_cluster(parse(with_({"model": {"preset": "tiny-moe"}, "parallelism.expert": 2})))
 
 
 def test_every_rule_is_exercised_by_a_case():

@@ -4,6 +4,7 @@ items 3 and 8): the pure decisions; tests/integration/test_operator_ownership.py
 from __future__ import annotations
 
 import json
+import threading
 
 from kubernetes.client.exceptions import ApiException
 
@@ -99,8 +100,9 @@ class TickKube:
         self.status.update(status)
 
 
-def _tick(job_owner_uid: str, others_exist: bool):
-    """One tick of run team-a/llama (uid RUN_UID) at 4 nodes with capacity for 3: it shrinks, so it applies."""
+def _tick(job_owner_uid: str, others_exist: bool, while_waiting=None):
+    """One tick of run team-a/llama (uid RUN_UID) at 4 nodes with capacity for 3: it shrinks, so it applies.
+    while_waiting(job): the watch's change while the tick waits for the run's lock, which another handler holds."""
     from kiln.control import elastic_sync
     from kiln.control.config import OperatorConfig
     from kiln.control.elastic import GPU_PRODUCT_LABEL, NodeView
@@ -121,9 +123,21 @@ def _tick(job_owner_uid: str, others_exist: bool):
                 for kind in ("ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap")} if others_exist else {}
     kube, events = TickKube(body, existing), []
     nodes = [NodeView(f"n{i}", labels={GPU_PRODUCT_LABEL: "NVIDIA-H200"}, gpus_free=8) for i in range(3)]
-    summary = elastic_sync.tick(kube, "team-a", "llama", OperatorConfig(), lambda _, e: events.append(e), 1000.0,
-                                elastic_sync.Seen(nodes, [], job, []))
-    elastic = next(c for c in kube.status.get("conditions") or [] if c["type"] == "Elastic")
+    view = {"job": job}
+    seen = lambda: elastic_sync.Seen(nodes, [], view["job"], [])  # noqa: E731 - the watch's view, read when called
+    tick = lambda: elastic_sync.tick(kube, "team-a", "llama", OperatorConfig(),  # noqa: E731
+                                     lambda _, e: events.append(e), 1000.0, seen)
+    if while_waiting is None:
+        summary = tick()
+    else:
+        result = []
+        with kube.runs[("team-a", "llama")].lock:  # another handler holds the run's lock
+            waiting = threading.Thread(target=lambda: result.append(tick()))
+            waiting.start()
+            view["job"] = while_waiting(job)
+        waiting.join()
+        summary = result[0]
+    elastic = next((c for c in kube.status.get("conditions") or [] if c["type"] == "Elastic"), None)
     return kube, elastic, events, summary
 
 
@@ -133,6 +147,16 @@ def test_the_elastic_tick_applies_over_its_own_job():
     assert [j["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] for j in jobs] == [3]  # shrunk: 3 nodes fit
     assert (elastic["status"], elastic["reason"]) == ("True", "Shrink")
     assert [e.reason for e in events] == ["Scaling"]
+
+
+def test_a_tick_that_waited_for_the_runs_lock_decides_from_the_watch_as_it_is_then():
+    # the job finished while the tick waited for the lock: rescaling from the view read before would patch a
+    # finished job (the view is read again under the lock: sync.observed_now)
+    finished = {"type": "Succeeded", "status": "True", "lastTransitionTime": "2026-01-01T00:01:00Z"}
+    kube, elastic, events, summary = _tick(RUN_UID, others_exist=False,
+                                           while_waiting=lambda job: {**job, "status": {"conditions": [finished]}})
+    assert summary == "team-a/llama: not running"
+    assert kube.applied == [] and events == [] and elastic is None
 
 
 def test_the_elastic_tick_refuses_to_patch_a_job_owned_by_another_trainingspec():

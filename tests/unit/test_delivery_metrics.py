@@ -181,10 +181,10 @@ def test_a_mixture_of_experts_router_metrics_are_exported():
 
     from kiln.trainer.model.moe import RouterLoad, RouterStats
 
-    load = RouterLoad()
+    load = RouterLoad(layers=2, experts=4)
     stats = [RouterStats(torch.tensor([6, 2, 0, 0]), torch.zeros(4), torch.zeros(()), 4),
              RouterStats(torch.tensor([2, 2, 2, 2]), torch.zeros(4), torch.zeros(()), 4)]
-    load.add(stats)
+    load.add(stats, [0, 1])
     load.losses(torch.tensor(1.5), torch.tensor(0.25))
     record = load.read()
     assert record == pytest.approx({"moe_balance": 3.0, "moe_load_cv": (6 ** 0.5 / 2 + 0) / 2,  # std of 6,2,0,0: sqrt(6)

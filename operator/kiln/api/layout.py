@@ -275,13 +275,6 @@ def _expert_composes(s, shape, nodes, ppn):
     return None
 
 
-def _moe_pipeline(s, shape, nodes, ppn):
-    p = s.parallelism.pipeline
-    if shape.experts and p > 1:
-        return f"got experts={shape.experts} with pipeline={p}"
-    return None
-
-
 def _expert_shard(s, shape, nodes, ppn):
     e, shard = s.parallelism.expert, shard_size(s, nodes * ppn)
     if shard is not None and shard % e:
@@ -315,10 +308,6 @@ LAYOUT_RULES: list[LayoutRule] = [
                "with elastic.faultTolerance.mode replicaGroups, elastic.faultTolerance.groups must divide the "
                "data-parallel size (world / (tensor × pipeline)): every replica group holds the same layout",
                _ft_groups, True),
-    LayoutRule("moe-without-pipeline", "parallelism.pipeline",
-               "a mixture-of-experts model (model.moe) trains with parallelism.pipeline 1 for now: the "
-               "load-balancing loss multiplies sums over every MoE layer's tokens, which no one stage holds",
-               _moe_pipeline, False),
     LayoutRule("expert-needs-moe", "parallelism.expert",
                "parallelism.expert > 1 needs a mixture-of-experts model (model.moe, or a preset or model.from with experts)", _expert_model, False),
     LayoutRule("expert-divides-experts", "parallelism.expert",

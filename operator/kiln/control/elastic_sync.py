@@ -10,6 +10,7 @@ Event. Every request goes through kiln.control.kube.Kube.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -120,22 +121,27 @@ def runs(job: dict | None) -> bool:
     return not ((job.get("spec") or {}).get("runPolicy") or {}).get("suspend")
 
 
-def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float, seen: Seen,
-         tuning: Tuning = Tuning()) -> str:
+def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float,
+         seen: Seen | Callable[[], Seen], tuning: Tuning = Tuning()) -> str:
     """One pass of the elastic loop for one run; returns a one-line summary.
 
-    seen: nodes, GPU-holding pods, the run's job and pods, as the operator's watches hold them (or `listed`).
+    seen: nodes, GPU-holding pods, the run's job and pods, as the operator's watches hold them (or `listed`);
+    given as a function, it is read again once the run's lock is held (sync.observed_now), so the tick decides
+    from the view as it is then, not from one older than what another handler has just acted on.
     GPUs in use are counted from the pods the operator may watch: all of them cluster-wide; under a namespaced
     install only the watched namespaces' pods, so GPUs that other namespaces' pods hold look free
     (docs/security.md, item 2). The one request a tick of a running job makes is a GET of the TrainingSpec,
     whose annotation holds the loop's state; a run whose job is missing, suspended or finished costs none.
     """
-    job = seen.job
-    if not runs(job):
+    if not runs(sync.observed_now(seen).job):
         # decided from the watch's job alone: no request, no wait for the run's lock (a burst of new or
         # suspended runs ticks often before their jobs run)
         return f"{namespace}/{name}: not running"
     with kube.runs[(namespace, name)].lock:
+        seen = sync.observed_now(seen)
+        job = seen.job
+        if not runs(job):
+            return f"{namespace}/{name}: not running"
         body = kube.trainingspec(namespace, name)
         if body is None:
             return f"{namespace}/{name}: gone"

@@ -29,9 +29,9 @@ def tick(namespace: str, name: str) -> None:
     try:
         # elastic replicas, pods on dead nodes, node avoidance: kiln.control.elastic decides
         with metrics.reconcile("elastic"):
-            seen = elastic_sync.Seen(indexes.values(live.cluster_nodes), indexes.values(live.gpu_pods),
-                                     indexes.one(live.run_jobs, key),
-                                     indexes.pods(live.run_pods, key))
+            seen = lambda: elastic_sync.Seen(indexes.values(live.cluster_nodes),  # noqa: E731 - read under the lock
+                                             indexes.values(live.gpu_pods), indexes.one(live.run_jobs, key),
+                                             indexes.pods(live.run_pods, key))
             elastic_sync.tick(kube, namespace, name, config, post, time.time(), seen)
         body = kube.last_spec(namespace, name)  # as the elastic tick just read it
         if body is not None and time.monotonic() - kube.runs[key].reconciled_at >= kube.resync_seconds:

@@ -316,14 +316,16 @@ class Run:
 
     def _router_metrics(self) -> dict:
         """A mixture of experts' router over this step's microbatches (kiln.trainer.model.moe.RouterLoad), summed
-        over this rank's model parts (pipeline stages hold some layers each) and over the data-parallel ranks (one
-        all-reduce: the whole global batch's loads); {} for a dense model."""
-        loads = [part.router_load for part in self.model_parts if getattr(part, "router_load", None) is not None]
-        merged = moe.RouterLoad.merged(loads)
-        if merged is None:
+        over this rank's model parts, over the data-parallel ranks (one all-reduce: the whole global batch's
+        loads) and over the pipeline stages (another: each routed the batch through its own layers); {} for a
+        dense model."""
+        if self.dims.moe is None:
             return {}
+        merged = moe.RouterLoad.merged([part.router_load for part in self.model_parts])
         if self.layout.dp > 1:
-            merged.sum_over(self.mesh["dp"].get_group())
+            merged.sum_over(self.mesh["dp"].get_group(), self.device)
+        if self.layout.pp > 1:
+            merged.sum_over(self.pp_group, self.device)
         return merged.read() or {}
 
     def _finish_step(self, step: int, record: dict) -> None:

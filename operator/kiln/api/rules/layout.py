@@ -41,7 +41,6 @@ LAYOUT_CEL = {
     "ft-groups-divide-dp":
         "!has(self.elastic.faultTolerance) || self.elastic.faultTolerance.mode != 'replicaGroups' || "
         f"{_AT_EACH}{_DP} % self.elastic.faultTolerance.groups == 0)",
-    "moe-without-pipeline": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || self.parallelism.pipeline == 1",
     "expert-needs-moe": f"self.parallelism.expert == 1 || !{EXPERTS_KNOWN} || {EXPERTS} > 0",
     "expert-divides-experts": f"!{EXPERTS_KNOWN} || {EXPERTS} == 0 || {EXPERTS} % self.parallelism.expert == 0",
     "expert-composes":
@@ -55,7 +54,7 @@ LAYOUT_CEL = {
 # Rules that hold whatever the world are checked by every run; those about the world the spec names
 # (resources.nodes, the plan, processes per node) only where it runs so: `kiln run --nproc N` checks its own
 # world of one node x N processes (kiln.api.layout.fit_local).
-_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "moe-without-pipeline", "expert-needs-moe",
+_WORLD_FREE = {"tensor-divides-heads", "pipeline-within-layers", "expert-needs-moe",
                "expert-divides-experts", "expert-composes"}
 
 

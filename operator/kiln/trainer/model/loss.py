@@ -49,8 +49,13 @@ class PipelineLoss:
         self.loss_fn, self.layout = loss_fn, layout
         self.denominator: torch.Tensor | None = None
 
-    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        mean = self.loss_fn(output, targets)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        # a mixture of experts' last stage returns (logits, the router loss of the whole model), which the loss
+        # takes as the unsplit model's does (Transformer.stage_forward)
+        logits, router = output if isinstance(output, tuple) else (output, None)
+        mean = self.loss_fn(logits, targets)
+        if router is not None:
+            mean = mean + router.reshape(())
         if self.denominator is None:
             return mean
         # x microbatches: undoes the schedule's division, which the plain mean relies on

@@ -17,6 +17,7 @@ the per-step metrics: kiln.trainer.model.transformer).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -187,34 +188,64 @@ def combine(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, chose
     return mixed.to(flat.dtype)
 
 
-def router_losses(stats: list[RouterStats], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(load-balancing loss, z-loss) over the MoE layers of one forward.
+def router_totals(stats: list[RouterStats], before: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward's router statistics summed over its MoE layers, as one float64 vector: the softmax
+    probabilities summed per expert (E, with gradient), the z-loss sum (1, with gradient), the rows routed to
+    each expert (E) and the rows (1), all over every layer; `before`: the totals of the layers before these (a
+    pipeline stage adds its layers to what the previous stage sent: Transformer.stage_forward). float64 holds
+    the counts exactly (up to 2^53)."""
+    mine = [torch.cat([s.prob_sum.double(), s.z_sum.double().reshape(1), s.tokens.double(),
+                       torch.tensor([float(s.rows)], dtype=torch.float64, device=s.tokens.device)]) for s in stats]
+    total = torch.stack(mine).sum(0) if mine else None
+    if before is None:
+        return total
+    return before.clone() if total is None else before + total  # a new tensor: a stage's output is not its input
+
+
+def router_losses(totals: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of one forward, from its `router_totals` over every MoE layer.
 
     The load-balancing loss as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen-MoE
     (Switch Transformer's): the fraction of routed rows each expert got and its mean router probability, both
-    over the rows of every layer together, then num_experts * sum_e fraction_e * probability_e. The z-loss
-    (ST-MoE): the mean over tokens and layers of logsumexp(router logits)^2."""
-    rows = sum(s.rows for s in stats)
-    tokens = torch.stack([s.tokens for s in stats]).sum(0).float() / rows
-    probs = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
-    return num_experts * (tokens * probs).sum(), torch.stack([s.z_sum for s in stats]).sum() / rows
+    over the rows of every layer together, then num_experts * sum_e fraction_e * probability_e. It is not a sum
+    of per-layer terms, which is why a pipeline carries the totals to the last stage instead of adding a loss
+    per stage. The z-loss (ST-MoE): the mean over tokens and layers of logsumexp(router logits)^2."""
+    e = num_experts
+    rows = totals[2 * e + 1]
+    probs, z, tokens = totals[:e] / rows, totals[e] / rows, totals[e + 1:2 * e + 1] / rows
+    return (e * (tokens * probs).sum()).float(), z.float()
 
 
 class RouterLoad:
     """Routed rows per expert and layer, and the router losses, summed over the forwards since the last `read`
     (a step's microbatches): the per-step metrics. Read from the Transformer's forward, never from a block's, so
-    activation checkpointing's recomputed forwards are not counted twice."""
+    activation checkpointing's recomputed forwards are not counted twice. Rows are the model's MoE layers in
+    order (`layers` of them), so pipeline stages, each holding some, sum into one table."""
 
-    def __init__(self):
+    def __init__(self, layers: int, experts: int):
+        self.layers, self.experts = layers, experts
         self.reset()
 
     def reset(self) -> None:
-        self.tokens: torch.Tensor | None = None  # (MoE layers, experts)
+        self.tokens: torch.Tensor | None = None  # (MoE layers, experts); None until a forward adds to it
         self.aux, self.z, self.forwards = 0.0, 0.0, 0
 
-    def add(self, stats: list[RouterStats]) -> None:
+    def add(self, stats: list[RouterStats], rows: list[int]) -> None:
+        """A forward's `stats`, those of the MoE layers numbered `rows` (0 the model's first MoE layer)."""
         t = torch.stack([s.tokens for s in stats]).detach()
-        self.tokens = t if self.tokens is None else self.tokens + t
+        full = t.new_zeros(self.layers, self.experts)
+        full[rows] = t
+        self.tokens = full if self.tokens is None else self.tokens + full  # no in-place update: compile traces it
+
+    @contextlib.contextmanager
+    def unchanged(self):
+        """Forwards inside leave the load as it was (a pipeline's probe forward, which learns the shapes
+        between stages: kiln.trainer.parallel.parallelize.build_pipeline_schedule)."""
+        saved = self.tokens, self.aux, self.z, self.forwards
+        try:
+            yield
+        finally:
+            self.tokens, self.aux, self.z, self.forwards = saved
 
     def losses(self, aux: torch.Tensor, z: torch.Tensor) -> None:
         self.aux += aux.detach()
@@ -222,31 +253,32 @@ class RouterLoad:
         self.forwards += 1
 
     @staticmethod
-    def merged(loads: list["RouterLoad"]) -> "RouterLoad | None":
-        """One RouterLoad of several model parts' (pipeline stages: each holds some layers; the last adds the
-        losses), the parts reset; None when none saw a forward."""
-        loads = [load for load in loads if load.tokens is not None]
-        if not loads:
-            return None
-        out = RouterLoad()
-        out.tokens = torch.cat([load.tokens for load in loads])
+    def merged(loads: list["RouterLoad"]) -> "RouterLoad":
+        """One RouterLoad of a rank's model parts' (pipeline stages: each holds some layers; the last adds the
+        losses), the parts reset."""
+        out = RouterLoad(loads[0].layers, loads[0].experts)
+        seen = [load.tokens for load in loads if load.tokens is not None]
+        out.tokens = torch.stack(seen).sum(0) if seen else None
         out.aux, out.z = sum(load.aux for load in loads), sum(load.z for load in loads)
         out.forwards = sum(load.forwards for load in loads)
         for load in loads:
             load.reset()
         return out
 
-    def sum_over(self, group) -> None:
+    def sum_over(self, group, device: torch.device) -> None:
         """Sum the loads, the losses and the forwards over `group` (the data-parallel ranks: each routed its own
-        share of the batch; tensor-parallel ranks hold the same tokens and must not be in it), in one all-reduce:
-        read() then describes the whole step. The loads are counted where the tokens were routed, before any
-        expert-parallel dispatch, so each token counts once. float64 holds the counts exactly (up to 2^53)."""
-        flat = torch.cat([self.tokens.flatten().double(),
+        share of the batch; or the pipeline stages: each routed it through its own layers, the last added the
+        losses; tensor-parallel ranks hold the same tokens and must not be in it), in one all-reduce that every
+        rank of the group joins, one whose layers saw no forward too: read() then describes the whole step. The
+        loads are counted where the tokens were routed, before any expert-parallel dispatch, so each token
+        counts once. float64 holds the counts exactly (up to 2^53)."""
+        tokens = self.tokens if self.tokens is not None else torch.zeros(self.layers, self.experts, device=device)
+        flat = torch.cat([tokens.flatten().double(),
                           torch.tensor([float(self.aux), float(self.z), float(self.forwards)], dtype=torch.float64,
-                                       device=self.tokens.device)])
+                                       device=tokens.device)])
         dist.all_reduce(flat, group=group)
-        n = self.tokens.numel()
-        self.tokens = flat[:n].view(self.tokens.shape).round().long()
+        n = tokens.numel()
+        self.tokens = flat[:n].view(tokens.shape).round().long()
         self.aux, self.z, self.forwards = float(flat[n]), float(flat[n + 1]), int(flat[n + 2])
 
     def read(self) -> dict[str, float] | None:

@@ -195,7 +195,9 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(dims.vocab_size, dims.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(dims, i in sliding, i in moe_layers(dims))
                                      for i in range(dims.layers)})
-        self.router_load = moe.RouterLoad()  # routed tokens per expert since the last read (the step's metrics)
+        # routed tokens per expert since the last read (the step's metrics); a layer's row: its rank among MoE layers
+        self.moe_rows = {str(layer): row for row, layer in enumerate(sorted(moe_layers(dims)))}
+        self.router_load = moe.RouterLoad(len(self.moe_rows), dims.moe.experts if dims.moe is not None else 0)
         self.norm: RMSNorm | None = RMSNorm(dims.dim, dims.norm_eps, dims.arch.norm_offset)
         self.output: nn.Linear | None = nn.Linear(dims.dim, dims.vocab_size, bias=False)
         # Derived, never checkpointed: recomputed by init_buffers on the real device.
@@ -216,13 +218,40 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # Pipeline stages: the first stage embeds tokens, later ones receive hidden states.
-        if self.tok_embeddings is None:
-            h = tokens
-        else:
-            h = self.tok_embeddings(tokens)
-            if self.dims.arch.embed_scale:  # Gemma; sqrt(dim) rounded to the activations' dtype, as transformers
-                h = h * torch.tensor(self.dims.dim ** 0.5, dtype=h.dtype)
+        h = self.blocks(self.embed(tokens), doc_ids)
+        loss = self.head(h, targets)
+        stats = self.router_stats()
+        if stats and targets is not None:  # the router losses join the loss as transformers adds them
+            loss = loss + self.router_loss(moe.router_totals(stats))
+        return loss
+
+    def stage_forward(self, x: torch.Tensor, carry: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None):
+        """A pipeline stage's forward (kiln.trainer.parallel.parallelize.split_for_stage makes it the stage's:
+        torch's PipelineStage hands a stage the previous one's outputs as positional inputs). The first stage
+        takes tokens, the others hidden states; the last returns the logits. A mixture of experts also passes
+        its `carry` from stage to stage, the router totals of the layers so far (moe.router_totals: with
+        gradient, which the schedule sends back like the hidden states'), and the last stage returns (logits,
+        router loss of the whole model): exactly what `forward` adds to the loss, which PipelineLoss adds."""
+        h = self.blocks(self.embed(x) if self.tok_embeddings is not None else x, doc_ids)
+        if self.dims.moe is not None:
+            stats = self.router_stats()
+            if carry is None and not stats:  # a first stage of dense layers only: nothing routed yet
+                carry = torch.zeros(2 * self.dims.moe.experts + 2, dtype=torch.float64, device=h.device)
+            carry = moe.router_totals(stats, carry)
+        if self.norm is not None:
+            logits = self.head(h)
+            # the loss as a (1,) tensor: the schedule concatenates each output over the microbatches
+            return logits if self.dims.moe is None else (logits, self.router_loss(carry).reshape(1))
+        return h if self.dims.moe is None else (h, carry)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.dims.arch.embed_scale:  # Gemma; sqrt(dim) rounded to the activations' dtype, as transformers
+            h = h * torch.tensor(self.dims.dim ** 0.5, dtype=h.dtype)
+        return h
+
+    def blocks(self, h: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         docs = documents.Documents.of(doc_ids) if doc_ids is not None else None
         for block in self.layers.values():
             cos, sin = ((self.rope_local_cos, self.rope_local_sin) if block.local_rope
@@ -230,18 +259,23 @@ class Transformer(nn.Module):
             if docs is not None:  # each token's angles from its position in its document
                 cos, sin = cos[docs.positions], sin[docs.positions]
             h = block(h, cos, sin, mask=None if docs is None else docs.mask)
-        if self.norm is None:
-            return h
-        loss = self.head(h, targets)
-        stats = [b.feed_forward.stats for b in self.layers.values() if isinstance(b.feed_forward, moe.MoE)]
-        if stats:
-            self.router_load.add(stats)
-            if targets is not None:  # the router losses join the loss as transformers adds them (router_aux_loss_coef)
-                c = self.dims.moe
-                aux, z = moe.router_losses(stats, c.experts)
-                self.router_load.losses(aux, z)
-                loss = loss + c.aux_loss_coef * aux + c.z_loss_coef * z
-        return loss
+        return h
+
+    def router_stats(self) -> list[moe.RouterStats]:
+        """The router statistics of this forward's MoE layers (those this part holds), added to the step's
+        metrics (router_load) here, once per forward."""
+        held = [(name, b.feed_forward.stats) for name, b in self.layers.items() if isinstance(b.feed_forward, moe.MoE)]
+        if held:
+            self.router_load.add([s for _, s in held], [self.moe_rows[name] for name, _ in held])
+        return [s for _, s in held]
+
+    def router_loss(self, totals: torch.Tensor) -> torch.Tensor:
+        """aux_loss_coef x load-balancing loss + z_loss_coef x z-loss (router_aux_loss_coef in transformers),
+        from the router totals over every MoE layer; both also go to the step's metrics."""
+        c = self.dims.moe
+        aux, z = moe.router_losses(totals, c.experts)
+        self.router_load.losses(aux, z)
+        return c.aux_loss_coef * aux + c.z_loss_coef * z
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm, then the logits, or the loss when targets are given (kiln.trainer.parallel.parallelize compiles it

@@ -13,6 +13,7 @@ Each `apply_*` does one concern; `plan_layout` is the pure rule deciding the siz
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -80,7 +81,8 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> range:
 
 
 def split_for_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
-    """Keep only this stage's blocks (names unchanged); the first stage keeps the embedding, the last the head."""
+    """Keep only this stage's blocks (names unchanged); the first stage keeps the embedding, the last the head.
+    The stage runs `stage_forward` (what a pipeline passes between stages: kiln.trainer.model.transformer)."""
     keep = {str(i) for i in stage_layers(len(model.layers), pp, stage)}
     for name in list(model.layers.keys()):
         if name not in keep:
@@ -90,6 +92,7 @@ def split_for_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     if stage != pp - 1:
         model.norm = None
         model.output = None
+    model.forward = model.stage_forward
     return model
 
 
@@ -99,6 +102,11 @@ def build_pipeline_schedule(stage_module: nn.Module, mesh, layout: Layout, devic
 
     pp_mesh = mesh["pp"]
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), layout.pp, device, group=pp_mesh.get_group())
+    if stage_module.dims.moe is not None and hasattr(stage, "register_forward_context"):  # the torch here has it
+        # the first step runs one extra forward per stage to learn the shapes: its routing is not the step's
+        load = stage_module.router_load
+        stage.register_forward_context(
+            lambda info: load.unchanged() if info.is_metadata_inference else contextlib.nullcontext())
     # scale_grads: gradients are averaged over microbatches, as with plain gradient accumulation.
     return Schedule1F1B(stage, n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
 
@@ -255,7 +263,10 @@ def apply_fsdp(model: nn.Module, mesh, layout: Layout, precision: str, compressi
         shard_experts(model, mesh, layout, mp, reshard)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root keeps its inputs' dtypes: each block casts its own, and a mixture of experts' pipeline stage
+    # takes the router totals (float64 counts, exact; Transformer.stage_forward), which bf16 would round.
+    root_mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=reshard)
 
 
 def uses_fsdp(layout: Layout, precision: str) -> bool:
