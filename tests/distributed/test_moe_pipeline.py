@@ -22,7 +22,7 @@ import torch
 
 from tests.distributed.layout_grads import layout_grads
 from tests.support.ranks import run_ranks
-from tests.support.runs import torchrun_train, write_spec
+from tests.support.runs import train_micro_moe
 from tests.support.specs import MICRO_MOE_MODEL
 
 pytestmark = pytest.mark.distributed
@@ -74,26 +74,19 @@ def test_pipelined_moe_gives_the_losses_and_gradients_of_one_rank(tmp_path, one_
 ROUTER_COUNTS = ("moe_busiest_tokens", "moe_idlest_tokens")
 
 
-def _train(tmp_path, out, *, steps: int, nproc: int, parallelism: dict) -> list[dict]:
-    spec = write_spec(tmp_path / f"spec-{steps}-{nproc}.yaml", parallelism=parallelism,
-                      training={"schedule": "constant", "globalBatchSize": 4, "steps": steps},
-                      model=MICRO_MOE_MODEL, checkpoint={"intervalSteps": 1}, nproc=nproc)
-    return [r for r in torchrun_train(spec, out, nproc) if "loss" in r]
-
-
 @pytest.mark.slow  # three torchrun runs
 def test_pipelined_moe_reports_the_router_of_one_rank_and_resumes_on_one_rank(tmp_path):
     (tmp_path / "ref").mkdir()
-    uninterrupted = _train(tmp_path / "ref", tmp_path / "ref" / "out", steps=4, nproc=1, parallelism={})
+    uninterrupted = train_micro_moe(tmp_path / "ref", tmp_path / "ref" / "out", steps=4, nproc=1, parallelism={})
     assert uninterrupted[-1]["loss"] < uninterrupted[0]["loss"]  # it trains
     out = tmp_path / "out"
-    saved = _train(tmp_path, out, steps=2, nproc=2, parallelism={"pipeline": 2})
+    saved = train_micro_moe(tmp_path, out, steps=2, nproc=2, parallelism={"pipeline": 2})
     assert [r["pp"] for r in saved] == [2, 2]
     for got, want in zip(saved, uninterrupted):  # the same tokens routed the same way: the same counts
         assert {k: got[k] for k in ROUTER_COUNTS} == {k: want[k] for k in ROUTER_COUNTS}
         for key in ("moe_balance", "moe_load_cv", "moe_aux_loss", "moe_z_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-4), key
-    resumed = _train(tmp_path, out, steps=4, nproc=1, parallelism={})
+    resumed = train_micro_moe(tmp_path, out, steps=4, nproc=1, parallelism={})
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [(r["world_size"], r["pp"]) for r in resumed] == [(2, 2), (2, 2), (1, 1), (1, 1)]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in uninterrupted], abs=1e-4)

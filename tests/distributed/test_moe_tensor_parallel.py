@@ -23,7 +23,7 @@ import torch
 
 from tests.distributed.layout_grads import layout_grads
 from tests.support.ranks import run_ranks
-from tests.support.runs import torchrun_train, write_spec
+from tests.support.runs import train_micro_moe
 from tests.support.specs import MICRO_MOE_MODEL
 
 pytestmark = pytest.mark.distributed
@@ -70,23 +70,16 @@ def test_tensor_parallel_moe_gives_the_losses_and_gradients_of_one_rank(tmp_path
     assert loss == pytest.approx(want_loss, rel=1e-5)
 
 
-def _train(tmp_path, out, *, steps: int, nproc: int, parallelism: dict) -> list[dict]:
-    spec = write_spec(tmp_path / f"spec-{steps}-{nproc}.yaml", parallelism=parallelism,
-                      training={"schedule": "constant", "globalBatchSize": 4, "steps": steps},
-                      model=MICRO_MOE_MODEL, checkpoint={"intervalSteps": 1}, nproc=nproc)
-    return [r for r in torchrun_train(spec, out, nproc) if "loss" in r]
-
-
 @pytest.mark.slow  # three torchrun runs
 def test_checkpoint_saved_at_tp2_resumes_on_one_rank(tmp_path):
     (tmp_path / "ref").mkdir()
-    uninterrupted = [r["loss"] for r in _train(tmp_path / "ref", tmp_path / "ref" / "out", steps=4, nproc=1,
-                                               parallelism={})]
+    ref = train_micro_moe(tmp_path / "ref", tmp_path / "ref" / "out", steps=4, nproc=1, parallelism={})
+    uninterrupted = [r["loss"] for r in ref]
     assert uninterrupted[-1] < uninterrupted[0]  # it trains
     out = tmp_path / "out"
-    saved = _train(tmp_path, out, steps=2, nproc=2, parallelism={"tensor": 2})
+    saved = train_micro_moe(tmp_path, out, steps=2, nproc=2, parallelism={"tensor": 2})
     assert [r["tp"] for r in saved] == [2, 2]
-    resumed = _train(tmp_path, out, steps=4, nproc=1, parallelism={})
+    resumed = train_micro_moe(tmp_path, out, steps=4, nproc=1, parallelism={})
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [(r["world_size"], r["tp"]) for r in resumed] == [(2, 2), (2, 2), (1, 1), (1, 1)]
     assert [r["loss"] for r in resumed] == pytest.approx(uninterrupted, abs=1e-4)

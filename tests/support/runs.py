@@ -14,7 +14,7 @@ import yaml
 
 from kiln.trainer.data.loader import VALIDATION_FRACTION, pydoc_bytes
 from tests.support.ranks import SAFETY_TIMEOUT_S
-from tests.support.specs import MICRO_MODEL  # noqa: F401 (the tests that write specs take it from here too)
+from tests.support.specs import MICRO_MODEL, MICRO_MOE_MODEL  # noqa: F401 (the tests that write specs take it from here too)
 
 
 def write_spec(path: Path, *, training: dict | None = None, parallelism: dict | None = None,
@@ -44,6 +44,15 @@ def env(**extra: str) -> dict:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", **extra)
     return e
+
+
+def train_micro_moe(spec_dir: Path, out: Path, *, steps: int, nproc: int, parallelism: dict) -> list[dict]:
+    """The micro MoE (4 global sequences a step, constant learning rate, a commit every step) trained by
+    `kiln train` on nproc processes in `parallelism`; its step records (those with a loss)."""
+    spec = write_spec(spec_dir / f"spec-{steps}-{nproc}.yaml", parallelism=parallelism,
+                      training={"schedule": "constant", "globalBatchSize": 4, "steps": steps},
+                      model=MICRO_MOE_MODEL, checkpoint={"intervalSteps": 1}, nproc=nproc)
+    return [r for r in torchrun_train(spec, out, nproc) if "loss" in r]
 
 
 def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S,
