@@ -13,6 +13,13 @@ from tests.support.runs import MICRO_MODEL
 LAYOUTS = {"dp2-fsdp-accum2": {"fsdp": True}, "tp2": {"tensor": 2}, "pp2": {"pipeline": 2}}
 
 
+def random_batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 random sequences (the same every time): the mixture-of-experts layout tests' global batch."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab, (8, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def layout_spec(parallelism: dict, global_batch: int, micro_batch: int, seed: int, model: dict = MICRO_MODEL,
                 world: int = 2):
     from kiln.api import TrainingSpec

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.layout_grads import layout_grads
+from tests.distributed.layout_grads import layout_grads, random_batch
 from tests.support.ranks import run_ranks
 from tests.support.runs import torchrun_train, write_spec
 from tests.support.specs import MICRO_MOE_MODEL as MOE_MODEL
@@ -22,12 +22,6 @@ from tests.support.specs import MICRO_MOE_MODEL as MOE_MODEL
 pytestmark = pytest.mark.distributed
 
 SEED = 5
-
-
-def _batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, vocab, (8, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _grads(tmp_path, name: str, world: int) -> dict[str, torch.Tensor]:
@@ -43,7 +37,7 @@ def _grads(tmp_path, name: str, world: int) -> dict[str, torch.Tensor]:
     (4, {"ep1": {}, "ep2xfsdp2": {"expert": 2}}),
 ], ids=["ep2", "ep2xfsdp2"])
 def test_expert_parallel_gives_the_losses_and_gradients_of_ep1(tmp_path, world, layouts):
-    losses = run_ranks(layout_grads, world, tmp_path, str(tmp_path), _batch, 8, 1, SEED, layouts, MOE_MODEL)
+    losses = run_ranks(layout_grads, world, tmp_path, str(tmp_path), random_batch, 8, 1, SEED, layouts, MOE_MODEL)
     ep1, (name, _) = _grads(tmp_path, "ep1", world), list(layouts.items())[1]
     got = _grads(tmp_path, name, world)
     assert got.keys() == ep1.keys() and any(".experts.w1" in k for k in got)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.layout_grads import layout_grads
+from tests.distributed.layout_grads import layout_grads, random_batch
 from tests.support.ranks import run_ranks
 from tests.support.runs import train_micro_moe
 from tests.support.specs import MICRO_MOE_MODEL
@@ -31,16 +31,10 @@ pytestmark = pytest.mark.distributed
 SEED, GLOBAL_BATCH, MICRO_BATCH = 5, 8, 1
 
 
-def _batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def _run(out, world: int, name: str, parallelism: dict) -> tuple[float, list[dict[str, torch.Tensor]]]:
     """(the layout's global loss, each rank's full gradients by parameter name)."""
     out.mkdir(exist_ok=True)
-    losses = run_ranks(layout_grads, world, out, str(out), _batch, GLOBAL_BATCH, MICRO_BATCH, SEED,
+    losses = run_ranks(layout_grads, world, out, str(out), random_batch, GLOBAL_BATCH, MICRO_BATCH, SEED,
                        {name: parallelism}, MICRO_MOE_MODEL)
     assert len({r[name] for r in losses}) == 1  # every rank reports the same global loss
     return losses[0][name], [torch.load(out / f"{name}-{r}.pt") for r in range(world)]
