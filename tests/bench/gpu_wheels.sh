@@ -12,7 +12,8 @@
 # Usage: bash tests/bench/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python3}  # the kiln venv's: its versions are the ones carried
+export PYTHONPATH=$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}
 LIGER=liger-kernel==0.8.5
 DEVICE_HAS="pandas xxhash"  # in TORCHTITAN_PACKAGES' lists and in the machine's image: not carried
 
