@@ -65,19 +65,21 @@ for dir in .whl/torchtitan-*/; do
   install_wheels "$KILN_CACHE_DIR/tools/torchtitan-$ver" "$dir"*.whl || echo "setup: TorchTitan $ver's wheels failed to install"
 done
 "$PY" - <<'EOF'
-import platform, torch
+import importlib.metadata, platform, torch
 print(f"python {platform.python_version()}, torch {torch.__version__}, "
       + (f"{torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})" if torch.cuda.is_available() else "no CUDA"))
-for name in ("triton", "pydantic", "liger_kernel", "transformers"):
-    try:
-        print(f"  {name} {__import__(name).__version__}")
+for module, dist in (("triton", "triton"), ("pydantic", "pydantic"), ("liger_kernel", "liger-kernel"),
+                     ("transformers", "transformers")):
+    try:  # imported, so the version is the one the parts will import
+        importlib.import_module(module)
+        print(f"  {dist} {importlib.metadata.version(dist)}")
     except Exception as e:
-        print(f"  {name}: {type(e).__name__}: {e}")
+        print(f"  {dist}: {type(e).__name__}: {e}")
 EOF
 if [ $SMOKE = 0 ] && command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi
 
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" "${5:-}" >> "$STATUS"; }  # name status s file note
-budget() { local var="BUDGET_$1"; echo "${!var:-$2}"; }
+budget() { local var="BUDGET_$1"; echo "${!var:-$(($2 * (SMOKE ? 3 : 1)))}"; }  # the CPU is slower: 3x in --smoke
 # run_limited SECONDS CMD...: the command under a time limit (SIGINT first: Python prints where it was); sets RC
 run_limited() {
   local limit=$1; shift
