@@ -1,7 +1,8 @@
 """`python -m tests.bench [NAME ...]` (= `make bench`): run the CPU benchmarks one after another.
 
 Each benchmark writes its own JSON to runs/bench/<name>.json, with the reference measured in the same run.
-The GPU-only benchmark (bench_kernels, tests/bench/gpu_kernels.sh) is run by hand on a GPU machine.
+The GPU checks (bench_kernels and the CUDA forms of the others) run in one command on a GPU machine:
+tests/bench/gpu_checks.sh (docs/kernels.md, "All GPU checks in one call").
 """
 
 from __future__ import annotations

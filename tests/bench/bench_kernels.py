@@ -89,9 +89,11 @@ def _peak_gib(fn: Callable, leaves: list[torch.Tensor]) -> float | None:
     return peak / 2**30
 
 
-def run(args: argparse.Namespace, dev: str = "cuda", do_bench: Callable | None = None) -> dict:
+def run(args: argparse.Namespace, dev: str = "cuda", do_bench: Callable | None = None,
+        progress: Callable[[dict], None] | None = None) -> dict:
     """The measurements; `dev` and `do_bench` are parameters only so that the script's paths can be exercised
-    without a GPU (under the Triton interpreter, with a wall-clock timer)."""
+    without a GPU (under the Triton interpreter, with a wall-clock timer). `progress` gets the results so far
+    after each op (main writes them, so a run stopped at a time limit keeps the ops it finished)."""
     import triton
 
     from kiln.trainer.model.kernels import reference
@@ -169,6 +171,8 @@ def run(args: argparse.Namespace, dev: str = "cuda", do_bench: Callable | None =
         _ratios(row)
         results["ops"][op] = row
         print(_line(op, row), flush=True)
+        if progress is not None:
+            progress(results)
 
     # The LM head and its loss: compute-bound (three matmuls), and memory is the point of fusing it.
     t, v = args.flce_tokens, args.vocab
@@ -245,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
               "Their correctness on CPU is tests/unit/test_kernels.py (Triton interpreter).", file=sys.stderr)
         return 0
     started = time.time()
-    results = run(args)
-    results.update(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                   args=vars(args), wall_s=time.time() - started)
+    about = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                 args=vars(args))
+
+    def partial(results: dict) -> None:
+        write_report({**results, **about, "complete": False}, args.out, summary={"wrote": args.out, "partial": True})
+
+    results = run(args, progress=partial)
+    results.update(about, complete=True, wall_s=time.time() - started)
     write_report(results, args.out, summary={"wrote": args.out})
     return 0
 

@@ -27,10 +27,18 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def _commit() -> tuple[str | None, str | None]:
+    """(HEAD, `git status --porcelain` of the tracked files); where the tree is a copy without git (the GPU
+    machine: tests/bench/gpu_checks.sh), what KILN_COMMIT and KILN_TREE_STATUS say (gpu_wheels.sh records them)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None:
+        return commit, _git("status", "--porcelain", "--untracked-files=no")
+    return os.environ.get("KILN_COMMIT") or None, os.environ.get("KILN_TREE_STATUS")
+
+
 # When this module is imported, i.e. when the benchmark starts (each imports it at the top): the code it runs
 # is the tree at this moment, whatever is checked out by the time it writes its result.
-_STARTED = (datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), _git("rev-parse", "HEAD"),
-            _git("status", "--porcelain", "--untracked-files=no"))
+_STARTED = (datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), *_commit())
 
 
 def provenance() -> dict:

@@ -282,19 +282,31 @@ def gpu_cases(device: str) -> list[tuple[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the kernel correctness cases on a device (a GPU).")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", help="also write each case's outcome as JSON here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run tests/unit/test_kernels.py for the interpreter cases instead", file=sys.stderr)
         return 2
-    failed = 0
+    outcomes: dict[str, str] = {}
     for name, case in gpu_cases(args.device):
+        status, detail = "ok", ""
         try:
             case()
-            print(f"ok    {name}")
         except AssertionError as e:
-            failed += 1
-            print(f"FAIL  {name}: {e}")
-    print(f"{failed} failed" if failed else "all kernel cases passed")
+            status, detail = "FAIL", str(e)
+        except Exception as e:  # a kernel that does not compile or launch: the other cases still run
+            status, detail = "ERROR", f"{type(e).__name__}: {e}"
+        outcomes[name] = f"{status}: {detail}" if detail else status
+        print(f"{status:5s} {name}" + (f": {detail}" if detail else ""), flush=True)
+    failed = [name for name, outcome in outcomes.items() if outcome != "ok"]
+    print(f"{len(failed)} failed" if failed else "all kernel cases passed")
+    if args.out:
+        from tests.bench.report import write_report
+
+        device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+        write_report({"check": "kernel_cases", "device": device, "torch": torch.__version__, "cases": len(outcomes),
+                      "failed": failed, "outcomes": outcomes}, args.out,
+                     summary={"wrote": args.out, "cases": len(outcomes), "failed": len(failed)})
     return 1 if failed else 0
 
 
