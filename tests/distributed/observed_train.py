@@ -12,8 +12,8 @@ arguments, and writes `$KILN_OBSERVE_DIR/rank-<RANK>.json`:
   took its plain all-reduce (the warm-up) instead of compressing;
 - `kernels`: {"<triton|reference> <op> <tensor types of its arguments>": calls}: which implementation each
   call of kiln.trainer.model.kernels took, and with what (Tensor, Parameter, DTensor);
-- `parameters`: {name: dtype} of the run's model on this rank at the end of the run, as it stores them (FSDP2's
-  shards, not the dtype it gathers them in for compute).
+- `parameters`: {name: dtype} of the run's model on this rank once built (parallelized and allocated), as it
+  stores them (FSDP2's shards, not the dtype it gathers them in for compute).
 
 Nothing here changes what the run does; every observer only records and calls through.
 """
@@ -41,7 +41,7 @@ optimizer_params: set[str] = set()
 powersgd = {"hook_calls": 0, "uncompressed_calls": 0}
 kernels: collections.Counter = collections.Counter()
 kernels_counted = False
-models: list[torch.nn.Module] = []
+parameters: dict[str, str] = {}
 KERNEL_OPS = ("rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy")
 
 
@@ -73,18 +73,19 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
         optimizer_params.update(str(p.dtype) for p in group["params"])
 
 
-def _keeping_model(build):
+def _recording_parameters(build):
     @functools.wraps(build)
     def wrapper(run):
         build(run)
-        models.append(run.model)
+        # recorded now, not from a model kept alive to the end: no reference outlives the run
+        parameters.update({n: str(p.dtype) for n, p in run.model.named_parameters()})
     return wrapper
 
 
 def install() -> None:
     from kiln.trainer import run
 
-    run.build_model_parts = _keeping_model(run.build_model_parts)  # looked up when a Run is built
+    run.build_model_parts = _recording_parameters(run.build_model_parts)  # looked up when a Run is built
     torch.nn.modules.module.register_module_forward_hook(_forward_hook)
     for name in COLLECTIVES:
         if hasattr(dist, name):
@@ -135,7 +136,7 @@ def write(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"activations": {k: sorted(v) for k, v in activations.items()}, "collectives": dict(collectives),
               "optimizer_params": sorted(optimizer_params), "powersgd": powersgd, "kernels": dict(kernels),
-              "parameters": {n: str(p.dtype) for m in models for n, p in m.named_parameters()}}
+              "parameters": parameters}
     (out / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record, indent=1))
 
 
