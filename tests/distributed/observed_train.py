@@ -11,7 +11,9 @@ arguments, and writes `$KILN_OBSERVE_DIR/rank-<RANK>.json`:
 - `powersgd`: {"hook_calls", "uncompressed_calls"}: calls of torch's PowerSGD hook, and how many of them
   took its plain all-reduce (the warm-up) instead of compressing;
 - `kernels`: {"<triton|reference> <op> <tensor types of its arguments>": calls}: which implementation each
-  call of kiln.trainer.model.kernels took, and with what (Tensor, Parameter, DTensor).
+  call of kiln.trainer.model.kernels took, and with what (Tensor, Parameter, DTensor);
+- `parameters`: {name: dtype} of the run's model on this rank once built (parallelized and allocated), as it
+  stores them (FSDP2's shards, not the dtype it gathers them in for compute).
 
 Nothing here changes what the run does; every observer only records and calls through.
 """
@@ -39,6 +41,7 @@ optimizer_params: set[str] = set()
 powersgd = {"hook_calls": 0, "uncompressed_calls": 0}
 kernels: collections.Counter = collections.Counter()
 kernels_counted = False
+parameters: dict[str, str] = {}
 KERNEL_OPS = ("rms_norm", "swiglu", "apply_rope", "fused_linear_cross_entropy")
 
 
@@ -70,7 +73,19 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
         optimizer_params.update(str(p.dtype) for p in group["params"])
 
 
+def _recording_parameters(build):
+    @functools.wraps(build)
+    def wrapper(run):
+        build(run)
+        # recorded now, not from a model kept alive to the end: no reference outlives the run
+        parameters.update({n: str(p.dtype) for n, p in run.model.named_parameters()})
+    return wrapper
+
+
 def install() -> None:
+    from kiln.trainer import run
+
+    run.build_model_parts = _recording_parameters(run.build_model_parts)  # looked up when a Run is built
     torch.nn.modules.module.register_module_forward_hook(_forward_hook)
     for name in COLLECTIVES:
         if hasattr(dist, name):
@@ -120,7 +135,8 @@ def _kernel_counting(impl, op, fn):
 def write(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"activations": {k: sorted(v) for k, v in activations.items()}, "collectives": dict(collectives),
-              "optimizer_params": sorted(optimizer_params), "powersgd": powersgd, "kernels": dict(kernels)}
+              "optimizer_params": sorted(optimizer_params), "powersgd": powersgd, "kernels": dict(kernels),
+              "parameters": parameters}
     (out / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record, indent=1))
 
 

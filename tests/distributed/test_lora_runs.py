@@ -139,27 +139,3 @@ def test_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(run, tm
               and not k.endswith(".step")}
     assert dtypes and set(dtypes.values()) == {torch.float32}
     assert len([k for k in dtypes if k.startswith("optim.state.")]) == 2 * 2 * 7 * 2  # exp_avg(_sq) of each
-
-
-@pytest.mark.parametrize("targets", [None, ["q_proj", "gate_proj", "experts.gate_up_proj", "experts.down_proj"]],
-                         ids=["defaults", "experts"])
-def test_lora_on_a_mixture_of_experts_gives_the_one_rank_curve_at_ep2(tmp_path, targets):
-    """A Qwen2-MoE folder (a routed layer with a shared expert, a dense layer), its router frozen: with the default
-    targets (experts frozen) and with adapters on the routed experts too (each rank holds 2 of the 4 experts and
-    their adapters, sharded alike), at EP 2 (tokens sent to the experts and back by all-to-all, the adapters'
-    gradients flowing back through it) the losses are one rank's (1e-4). That the expert adapters train, and to
-    what peft computes, is tests/unit/test_lora.py's."""
-    folder = tmp_path / "base"
-    save_model(folder, "qwen2_moe")
-    adapter = {**ADAPTER, **({"targets": targets} if targets else {})}
-
-    def spec(name, nproc, parallelism=None):
-        return write_spec(tmp_path / f"{name}.yaml", model={"from": f"file://{folder}", "seqLen": 32,
-                                                             "adapter": adapter},
-                          nproc=nproc, training={**TRAINING, "steps": 4}, parallelism=parallelism,
-                          checkpoint={"uri": f"file://{tmp_path / name}-ck"})
-
-    one = torchrun_train(spec("one", 1), tmp_path / "o1", 1)
-    ep = torchrun_train(spec("ep", 2, {"expert": 2}), tmp_path / "o2", 2)
-    assert [r["ep"] for r in ep] == [2] * 4
-    assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], abs=TOL)

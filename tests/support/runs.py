@@ -59,14 +59,19 @@ def torchrun_train(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TI
                    observe: Path | None = None, extra_env: dict | None = None) -> list[dict]:
     """`kiln train` on nproc real processes (torchrun, gloo); the records of metrics.jsonl. `observe`: run it
     under tests.distributed.observed_train, which writes what each rank computed in to observe/rank-<r>.json."""
+    proc = torchrun_kiln(spec, out, nproc, timeout, observe, extra_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return read_metrics(out)
+
+
+def torchrun_kiln(spec: Path, out: Path, nproc: int, timeout: float = SAFETY_TIMEOUT_S,
+                  observe: Path | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """`kiln train` on nproc real processes (torchrun, gloo), however it ends."""
     entry = "tests.distributed.observed_train" if observe else "kiln.cli.main"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", entry, "train", "--config", str(spec), "--output", str(out)]
     extra = {**({"KILN_OBSERVE_DIR": str(observe)} if observe else {}), **(extra_env or {})}
-    proc = subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return read_metrics(out)
+    return subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def observed(observe: Path, nproc: int) -> list[dict]:
@@ -87,3 +92,21 @@ def validation_tokens() -> np.ndarray:
     """The bytes of builtin:pydoc's validation split (its last VALIDATION_FRACTION), as a token shard."""
     tokens = np.frombuffer(pydoc_bytes(), dtype=np.uint8)
     return tokens[int(len(tokens) * (1 - VALIDATION_FRACTION)):].astype(np.uint16)
+
+
+def commit_tensors(step_dir: Path, prefix: str = "model.") -> dict:
+    """The tensors of a commit (its step-<n> folder) whose keys start with `prefix`, loaded whole in this process."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(step_dir))
+    meta = reader.read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+               if k.startswith(prefix) and hasattr(m, "size")}
+    with warnings.catch_warnings():  # no process group here: DCP says it loads in one process, which is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors

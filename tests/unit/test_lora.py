@@ -272,3 +272,27 @@ def test_expert_targets_refuse_dropout_and_a_dense_model(folder):
     moe = parse({"spec": {"model": {"preset": "tiny-moe", "adapter": {"targets": EXPERTS, "dropout": 0.1}}}}).spec
     with pytest.raises(KilnError, match=r"^spec\.model\.adapter\.dropout: got 0\.1 with targets"):
         apply_lora(build_model(hf.resolve_dims(moe)), moe.model.adapter)
+
+
+def test_a_pipeline_stage_takes_the_whole_models_targets_and_one_without_any_is_refused(tmp_path):
+    """Qwen2-MoE (layer 0 routed, layer 1 dense) split in 2 stages: stage 1 has no experts, yet expert targets
+    with q_proj adapt it (checked against the whole model); the expert targets alone leave it nothing to train,
+    refused in one line naming the field (every rank computes every stage's targets: all refuse alike)."""
+    from kiln.trainer.model.lora import offered_targets
+    from kiln.trainer.parallel.parallelize import check_stages_train, split_for_stage, stage_layers
+
+    save_model(tmp_path, "qwen2_moe", tokenizer=False)
+    spec = lora_spec(tmp_path, targets=["q_proj", *EXPERTS])
+    whole = build_model(hf.resolve_dims(spec))
+    stages = [offered_targets(whole, stage_layers(2, 2, s)) for s in range(2)]
+    assert set(EXPERTS) <= stages[0] and not set(EXPERTS) & stages[1]
+    assert stages[0] | stages[1] == offered_targets(whole)
+    stage = apply_lora(split_for_stage(whole, 2, 1), spec.model.adapter, offered=stages[0] | stages[1])
+    assert sorted(n for n, p in stage.named_parameters() if p.requires_grad) == [
+        "layers.1.attention.wq.lora_A.weight", "layers.1.attention.wq.lora_B.weight"]
+    check_stages_train(spec.model.adapter.targets, stages, 2)
+    with pytest.raises(KilnError, match=r"^spec\.model\.adapter\.targets: experts\.down_proj name no module of "
+                                        r"pipeline stage 1 of 2 \(spec\.parallelism\.pipeline; its layers 1 to 1 "
+                                        r"have down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj\); "
+                                        r"every stage must train an adapter: add a target its layers have$"):
+        check_stages_train(["experts.down_proj"], stages, 2)

@@ -182,36 +182,42 @@ def arch_of(model: nn.Module) -> Arch:
     return dims.arch if dims is not None else Arch()
 
 
-def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype = torch.float32) -> nn.Module:
+def offered_targets(model: nn.Module, layers: range | None = None) -> set[str]:
+    """The targets (spec.model.adapter.targets' names) that `model` has modules for; in blocks `layers` only."""
+    arch, offered = arch_of(model), set()
+    for name, module in model.named_modules():
+        if layers is not None and not (name.startswith("layers.") and int(name.split(".")[1]) in layers):
+            continue
+        if type(module) is GroupedExperts:
+            offered.update(EXPERT_TARGETS)
+        elif type(module) is nn.Linear:
+            offered.add(target_of(name, arch))
+    # the router's `gate` and Qwen2-MoE's `shared_expert_gate` are Linears too, but no target names them
+    return offered & set(LORA_TARGETS + EXPERT_TARGETS)
+
+
+def apply_lora(model: nn.Module, adapter: AdapterSpec, base_dtype: torch.dtype = torch.float32,
+               offered: set[str] | None = None) -> nn.Module:
     """Adapters on every target projection, every other parameter frozen and cast to `base_dtype`. KilnError
     naming spec.model.adapter.targets when a target names no module of the model (checked on the meta
-    device, before any memory or GPU time is spent)."""
-    wanted, found, projections = set(adapter.targets), set(), set()
+    device, before any memory or GPU time is spent). `offered`: the whole model's targets (offered_targets) when
+    `model` is one pipeline stage of it, which may lack some (a stage of Qwen2-MoE's dense layers has no experts)."""
+    wanted = set(adapter.targets)
     arch = arch_of(model)
     experts = wanted & set(EXPERT_TARGETS)
     if experts and adapter.dropout:
         raise KilnError(f"spec.model.adapter.dropout: got {adapter.dropout} with targets {sorted(experts)}; LoRA on "
                         f"the routed experts folds its update into their weights (peft's too), so it has no dropout: "
                         f"set dropout 0")
+    offered = offered_targets(model) if offered is None else offered
+    if wanted - offered:
+        raise KilnError(f"spec.model.adapter.targets: {sorted(wanted - offered)[0]!r} names no module of this model "
+                        f"(its projections: {', '.join(sorted(offered))})")
     for name, module in list(model.named_modules()):
-        if type(module) is GroupedExperts:
-            projections.update(EXPERT_TARGETS)
-            if experts:
-                LoRAExperts.adapt(module, experts, adapter.rank, adapter.alpha)
-                found.update(experts)
-            continue
-        target = target_of(name, arch) if type(module) is nn.Linear else None
-        if target is None:
-            continue
-        projections.add(target)
-        if target in wanted:
+        if type(module) is GroupedExperts and experts:
+            LoRAExperts.adapt(module, experts, adapter.rank, adapter.alpha)
+        elif type(module) is nn.Linear and target_of(name, arch) in wanted:
             LoRALinear.adapt(module, adapter.rank, adapter.alpha, adapter.dropout)
-            found.add(target)
-    if wanted - found:
-        # the router's `gate` and Qwen2-MoE's `shared_expert_gate` are Linears too, but no target names them
-        names = sorted(projections & set(LORA_TARGETS + EXPERT_TARGETS))
-        raise KilnError(f"spec.model.adapter.targets: {sorted(wanted - found)[0]!r} names no module of this model "
-                        f"(its projections: {', '.join(names)})")
     adapters = {id(p) for n, p in model.named_parameters() if is_adapter(n)}
     for module in model.modules():  # the rest frozen, in the run's precision (on meta: no memory yet)
         for key, param in list(module._parameters.items()):

@@ -96,6 +96,19 @@ def split_for_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     return model
 
 
+def check_stages_train(targets: list[str], stages: list[set[str]], n_layers: int) -> None:
+    """KilnError naming spec.model.adapter.targets when a LoRA run's pipeline stage would train nothing (AdamW
+    refuses an empty optimizer). `stages`: each stage's targets (kiln.trainer.model.lora.offered_targets of its
+    layers), known to every rank, so that every rank refuses alike rather than one leaving the others waiting."""
+    for stage, offered in enumerate(stages):
+        if not offered & set(targets):
+            layers = stage_layers(n_layers, len(stages), stage)
+            raise KilnError(f"spec.model.adapter.targets: {', '.join(targets)} name no module of pipeline stage "
+                            f"{stage} of {len(stages)} (spec.parallelism.pipeline; its layers {layers.start} to "
+                            f"{layers.stop - 1} have {', '.join(sorted(offered))}); every stage must train an "
+                            f"adapter: add a target its layers have")
+
+
 def build_pipeline_schedule(stage_module: nn.Module, mesh, layout: Layout, device: torch.device, loss_fn):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B
@@ -285,7 +298,12 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
 
     compression = spec.parallelism.gradient_compression
     check_supported(compression, fsdp=spec.parallelism.fsdp, tensor=layout.tp)
+    stages = None  # a LoRA pipeline's targets stage by stage: a target is the whole model's, a stage may lack it
     if layout.pp > 1:
+        if spec.model.adapter is not None:
+            from kiln.trainer.model.lora import offered_targets
+
+            stages = [offered_targets(model, stage_layers(model.dims.layers, layout.pp, s)) for s in range(layout.pp)]
         split_for_stage(model, layout.pp, mesh["pp"].get_local_rank())
     if layout.tp > 1 or layout.pp > 1:
         model.fused_loss = False  # the loss is computed from (replicated) logits, see Transformer
@@ -298,7 +316,10 @@ def parallelize(model: nn.Module, mesh, layout: Layout, spec: TrainingSpecSpec) 
     if spec.model.adapter is not None:  # after TP (an adapter follows its base's plan), before FSDP (shards it)
         from kiln.trainer.model.lora import apply_lora
 
-        apply_lora(model, spec.model.adapter, torch.bfloat16 if spec.training.precision == "bf16" else torch.float32)
+        apply_lora(model, spec.model.adapter, torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
+                   set().union(*stages) if stages else None)
+        if stages:
+            check_stages_train(spec.model.adapter.targets, stages, model.dims.layers)
     apply_activation_checkpointing(model, spec.parallelism.activation_checkpoint)
     if spec.parallelism.compile:
         apply_compile(model, whole=compiles_whole(layout, spec.training.precision))
