@@ -102,3 +102,26 @@ def test_activation_checkpointing_keeps_names_and_gradients(mode):
     ac(x, x).backward()
     for (name, a), b in zip(ref.named_parameters(), ac.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+def test_a_compiled_mixture_of_experts_compiles_once_not_each_forward():
+    # the router's bookkeeping (moe.RouterLoad: a forwards counter, the loads) changes each forward; traced, it
+    # was a constant of the graph, recompiled every microbatch until dynamo's limit (8), then run uncompiled
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from kiln.api.presets import MoEDims
+
+    model = materialised(DIMS.model_copy(update={"moe": MoEDims(experts=4, top_k=2, ffn_dim=16, aux_loss_coef=0.01,
+                                                                 z_loss_coef=0.001)}))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")  # dynamo's tracing and guards only: no inductor, fast
+    x = tokens()
+    compiled_after = []
+    for _ in range(12):  # one step's microbatches: the load is read (and reset) once per step, not here
+        compiled(x, x).backward()
+        compiled_after.append(counters["frames"]["ok"])
+    assert compiled_after[3] == compiled_after[-1], compiled_after
+    assert model.router_load.read()["moe_busiest_tokens"] > 0  # the bookkeeping still ran, outside the graph
+    torch._dynamo.reset()

@@ -230,6 +230,9 @@ class RouterLoad:
         self.tokens: torch.Tensor | None = None  # (MoE layers, experts); None until a forward adds to it
         self.aux, self.z, self.forwards = 0.0, 0.0, 0
 
+    # Bookkeeping, never compiled: under torch.compile a counter on this object is a constant that every
+    # forward would change, recompiling the model each microbatch until dynamo's recompile limit.
+    @torch.compiler.disable
     def add(self, stats: list[RouterStats], rows: list[int]) -> None:
         """A forward's `stats`, those of the MoE layers numbered `rows` (0 the model's first MoE layer)."""
         t = torch.stack([s.tokens for s in stats]).detach()
@@ -247,6 +250,7 @@ class RouterLoad:
         finally:
             self.tokens, self.aux, self.z, self.forwards = saved
 
+    @torch.compiler.disable
     def losses(self, aux: torch.Tensor, z: torch.Tensor) -> None:
         self.aux += aux.detach()
         self.z += z.detach()
