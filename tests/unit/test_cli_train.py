@@ -75,6 +75,21 @@ def test_steps_below_warmup_trains_to_the_peak_lr_and_says_so_once(tmp_path, com
     assert [r["lr"] for r in records] == pytest.approx([5e-4, 1e-3])  # warm-up over the 2 steps, to the peak
 
 
+@pytest.mark.distributed
+def test_a_finished_rank_leaves_without_interpreter_finalization(tmp_path):
+    # where gloo's threads can still hold tensors and freeing them aborts a finished rank (SIGABRT, pytorch#179291):
+    # torchrun then reports the rank failed and the PyTorchJob a failure of a run that succeeded
+    spec, out, finalized = write_spec(tmp_path / "spec.yaml", training={"steps": 1}), tmp_path / "out", tmp_path / "fin"
+    code = (f"import atexit, sys; atexit.register(lambda: open({str(finalized)!r}, 'w').close()); "
+            f"from kiln.cli.main import main; sys.exit(main(['train', '--config', {str(spec)!r}, '--output', "
+            f"{str(out)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env(MASTER_PORT=str(free_port())), capture_output=True,
+                          text=True, timeout=SAFETY_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1]  # trained, its records written before it left
+    assert not finalized.exists()  # atexit handlers run in finalization: it was skipped
+
+
 def test_eval_reads_where_kiln_run_saved(tmp_path):
     local = load_file(SAMPLES / "quickstart.yaml")[0]  # no checkpoint.uri: kiln run saves under --output
     assert eval_checkpoint_uri(local, output=str(tmp_path), checkpoint=None) == f"file://{tmp_path}/checkpoints"

@@ -38,7 +38,8 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace, hooks=None) -> int:
-    """One rank of `kiln train`; `hooks` (kiln.trainer.hooks.StepHooks, None: the guards) for callers in Python."""
+    """One rank of `kiln train`; `hooks` (kiln.trainer.hooks.StepHooks, None: the guards) for callers in Python.
+    A run that returns ends the process here (`leave`); an error returns through the CLI's handling."""
     from kiln.trainer.checkpoint.checkpointer import sigterm_received
     from kiln.trainer.loop import train
 
@@ -61,7 +62,25 @@ def cmd_train(args: argparse.Namespace, hooks=None) -> int:
         return 130  # the launcher reports the interruption once
     except Exception as err:  # noqa: BLE001 - recorded for torchrun, which tells the launcher which rank failed why
         raise record_rank_failure(err, os.environ.get("RANK", "0")) from None
-    return stop_exit_code(result.final_step, doc.spec.training.steps, signalled=sigterm_received())
+    leave(stop_exit_code(result.final_step, doc.spec.training.steps, signalled=sigterm_received()))
+
+
+def leave(code: int) -> None:
+    """End this rank's process now, with `code`, once the run is closed (checkpoint committed, files closed,
+    the process group left): without interpreter finalization, where gloo's worker threads can still hold
+    tensors and freeing them aborts the process ("terminate called without an active exception", SIGABRT;
+    pytorch#179291). A finished run's rank then exited -6, torchrun reported the rank failed, and the
+    PyTorchJob counted a failure of a run that had succeeded (seen on a loaded CI run, a replica group at TP 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for report in before_leaving:
+        report(code)
+    os._exit(code)
+
+
+# Called with the exit code just before `leave` ends the process: a warm-started rank reports it to its
+# launcher here (kiln.cli.warm), which exits with it.
+before_leaving: list = []
 
 
 def stop_exit_code(final_step: int, steps: int, *, signalled: bool) -> int:

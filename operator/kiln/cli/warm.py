@@ -161,8 +161,11 @@ def _run_rank(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
     threading.Thread(target=launcher_gone, daemon=True, name="kiln-warm-launcher").start()
     _send(conn, {"pid": os.getpid(), "server": os.getppid()})
+    from kiln.cli import rank_cmds
     from kiln.cli.main import main
 
+    # a finished `kiln train` ends its process itself (rank_cmds.leave): the exit code reaches the launcher first
+    rank_cmds.before_leaving.append(lambda code: _send(conn, {"rc": code}))
     sys.argv = ["kiln", *request["argv"]]
     try:
         rc = main(request["argv"])
