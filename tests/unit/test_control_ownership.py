@@ -100,7 +100,7 @@ class TickKube:
         self.status.update(status)
 
 
-def _tick(job_owner_uid: str, others_exist: bool, while_waiting=None):
+def _tick(job_owner_uid: str, others_exist: bool, while_waiting=None, now=1000.0):
     """One tick of run team-a/llama (uid RUN_UID) at 4 nodes with capacity for 3: it shrinks, so it applies.
     while_waiting(job): the watch's change while the tick waits for the run's lock, which another handler holds."""
     from kiln.control import elastic_sync
@@ -126,7 +126,7 @@ def _tick(job_owner_uid: str, others_exist: bool, while_waiting=None):
     view = {"job": job}
     seen = lambda: elastic_sync.Seen(nodes, [], view["job"], [])  # noqa: E731 - the watch's view, read when called
     tick = lambda: elastic_sync.tick(kube, "team-a", "llama", OperatorConfig(),  # noqa: E731
-                                     lambda _, e: events.append(e), 1000.0, seen)
+                                     lambda _, e: events.append(e), now, seen)
     if while_waiting is None:
         summary = tick()
     else:
@@ -157,6 +157,22 @@ def test_a_tick_that_waited_for_the_runs_lock_decides_from_the_watch_as_it_is_th
                                            while_waiting=lambda job: {**job, "status": {"conditions": [finished]}})
     assert summary == "team-a/llama: not running"
     assert kube.applied == [] and events == [] and elastic is None
+
+
+def test_a_tick_that_waited_for_the_runs_lock_stamps_its_decision_with_the_time_it_got_it():
+    # stamped with the time it began waiting, its decision (and its status write's goodput ledger) would be older
+    # than what another handler wrote meanwhile: the ledger then prices nothing up to this write
+    from kiln.control.elastic_state import ANNOTATION
+
+    clock = {"t": 1000.0}
+
+    def time_passes(job):
+        clock["t"] = 1010.0
+        return job
+
+    kube, elastic, _, _ = _tick(RUN_UID, others_exist=False, while_waiting=time_passes, now=lambda: clock["t"])
+    assert (elastic["status"], elastic["reason"]) == ("True", "Shrink")
+    assert json.loads(kube.annotations[ANNOTATION])["lastChange"] == 1010.0
 
 
 def test_the_elastic_tick_refuses_to_patch_a_job_owned_by_another_trainingspec():

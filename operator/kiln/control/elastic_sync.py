@@ -121,13 +121,15 @@ def runs(job: dict | None) -> bool:
     return not ((job.get("spec") or {}).get("runPolicy") or {}).get("suspend")
 
 
-def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float,
+def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, now_s: float | Callable[[], float],
          seen: Seen | Callable[[], Seen], tuning: Tuning = Tuning()) -> str:
     """One pass of the elastic loop for one run; returns a one-line summary.
 
     seen: nodes, GPU-holding pods, the run's job and pods, as the operator's watches hold them (or `listed`);
     given as a function, it is read again once the run's lock is held (sync.observed_now), so the tick decides
-    from the view as it is then, not from one older than what another handler has just acted on.
+    from the view as it is then, not from one older than what another handler has just acted on; so is `now_s`
+    (epoch seconds, or time.time): a time taken before the wait is older than the goodput ledger another
+    handler may have written meanwhile, which would then price nothing up to this tick's status write.
     GPUs in use are counted from the pods the operator may watch: all of them cluster-wide; under a namespaced
     install only the watched namespaces' pods, so GPUs that other namespaces' pods hold look free
     (docs/security.md, item 2). The one request a tick of a running job makes is a GET of the TrainingSpec,
@@ -138,7 +140,7 @@ def tick(kube: Kube, namespace: str, name: str, config: OperatorConfig, post, no
         # suspended runs ticks often before their jobs run)
         return f"{namespace}/{name}: not running"
     with kube.runs[(namespace, name)].lock:
-        seen = sync.observed_now(seen)
+        seen, now_s = sync.observed_now(seen), sync.observed_now(now_s)
         job = seen.job
         if not runs(job):
             return f"{namespace}/{name}: not running"

@@ -32,7 +32,7 @@ def tick(namespace: str, name: str) -> None:
             seen = lambda: elastic_sync.Seen(indexes.values(live.cluster_nodes),  # noqa: E731 - read under the lock
                                              indexes.values(live.gpu_pods), indexes.one(live.run_jobs, key),
                                              indexes.pods(live.run_pods, key))
-            elastic_sync.tick(kube, namespace, name, config, post, time.time(), seen)
+            elastic_sync.tick(kube, namespace, name, config, post, time.time, seen)  # both read under the lock
         body = kube.last_spec(namespace, name)  # as the elastic tick just read it
         if body is not None and time.monotonic() - kube.runs[key].reconciled_at >= kube.resync_seconds:
             with metrics.reconcile("resync", retry=(sync.Wait,)):
