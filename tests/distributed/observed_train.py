@@ -142,10 +142,13 @@ def write(out: Path) -> None:
 
 if __name__ == "__main__":
     install()
+    from kiln.cli import rank_cmds
     from kiln.cli.main import main
 
+    out = Path(os.environ["KILN_OBSERVE_DIR"])
+    rank_cmds.before_leaving.append(lambda code: write(out))  # a finished `kiln train` ends the process itself
     try:
         code = main(sys.argv[1:])
     finally:
-        write(Path(os.environ["KILN_OBSERVE_DIR"]))
+        write(out)  # an error comes back here
     sys.exit(code)
