@@ -202,6 +202,11 @@ def router_totals(stats: list[RouterStats], before: torch.Tensor | None = None) 
     return before.clone() if total is None else before + total  # a new tensor: a stage's output is not its input
 
 
+def no_totals(num_experts: int, device: torch.device) -> torch.Tensor:
+    """The `router_totals` of no MoE layer yet (a pipeline's first stage of dense layers only)."""
+    return torch.zeros(2 * num_experts + 2, dtype=torch.float64, device=device)
+
+
 def router_losses(totals: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) of one forward, from its `router_totals` over every MoE layer.
 

@@ -237,7 +237,7 @@ class Transformer(nn.Module):
         if self.dims.moe is not None:
             stats = self.router_stats()
             if carry is None and not stats:  # a first stage of dense layers only: nothing routed yet
-                carry = torch.zeros(2 * self.dims.moe.experts + 2, dtype=torch.float64, device=h.device)
+                carry = moe.no_totals(self.dims.moe.experts, h.device)
             carry = moe.router_totals(stats, carry)
         if self.norm is not None:
             logits = self.head(h)
